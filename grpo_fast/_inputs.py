@@ -1,0 +1,159 @@
+"""Argument checks of the public API: every error names the argument, what was expected and what came."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from grpo_fast.chunked import LogitTransform
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t) -> str:
+    return f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_tensor(name: str, value, *, floating: bool = False, integer: bool = False):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if floating and value.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+    if integer and (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor (token ids), got dtype {value.dtype}")
+    return value
+
+
+def check_lm_head(hidden, weight, bias, targets) -> None:
+    """hidden (..., H), weight (V, H), bias (V,) or None, targets hidden.shape[:-1] of integers."""
+    check_tensor("hidden", hidden, floating=True)
+    check_tensor("weight", weight, floating=True)
+    check_tensor("targets", targets, integer=True)
+    if hidden.ndim not in (2, 3):
+        raise ValueError(f"hidden must be (N, H) or (B, T, H), got shape {_shape(hidden)}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be (V, H), got shape {_shape(weight)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be (V, H) with H = hidden.shape[-1] = {hidden.shape[-1]}, got shape {_shape(weight)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share a dtype, got hidden {hidden.dtype} and weight {weight.dtype}")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden and weight must be on one device, got {hidden.device} and {weight.device}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {_shape(targets)}"
+        )
+    if targets.device != hidden.device:
+        raise ValueError(f"targets must be on {hidden.device} like hidden, got {targets.device}")
+    if bias is not None:
+        check_tensor("bias", bias, floating=True)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {_shape(bias)}")
+        if bias.dtype != weight.dtype or bias.device != weight.device:
+            raise TypeError(
+                f"bias must match weight's dtype and device ({weight.dtype}, {weight.device}), "
+                f"got ({bias.dtype}, {bias.device})"
+            )
+
+
+def check_transform(temperature, logit_scale, logit_softcap) -> LogitTransform:
+    for name, value in (("temperature", temperature), ("logit_scale", logit_scale)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise TypeError(f"{name} must be a finite float, got {value!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if logit_softcap is not None and (not isinstance(logit_softcap, (int, float)) or not logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be a positive float or None, got {logit_softcap!r}")
+    return LogitTransform(
+        float(logit_scale), None if logit_softcap is None else float(logit_softcap), float(temperature)
+    )
+
+
+def check_chunk_bytes(chunk_bytes) -> None:
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool)
+                                    or chunk_bytes <= 0):
+        raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+
+
+def check_target_range(targets, vocab_size, valid=None) -> None:
+    """Token ids must lie in [0, V) wherever valid (everywhere when valid is None). One device sync."""
+    selected = targets if valid is None else targets[valid]
+    if selected.numel() == 0:
+        return
+    low, high = int(selected.min()), int(selected.max())
+    if low < 0 or high >= vocab_size:
+        where = "" if valid is None else " where mask is 1"
+        raise ValueError(f"targets must lie in [0, V) = [0, {vocab_size}){where}, got values in [{low}, {high}]")
+
+
+@dataclass
+class PolicyBatch:
+    """The per-token inputs of the loss in (B, T) layout: mask bool, the rest fp32."""
+
+    hidden: torch.Tensor                  # (B, T, H)
+    targets: torch.Tensor                 # (B, T)
+    mask: torch.Tensor                    # (B, T) bool
+    advantages: torch.Tensor              # (B, 1) or (B, T) fp32 (fp64 for fp64 hidden)
+    old_logps: Optional[torch.Tensor]     # (B, T) like advantages
+    ref_logps: Optional[torch.Tensor]
+    is_ratio: Optional[torch.Tensor]
+
+
+def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio) -> PolicyBatch:
+    """Checks the loss inputs and brings them to (B, T) layout; (N, ...) inputs are one sequence (B = 1)."""
+    token_shape = tuple(hidden.shape[:-1])
+    check_tensor("mask", mask)
+    if tuple(mask.shape) != token_shape:
+        raise ValueError(f"mask must have shape {token_shape} (hidden.shape[:-1]), got {_shape(mask)}")
+    if mask.device != hidden.device:
+        raise ValueError(f"mask must be on {hidden.device} like hidden, got {mask.device}")
+    if mask.dtype != torch.bool:
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError("mask must hold only 0 and 1 (or be bool)")
+        mask = mask != 0
+
+    def per_token(name, value):
+        if value is None:
+            return None
+        check_tensor(name, value, floating=True)
+        if tuple(value.shape) != token_shape:
+            raise ValueError(f"{name} must have shape {token_shape} (like targets), got {_shape(value)}")
+        if value.device != hidden.device:
+            raise ValueError(f"{name} must be on {hidden.device} like hidden, got {value.device}")
+        return value.to(dtype)
+
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    old_logps = per_token("old_logps", old_logps)
+    ref_logps = per_token("ref_logps", ref_logps)
+    is_ratio = per_token("is_ratio", is_ratio)
+
+    check_tensor("advantages", advantages, floating=True)
+    if advantages.device != hidden.device:
+        raise ValueError(f"advantages must be on {hidden.device} like hidden, got {advantages.device}")
+    if hidden.ndim == 2:  # (N, H): one sequence
+        if advantages.numel() == 1:
+            advantages = advantages.reshape(1, 1)
+        elif tuple(advantages.shape) == token_shape:
+            advantages = advantages[None]
+        else:
+            raise ValueError(
+                f"advantages must be a single value or (N,) = {token_shape} for (N, H) hidden, "
+                f"got {_shape(advantages)}"
+            )
+        add_batch = lambda t: None if t is None else t[None]  # noqa: E731
+        hidden, targets, mask = hidden[None], targets[None], mask[None]
+        old_logps, ref_logps, is_ratio = add_batch(old_logps), add_batch(ref_logps), add_batch(is_ratio)
+    else:
+        batch_size = token_shape[0]
+        if tuple(advantages.shape) == (batch_size,):
+            advantages = advantages[:, None]
+        elif tuple(advantages.shape) not in ((batch_size, 1), token_shape):
+            raise ValueError(
+                f"advantages must be (B,) = ({batch_size},) or (B, T) = {token_shape}, got {_shape(advantages)}"
+            )
+    return PolicyBatch(hidden, targets, mask, advantages.to(dtype), old_logps, ref_logps, is_ratio)

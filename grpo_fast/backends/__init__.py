@@ -1,0 +1,48 @@
+"""The two executions of the chunk passes: `torch` (any device) and `triton` (CUDA, or the CPU interpreter).
+
+A backend module provides `bytes_per_logit(dtype)`, `stats_(buffer, targets, transform, need_entropy)` and
+`dlogits_(buffer, state, targets, g_logp, g_entropy, transform)`. `stats_` may rewrite the buffer in a form only
+its own `dlogits_` reads, so the two are always called as a pair on the same buffer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve(backend: str, device: torch.device):
+    """The backend module for `backend` on `device`, with a clear error when it cannot run there."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' needs the triton package, which is not importable here")
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
+                f"got tensors on {device}"
+            )
+        from grpo_fast.backends import triton_ops
+
+        return triton_ops
+    from grpo_fast.backends import torch_ops
+
+    return torch_ops

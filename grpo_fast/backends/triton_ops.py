@@ -1,0 +1,40 @@
+"""The chunk passes through the Triton kernels of `grpo_fast.kernels` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from grpo_fast.kernels import dlogits_ as _dlogits_kernel
+from grpo_fast.kernels import logprob_forward
+
+
+@dataclass
+class ChunkState:
+    lse: torch.Tensor
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+
+
+def bytes_per_logit(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8   # both passes work in place on the GEMM buffer
+
+
+def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
+    if buffer.dtype == torch.float64:
+        raise TypeError("backend='triton' takes fp32, bf16 or fp16 inputs, got float64 (use backend='torch')")
+    lse, logp, entropy = logprob_forward(
+        buffer, targets, scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
+        compute_entropy=need_entropy,
+    )
+    return ChunkState(lse, logp, entropy)
+
+
+def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
+    _dlogits_kernel(
+        buffer, targets, state.lse, g_logp.contiguous(),
+        entropy=state.entropy, g_entropy=None if g_entropy is None else g_entropy.contiguous(),
+        scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
+    )

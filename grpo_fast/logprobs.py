@@ -1,0 +1,106 @@
+"""Per-token log-probs (and entropies) straight from hidden states and the LM-head weight."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from grpo_fast import backends
+from grpo_fast._inputs import check_chunk_bytes, check_lm_head, check_target_range, check_transform
+from grpo_fast.chunked import LogitTransform, accumulation_dtype, chunk_rows, chunked_pass, default_chunk_bytes
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Forward: one GEMM pass, nothing (N, V) kept. Backward: recompute each chunk (GEMM), dlogits, two GEMMs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, return_entropy):
+        result = chunked_pass(hidden, weight, bias, targets, transform, ops, rows, need_entropy=return_entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.transform, ctx.ops, ctx.rows = transform, ops, rows
+        if return_entropy:
+            return result.logp, result.entropy
+        return result.logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        dtype = accumulation_dtype(hidden.dtype)
+        if grad_logp is None:
+            grad_logp = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device)
+        grad_logp = grad_logp.to(dtype).contiguous()
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.to(dtype).contiguous()
+
+        def token_grads(start, end, logp, entropy):
+            return grad_logp[start:end], None if grad_entropy is None else grad_entropy[start:end]
+
+        needs = ctx.needs_input_grad
+        result = chunked_pass(
+            hidden, weight, bias, targets, ctx.transform, ctx.ops, ctx.rows,
+            need_entropy=grad_entropy is not None, token_grads=token_grads,
+            grad_hidden=needs[0], grad_weight=needs[1], grad_bias=bias is not None and needs[2],
+        )
+        return result.grad_hidden, result.grad_weight, result.grad_bias, None, None, None, None, None
+
+
+def flat_token_logprobs(hidden, weight, bias, targets, transform: LogitTransform, *, return_entropy, chunk_bytes,
+                        backend):
+    """token_logprobs on checked (N, H) inputs; returns logp or (logp, entropy), (N,) fp32."""
+    ops = backends.resolve(backend, hidden.device)
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(hidden.device)
+    rows = chunk_rows(weight.shape[0], hidden.dtype, chunk_bytes, ops)
+    return _TokenLogprobs.apply(hidden, weight, bias, targets, transform, ops, rows, return_entropy)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    return_entropy: bool = False,
+    chunk_bytes: Optional[int] = None,
+    backend: str = "auto",
+):
+    """Per-token log-probability of each target, computed in chunks without the (N, V) logits.
+
+    Equals, without allocating the logits::
+
+        z = (hidden @ weight.T + bias).float() * logit_scale
+        z = logit_softcap * torch.tanh(z / logit_softcap)          # only when logit_softcap is set
+        logp = torch.log_softmax(z / temperature, -1).gather(-1, targets[..., None])[..., 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)             # logp_all: the full log-softmax
+
+    Args:
+        hidden: (B, T, H) or (N, H), fp32 / bf16 / fp16: final (normed) hidden states.
+        weight: (V, H), same dtype and device as hidden: the LM-head weight.
+        targets: hidden.shape[:-1], integer token ids in [0, V).
+        bias: optional (V,) LM-head bias.
+        temperature, logit_scale, logit_softcap: the logit transform above (softcap as in Gemma 2).
+        return_entropy: also return the entropy of each position's distribution (differentiable too).
+        chunk_bytes: memory budget of one chunk's working set (default 256 MiB on CPU, 1 GiB on CUDA).
+        backend: "auto" (Triton on CUDA when importable, else torch), "torch" or "triton".
+
+    Returns:
+        logp, or (logp, entropy): fp32 tensors of shape hidden.shape[:-1]. Differentiable with respect to
+        hidden, weight and bias. Under torch.no_grad() this costs one GEMM pass over (N, H, V); with gradients,
+        the backward recomputes each chunk (3 more passes).
+    """
+    check_lm_head(hidden, weight, bias, targets)
+    transform = check_transform(temperature, logit_scale, logit_softcap)
+    check_chunk_bytes(chunk_bytes)
+    check_target_range(targets, weight.shape[0])
+    token_shape = hidden.shape[:-1]
+    out = flat_token_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), transform,
+        return_entropy=return_entropy, chunk_bytes=chunk_bytes, backend=backend,
+    )
+    if return_entropy:
+        return out[0].view(token_shape), out[1].view(token_shape)
+    return out.view(token_shape)

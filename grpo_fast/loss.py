@@ -1,0 +1,239 @@
+"""The GRPO-family policy loss from hidden states: fused (gradient computed in the forward) or two-phase."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from grpo_fast import backends
+from grpo_fast._inputs import (
+    PolicyBatch, check_chunk_bytes, check_lm_head, check_target_range, check_transform, policy_batch,
+)
+from grpo_fast.chunked import LogitTransform, chunk_rows, chunked_pass, default_chunk_bytes
+from grpo_fast.logprobs import flat_token_logprobs
+from grpo_fast.variants import LossConfig, entropy_weights, importance_ratio, per_token_loss, policy_loss, \
+    token_weights
+
+
+class _FusedPolicyLoss(torch.autograd.Function):
+    """Forward runs the 3-GEMM chunk loop and keeps d(hidden), d(weight), d(bias); backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, token_grads, finish, metrics_out):
+        needs = ctx.needs_input_grad
+        result = chunked_pass(
+            hidden, weight, bias, targets, transform, ops, rows, need_entropy=True, token_grads=token_grads,
+            grad_hidden=needs[0], grad_weight=needs[1], grad_bias=bias is not None and needs[2],
+        )
+        loss, metrics = finish(result.logp, result.entropy)
+        metrics_out.update(metrics)
+        ctx.save_for_backward(result.grad_hidden, result.grad_weight, result.grad_bias)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads = ctx.saved_tensors
+        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
+            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def _scatter(values, index, shape):
+    """(N,) values at flat positions index of a zero (B, T) tensor; differentiable."""
+    flat = values.new_zeros(shape[0] * shape[1])
+    return flat.index_copy(0, index, values).view(shape)
+
+
+def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, transform: LogitTransform, *,
+                      num_items_in_batch=None, chunk_bytes=None, backend="auto"):
+    """The policy loss of `batch`; see `grpo_loss`. Inputs already checked."""
+    hidden, mask = batch.hidden, batch.mask
+    shape = tuple(mask.shape)
+    ops = backends.resolve(backend, hidden.device)
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(hidden.device)
+    rows = chunk_rows(weight.shape[0], hidden.dtype, chunk_bytes, ops)
+
+    # Compact the masked positions away: prompt and padding tokens cost no GEMM work.
+    index = mask.reshape(-1).nonzero().squeeze(1)
+    hidden_c = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    targets_c = batch.targets.reshape(-1).index_select(0, index).long()
+    mask_f = mask.to(batch.advantages.dtype)
+
+    def loss_from(logp_c, entropy_c):
+        return policy_loss(
+            _scatter(logp_c, index, shape), _scatter(entropy_c, index, shape), mask_f, batch.advantages,
+            old_logps=batch.old_logps, ref_logps=batch.ref_logps, is_ratio=batch.is_ratio,
+            num_items_in_batch=num_items_in_batch, config=config,
+        )
+
+    if not config.token_separable:
+        # Two phases: log-probs of every token first (the sequence ratio needs them all), then autograd of the
+        # loss math drives token_logprobs' backward (which recomputes each chunk): 4 GEMM passes.
+        logp_c, entropy_c = flat_token_logprobs(
+            hidden_c, weight, bias, targets_c, transform, return_entropy=True, chunk_bytes=chunk_bytes,
+            backend=backend,
+        )
+        return loss_from(logp_c, entropy_c)
+
+    def compact(t):
+        return None if t is None else t.expand(shape).reshape(-1).index_select(0, index)
+
+    old_c, ref_c, is_c = compact(batch.old_logps), compact(batch.ref_logps), compact(batch.is_ratio)
+    adv_c = compact(batch.advantages)
+    weights_c = compact(token_weights(mask_f, config, num_items_in_batch))
+    entropy_grad_c = None if config.entropy_coef == 0.0 else -compact(entropy_weights(mask_f, config))
+
+    def token_grads(start, end, logp, entropy):
+        # d(loss)/d(logp) of this chunk's tokens through the same per-token math as the reference.
+        with torch.enable_grad():
+            logp = logp.detach().requires_grad_()
+            old = logp.detach() if old_c is None else old_c[start:end]
+            ratio = importance_ratio(logp, old, None, config)
+            losses, _ = per_token_loss(
+                logp, old, adv_c[start:end], None if ref_c is None else ref_c[start:end],
+                None if is_c is None else is_c[start:end], ratio, config,
+            )
+            (g_logp,) = torch.autograd.grad((losses * weights_c[start:end]).sum(), logp)
+        return g_logp, None if entropy_grad_c is None else entropy_grad_c[start:end]
+
+    def finish(logp_c, entropy_c):
+        with torch.no_grad():
+            return loss_from(logp_c, entropy_c)
+
+    metrics: dict = {}
+    loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish,
+                                  metrics)
+    return loss, metrics
+
+
+def grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    beta: float = 0.0,
+    use_bias_correction_kl: bool = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    max_completion_length: Optional[int] = None,
+    num_items_in_batch=None,
+    is_ratio: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    chunk_bytes: Optional[int] = None,
+    backend: str = "auto",
+):
+    """GRPO-family policy loss from final hidden states and the LM-head weight, without the (N, V) logits.
+
+    Equals (TRL 1.16's `GRPOTrainer._compute_loss`, without its division by gradient-accumulation steps)::
+
+        logp = token_logprobs(hidden, weight, targets, ...)                 # full log-softmax + gather
+        r = exp(logp - old_logps)      # per token; GSPO: exp of the masked mean over each sequence
+        per_token = -min(r * A, clamp(r, 1 - epsilon_low, 1 + epsilon_high) * A)   # cispo / sapo differ
+        per_token = per_token * is_ratio + beta * k3_kl(ref_logps, logp)
+        loss = reduce[loss_type](per_token, mask) - entropy_coef * masked_mean(entropy)
+
+    For token-level variants (all loss types except luspo, with importance_sampling_level="token") the
+    gradient is computed during the forward, chunk by chunk: 3 GEMM passes over (N, H, V) in all, 2 when the
+    weight does not require grad. Sequence-level variants take two phases (4 passes).
+
+    Args:
+        hidden: (B, T, H) or (N, H) final hidden states (fp32 / bf16 / fp16); (N, ...) inputs form one sequence.
+        weight: (V, H) LM-head weight, same dtype and device as hidden. bias: optional (V,).
+        targets: (B, T) or (N,) sampled token ids; any value where mask is 0 (e.g. -100).
+        advantages: (B,) per sequence or (B, T) per token (PPO); for (N, H) hidden a scalar or (N,).
+        mask: (B, T) or (N,) bool/0-1: the completion tokens that count.
+        old_logps: log-probs of the policy that sampled; None means on-policy (ratio 1, gradient still flows).
+        ref_logps: reference-policy log-probs, required when beta > 0.
+        is_ratio: optional per-token rollout importance-sampling correction (e.g. vLLM), a constant factor.
+        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo (see `grpo_fast.variants.LOSS_TYPES`).
+        importance_sampling_level: "token" or "sequence" (GSPO). luspo needs "sequence".
+        epsilon_low, epsilon_high, delta: clipping (epsilon_high defaults to epsilon_low; delta caps r).
+        beta, use_bias_correction_kl: k3 KL weight and its importance-ratio correction.
+        temperature, logit_scale, logit_softcap: logit transform, as in `token_logprobs`.
+        max_completion_length: dr_grpo's normalizer. num_items_in_batch: dapo / cispo normalizer (default: the
+            number of mask tokens in this call; pass the global count when accumulating).
+        entropy_coef: subtract entropy_coef * masked mean entropy (the entropy gradient flows).
+        sapo_temperature_pos / sapo_temperature_neg: SAPO gate temperatures.
+        chunk_bytes, backend: as in `token_logprobs`.
+
+    Returns:
+        (loss, metrics): loss a 0-dim fp32 tensor; metrics a dict of detached 0-dim tensors: "ratio/mean",
+        "entropy", "kl" (beta > 0), "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"
+        (clipped objectives) or "cispo_clip_ratio" (cispo).
+    """
+    config = LossConfig(
+        loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        entropy_coef=entropy_coef, max_completion_length=max_completion_length,
+    )
+    transform = check_transform(temperature, logit_scale, logit_softcap)
+    return _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
+                         num_items_in_batch, config, transform, chunk_bytes, backend)
+
+
+def _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
+                  num_items_in_batch, config, transform, chunk_bytes, backend):
+    check_lm_head(hidden, weight, bias, targets)
+    check_chunk_bytes(chunk_bytes)
+    if config.beta != 0.0 and ref_logps is None:
+        raise ValueError(f"beta = {config.beta} > 0 needs ref_logps (the reference policy's log-probs), got None")
+    if backend not in backends.BACKENDS:
+        raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
+    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
+    check_target_range(batch.targets, weight.shape[0], batch.mask)
+    if num_items_in_batch is not None and float(num_items_in_batch) < 0:
+        raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch!r}")
+    return fused_policy_loss(batch, weight, bias, config, transform, num_items_in_batch=num_items_in_batch,
+                             chunk_bytes=chunk_bytes, backend=backend)
+
+
+class GRPOLoss(nn.Module):
+    """`grpo_loss` as a module holding its configuration.
+
+    loss, metrics = GRPOLoss(loss_type="dapo", beta=0.04)(hidden, weight, targets, advantages, mask,
+                                                          old_logps=..., ref_logps=...)
+    Constructor arguments: every keyword of `grpo_loss` that configures the loss (loss_type through backend,
+    except the per-batch num_items_in_batch); forward takes the tensors and num_items_in_batch.
+    """
+
+    def __init__(self, loss_type="dapo", importance_sampling_level="token", epsilon_low=0.2, epsilon_high=None,
+                 delta=None, beta=0.0, use_bias_correction_kl=False, temperature=1.0, logit_scale=1.0,
+                 logit_softcap=None, max_completion_length=None, entropy_coef=0.0, sapo_temperature_pos=1.0,
+                 sapo_temperature_neg=1.05, chunk_bytes=None, backend="auto"):
+        super().__init__()
+        self.config = LossConfig(
+            loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+            entropy_coef=entropy_coef, max_completion_length=max_completion_length,
+        )
+        self.transform = check_transform(temperature, logit_scale, logit_softcap)
+        check_chunk_bytes(chunk_bytes)
+        if backend not in backends.BACKENDS:
+            raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
+        self.chunk_bytes, self.backend = chunk_bytes, backend
+
+    def forward(self, hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
+                is_ratio=None, num_items_in_batch=None):
+        return _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
+                             num_items_in_batch, self.config, self.transform, self.chunk_bytes, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{self.config}, {self.transform}, backend={self.backend!r}"

@@ -1,0 +1,62 @@
+"""The plain full-logits implementation of everything grpo_fast computes: the test oracle and the baseline.
+
+It materializes the (N, V) logits, as TRL did before its fused LM head. Pass float64 tensors to get a float64
+oracle; other inputs are evaluated in fp32 after the GEMM in the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from grpo_fast._inputs import check_lm_head, check_transform, policy_batch
+from grpo_fast.variants import LossConfig, policy_loss
+
+
+def logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, logit_softcap=None):
+    """z = softcap(((hidden @ weight.T + bias) * logit_scale)) / temperature in fp32 (fp64 for fp64 inputs)."""
+    z = hidden @ weight.t()
+    if bias is not None:
+        z = z + bias
+    z = z.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32) * logit_scale
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    return z / temperature
+
+
+def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None,
+                   return_entropy=False):
+    """Full-logits log_softmax(z).gather(targets); targets outside [0, V) give 0 (callers mask them)."""
+    z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    logp_all = torch.log_softmax(z, dim=-1)
+    valid = (targets >= 0) & (targets < weight.shape[0])
+    logp = logp_all.gather(-1, torch.where(valid, targets, 0).long()[..., None])[..., 0]
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    if not return_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
+              temperature=1.0, logit_scale=1.0, logit_softcap=None, num_items_in_batch=None,
+              is_ratio: Optional[torch.Tensor] = None, **config):
+    """The same loss as `grpo_fast.grpo_loss` (same keywords) from the full logits; returns (loss, metrics)."""
+    config.pop("chunk_bytes", None)
+    config.pop("backend", None)
+    config = LossConfig(**config)
+    check_lm_head(hidden, weight, bias, targets)
+    check_transform(temperature, logit_scale, logit_softcap)
+    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    logp, entropy = token_logprobs(
+        batch.hidden, weight, batch.targets, bias=bias, temperature=temperature, logit_scale=logit_scale,
+        logit_softcap=logit_softcap, return_entropy=True,
+    )
+    return policy_loss(
+        logp, entropy, batch.mask.to(dtype), batch.advantages.to(dtype), old_logps=cast(batch.old_logps),
+        ref_logps=cast(batch.ref_logps), is_ratio=cast(batch.is_ratio), num_items_in_batch=num_items_in_batch,
+        config=config,
+    )

@@ -1,0 +1,239 @@
+"""The loss variants: one registry, the per-token objective, the reductions and the metrics.
+
+Everything here works on small per-token tensors (log-probs, entropies, advantages), never on logits, so the
+same functions serve the plain full-logits reference (`grpo_fast.reference`), the two-phase path
+(`token_logprobs` followed by this math) and the fused path (which calls `per_token_loss` on each chunk of
+tokens to get d(loss)/d(logp) while the chunk's logits are still in memory).
+
+Formulas and reductions follow TRL 1.16's `GRPOTrainer._compute_loss`, without its division by the number of
+gradient-accumulation steps (divide the returned loss yourself if you accumulate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# name -> how the per-token losses are reduced (see `token_weights`) and which per-token objective is used.
+#   sequence_mean: mean over each sequence's tokens, then over sequences          (grpo, sapo)
+#   token_mean:    sum over the batch's tokens / number of tokens in this batch   (bnpo)
+#   constant:      sum / (B * max_completion_length)                              (dr_grpo)
+#   num_items:     sum / num_items_in_batch (default: this batch's token count)   (dapo, cispo)
+#   sequence_sum:  sum over each sequence's tokens, mean over sequences           (luspo)
+LOSS_TYPES = {
+    "grpo": ("sequence_mean", "clip"),      # DeepSeekMath, arXiv:2402.03300
+    "bnpo": ("token_mean", "clip"),
+    "dr_grpo": ("constant", "clip"),        # Dr. GRPO, arXiv:2503.20783
+    "dapo": ("num_items", "clip"),          # DAPO, arXiv:2503.14476
+    "cispo": ("num_items", "cispo"),        # MiniMax-M1, arXiv:2506.13585
+    "sapo": ("sequence_mean", "sapo"),      # SAPO, arXiv:2511.20347
+    "luspo": ("sequence_sum", "clip"),      # LUSPO, arXiv:2602.05261 (sequence level only)
+}
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The options of the policy loss, validated once.
+
+    loss_type: one of `LOSS_TYPES` (default "dapo").
+    importance_sampling_level: "token" (PPO/GRPO) or "sequence" (GSPO: one ratio per sequence, the exp of the
+        masked mean log-ratio).
+    epsilon_low / epsilon_high: clip range [1 - epsilon_low, 1 + epsilon_high]; epsilon_high defaults to
+        epsilon_low. For cispo, epsilon_high is the absolute cap on the ratio (5.0 is the usual value).
+    delta: optional upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2).
+    beta: weight of the k3 KL to the reference policy; needs ref_logps.
+    use_bias_correction_kl: multiply the KL by the importance ratio.
+    sapo_temperature_pos / sapo_temperature_neg: SAPO's gate temperatures for A > 0 / A <= 0.
+    entropy_coef: subtract entropy_coef * (masked mean entropy) from the loss.
+    max_completion_length: the dr_grpo normalizer (required for dr_grpo).
+    """
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: Optional[float] = None
+    delta: Optional[float] = None
+    beta: float = 0.0
+    use_bias_correction_kl: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    entropy_coef: float = 0.0
+    max_completion_length: Optional[int] = None
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError(
+                "loss_type='luspo' requires importance_sampling_level='sequence', "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' requires max_completion_length (its normalizer), got None")
+        if self.max_completion_length is not None and self.max_completion_length <= 0:
+            raise ValueError(f"max_completion_length must be a positive int, got {self.max_completion_length!r}")
+        if self.epsilon_low < 0:
+            raise ValueError(f"epsilon_low must be >= 0, got {self.epsilon_low!r}")
+        if self.epsilon_high is None:
+            object.__setattr__(self, "epsilon_high", self.epsilon_low)
+        if self.epsilon_high < 0:
+            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high!r}")
+        if self.delta is not None and self.delta <= 0:
+            raise ValueError(f"delta must be > 0 or None, got {self.delta!r}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
+            raise ValueError(
+                "sapo temperatures must be > 0, got "
+                f"pos={self.sapo_temperature_pos!r}, neg={self.sapo_temperature_neg!r}"
+            )
+
+    @property
+    def reduction(self) -> str:
+        return LOSS_TYPES[self.loss_type][0]
+
+    @property
+    def objective(self) -> str:
+        return LOSS_TYPES[self.loss_type][1]
+
+    @property
+    def token_separable(self) -> bool:
+        """True when d(loss)/d(logp_t) depends on token t alone, so the fused path can produce it per chunk."""
+        return self.importance_sampling_level == "token"
+
+    def replace(self, **changes) -> "LossConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def token_weights(mask: torch.Tensor, config: LossConfig, num_items_in_batch=None) -> torch.Tensor:
+    """Per-token weights w such that the policy loss equals (per_token_loss * w).sum(), mask (B, T) float.
+
+    The single definition of every loss type's reduction; it is zero wherever the mask is zero.
+    """
+    batch_size = mask.shape[0]
+    if config.reduction == "sequence_mean":
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / batch_size
+    if config.reduction == "token_mean":
+        return mask / mask.sum().clamp(min=1.0)
+    if config.reduction == "constant":
+        return mask / (batch_size * config.max_completion_length)
+    if config.reduction == "num_items":
+        if num_items_in_batch is None:
+            num_items_in_batch = mask.sum()
+        num_items = torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device)
+        return mask / num_items.clamp(min=1.0)
+    if config.reduction == "sequence_sum":
+        return mask / batch_size
+    raise AssertionError(config.reduction)
+
+
+def importance_ratio(logp, old_logps, mask, config: LossConfig) -> torch.Tensor:
+    """exp(logp - old) per token, or per sequence (B, 1) as exp of the masked mean log-ratio (GSPO)."""
+    log_ratio = logp - old_logps
+    if config.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return torch.exp(log_ratio)
+
+
+def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config: LossConfig):
+    """The per-token loss before reduction, and the per-token k3 KL (None when beta == 0).
+
+    `ratio` is `importance_ratio(...)`: per token, or (B, 1) per sequence. Order of terms as in TRL: clipped
+    objective, then times the rollout importance-sampling ratio `is_ratio`, then plus beta * KL.
+    """
+    if config.objective == "clip":
+        clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + config.epsilon_high)
+        unclipped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
+        loss = -torch.min(unclipped * advantages, clipped * advantages)
+    elif config.objective == "cispo":
+        loss = -torch.clamp(ratio, max=config.epsilon_high).detach() * advantages * logp
+    elif config.objective == "sapo":
+        temperature = torch.where(
+            advantages > 0,
+            torch.full_like(advantages, config.sapo_temperature_pos),
+            torch.full_like(advantages, config.sapo_temperature_neg),
+        )
+        loss = -(torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature) * advantages
+    else:
+        raise AssertionError(config.objective)
+    if is_ratio is not None:
+        loss = loss * is_ratio
+    kl = None
+    if config.beta != 0.0:
+        kl = torch.exp(ref_logps - logp) - (ref_logps - logp) - 1
+        if config.use_bias_correction_kl:
+            kl = kl * ratio
+        loss = loss + config.beta * kl
+    return loss, kl
+
+
+def entropy_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Per-token weights of the entropy bonus: the loss gets -(entropy * these).sum()."""
+    return config.entropy_coef * mask / mask.sum().clamp(min=1.0)
+
+
+def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=None, is_ratio=None,
+                num_items_in_batch=None, config: LossConfig):
+    """The policy loss and its metrics from per-token log-probs: logp, mask etc. (B, T), advantages (B, 1) or (B, T).
+
+    Values where mask == 0 are ignored (and may be anything, even inf). old_logps None means on-policy:
+    old = logp.detach(). entropy may be None when entropy_coef == 0. Returns (loss, metrics).
+    """
+    mask = mask.to(logp.dtype)
+    keep = mask > 0
+    zeros = torch.zeros_like(logp)
+    # Neutral values off the mask, so that 0 * inf never makes a NaN in the sums below.
+    logp = torch.where(keep, logp, zeros)
+    old_logps = logp.detach() if old_logps is None else torch.where(keep, old_logps, zeros)
+    if advantages.shape == logp.shape:  # per-token advantages; (B, 1) per-sequence ones stay as TRL has them
+        advantages = torch.where(keep, advantages, zeros)
+    if ref_logps is not None:
+        ref_logps = torch.where(keep, ref_logps, zeros)
+    if is_ratio is not None:
+        is_ratio = torch.where(keep, is_ratio, zeros)
+
+    ratio = importance_ratio(logp, old_logps, mask, config)
+    losses, kl = per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config)
+    loss = (losses * token_weights(mask, config, num_items_in_batch)).sum()
+    if entropy is not None:
+        entropy = torch.where(keep, entropy, zeros)
+        if config.entropy_coef != 0.0:
+            loss = loss - (entropy * entropy_weights(mask, config)).sum()
+    with torch.no_grad():
+        metrics = loss_metrics(ratio, kl, entropy, advantages, mask, config)
+    return loss, metrics
+
+
+def _masked_mean(x, mask):
+    """TRL's global_masked_mean: per-sequence values (B, 1) average over all B sequences."""
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return x.sum() / max(x.shape[0], 1)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def loss_metrics(ratio, kl, entropy, advantages, mask, config: LossConfig) -> dict:
+    """Detached scalar metrics named as TRL logs them, plus the mean importance ratio."""
+    metrics = {"ratio/mean": _masked_mean(ratio, mask)}
+    if kl is not None:
+        metrics["kl"] = _masked_mean(kl, mask)
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy, mask)
+    if config.objective == "clip":
+        low = ((ratio < 1 - config.epsilon_low) & (advantages < 0)).to(mask.dtype)
+        high = ((ratio > 1 + config.epsilon_high) & (advantages > 0)).to(mask.dtype)
+        metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
+        metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
+        metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
+    elif config.objective == "cispo":
+        clipped = ((ratio > config.epsilon_high) & (advantages > 0)).to(mask.dtype)
+        metrics["cispo_clip_ratio"] = _masked_mean(clipped, mask)
+    return {name: value.detach() for name, value in metrics.items()}
