@@ -35,8 +35,7 @@ def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
     logp = z.gather(1, targets[:, None]).squeeze(1) - lse
     entropy = None
     if need_entropy:
-        probs = torch.exp(z - lse[:, None])
-        entropy = lse - torch.einsum("cv,cv->c", probs, z)
+        entropy = lse - torch.exp(z - lse[:, None]).mul_(z).sum(-1)   # H = lse - sum p z
     return ChunkState(z, lse, logp, entropy)
 
 

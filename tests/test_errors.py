@@ -1,0 +1,85 @@
+"""Bad input gets a clear error naming the argument, before any work is done."""
+
+import pytest
+import torch
+
+import grpo_fast as gf
+from conftest import make_batch
+
+
+def call(**changes):
+    inputs = make_batch()
+    del inputs["is_ratio"], inputs["bias"]
+    inputs.update(changes)
+    return gf.grpo_loss(**inputs)
+
+
+@pytest.mark.parametrize("changes,error,words", [
+    (dict(hidden=torch.randn(16)), ValueError, "hidden must be (N, H) or (B, T, H)"),
+    (dict(weight=torch.randn(37, 15)), ValueError, "weight must be (V, H) with H"),
+    (dict(weight=torch.randn(37, 16, dtype=torch.float64)), TypeError, "hidden and weight must share a dtype"),
+    (dict(hidden=torch.randint(0, 3, (3, 9, 16))), TypeError, "hidden must be a floating-point tensor"),
+    (dict(targets=torch.zeros(3, 9)), TypeError, "targets must be an integer tensor"),
+    (dict(targets=torch.zeros(3, 8, dtype=torch.long)), ValueError, "targets must have shape"),
+    (dict(mask=torch.ones(3, 8, dtype=torch.bool)), ValueError, "mask must have shape (3, 9)"),
+    (dict(mask=torch.full((3, 9), 2)), ValueError, "mask must hold only 0 and 1"),
+    (dict(advantages=torch.randn(4)), ValueError, "advantages must be (B,) = (3,) or (B, T)"),
+    (dict(old_logps=torch.randn(3, 8)), ValueError, "old_logps must have shape (3, 9)"),
+    (dict(ref_logps=torch.randn(9, 3), beta=0.1), ValueError, "ref_logps must have shape (3, 9)"),
+    (dict(loss_type="ppo2"), ValueError, "loss_type must be one of"),
+    (dict(importance_sampling_level="batch"), ValueError, "importance_sampling_level must be one of"),
+    (dict(loss_type="luspo"), ValueError, "loss_type='luspo' requires importance_sampling_level='sequence'"),
+    (dict(beta=0.1, ref_logps=None), ValueError, "beta = 0.1 > 0 needs ref_logps"),
+    (dict(loss_type="dr_grpo"), ValueError, "loss_type='dr_grpo' requires max_completion_length"),
+    (dict(temperature=0.0), ValueError, "temperature must be > 0"),
+    (dict(logit_softcap=-1.0), ValueError, "logit_softcap must be a positive float"),
+    (dict(epsilon_low=-0.1), ValueError, "epsilon_low must be >= 0"),
+    (dict(chunk_bytes=0), ValueError, "chunk_bytes must be a positive int"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(num_items_in_batch=-1), ValueError, "num_items_in_batch must be >= 0"),
+])
+def test_bad_arguments(changes, error, words):
+    with pytest.raises(error) as info:
+        call(**changes)
+    assert words in str(info.value)
+
+
+def test_targets_out_of_range_where_mask_is_one():
+    inputs = make_batch()
+    inputs["targets"][0, 0] = 37
+    inputs["mask"][0, 0] = True
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, V\) = \[0, 37\) where mask is 1"):
+        call(targets=inputs["targets"], mask=inputs["mask"])
+
+
+def test_targets_anything_where_mask_is_zero():
+    inputs = make_batch()
+    assert (inputs["targets"][~inputs["mask"]] == -100).all()
+    loss, _ = call()
+    assert torch.isfinite(loss)
+
+
+def test_token_logprobs_errors():
+    hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, V\) = \[0, 10\), got values in \[-1, 3\]"):
+        gf.token_logprobs(hidden, weight, torch.tensor([0, 1, 3, -1]))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        gf.token_logprobs(hidden, weight, torch.zeros(4, dtype=torch.long), bias=torch.zeros(9))
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        gf.token_logprobs(hidden, [[0.0]], torch.zeros(4, dtype=torch.long))
+
+
+def test_triton_backend_without_gpu_or_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        gf.token_logprobs(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long),
+                          backend="triton")
+
+
+def test_module_rejects_bad_config_at_construction():
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        gf.GRPOLoss(loss_type="nope")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gf.GRPOLoss(backend="jax")

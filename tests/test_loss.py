@@ -1,0 +1,168 @@
+"""grpo_loss against the full-logits reference evaluated in float64: loss, metrics and gradients."""
+
+import pytest
+import torch
+
+import grpo_fast as gf
+from grpo_fast import reference
+from conftest import DEVICE, as_float64, assert_close, make_batch
+
+CASES = {
+    "dapo_on_policy": dict(old_logps=None),
+    "dapo_kl": dict(beta=0.04),
+    "dapo_kl_bias_corrected": dict(beta=0.04, use_bias_correction_kl=True),
+    "grpo": dict(loss_type="grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo", max_completion_length=12),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "sapo": dict(loss_type="sapo"),
+    "luspo_sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "gspo_sequence_kl": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.1),
+    "two_sided_clip": dict(epsilon_high=0.28, delta=1.5),
+    "is_ratio": dict(beta=0.04, use_is_ratio=True),
+    "entropy_bonus": dict(entropy_coef=0.05),
+    "entropy_bonus_sequence": dict(entropy_coef=0.05, importance_sampling_level="sequence"),
+    "per_token_advantages": dict(per_token_adv=True),
+    "num_items_in_batch": dict(num_items_in_batch=50),
+}
+
+
+def run(fn, inputs, options, grads=("hidden", "weight", "bias")):
+    inputs = {k: (v.clone().requires_grad_(k in grads) if isinstance(v, torch.Tensor) and k in grads else v)
+              for k, v in inputs.items()}
+    loss, metrics = fn(**inputs, **options)
+    params = [inputs[k] for k in grads if inputs.get(k) is not None]
+    return loss, metrics, dict(zip([k for k in grads if inputs.get(k) is not None],
+                                   torch.autograd.grad(loss, params)))
+
+
+def split_case(case):
+    case = dict(case)
+    batch_kw = {"per_token_adv": case.pop("per_token_adv", False)}
+    use_is_ratio = case.pop("use_is_ratio", False)
+    return batch_kw, use_is_ratio, case
+
+
+def compare(inputs, options, backend, rtol):
+    loss, metrics, grads = run(gf.grpo_loss, inputs, dict(options, backend=backend))
+    ref_loss, ref_metrics, ref_grads = run(reference.grpo_loss, as_float64(inputs), options)
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+    assert_close(loss, ref_loss, rtol, atol=1e-7, name="loss")
+    assert set(metrics) == set(ref_metrics)
+    for key in ref_metrics:
+        assert not metrics[key].requires_grad
+        assert_close(metrics[key], ref_metrics[key], rtol, atol=1e-6, name=key)
+    for key in ref_grads:
+        assert grads[key].dtype == inputs[key].dtype
+        assert_close(grads[key], ref_grads[key], rtol, atol=1e-7, name=f"d{key}")
+    return loss, grads
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_variants_match_reference(case, backend):
+    batch_kw, use_is_ratio, options = split_case(CASES[case])
+    inputs = make_batch(**batch_kw)
+    if not use_is_ratio:
+        inputs.pop("is_ratio")
+    if "old_logps" in options:
+        inputs.pop("old_logps")
+        options.pop("old_logps")
+    if options.get("beta", 0) == 0:
+        inputs.pop("ref_logps")
+    compare(inputs, options, backend, rtol=1e-5)
+
+
+@pytest.mark.parametrize("transform", [
+    dict(temperature=0.7), dict(logit_scale=1.3), dict(logit_softcap=3.0),
+    dict(temperature=1.3, logit_scale=0.8, logit_softcap=2.5),
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_logit_transform_and_bias(transform, bias, backend):
+    inputs = make_batch(bias=bias, seed=1)
+    compare(inputs, dict(transform, beta=0.04, entropy_coef=0.02), backend, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 2048 + 45])
+def test_vocab_sizes(vocab, backend):
+    """V of 1, below one block, and not a multiple of the 2048-wide kernel block."""
+    compare(make_batch(vocab=vocab, seed=2), dict(beta=0.04, entropy_coef=0.01), backend, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype, backend):
+    inputs = make_batch(dtype=dtype, seed=3, hidden_size=32, vocab=300)
+    compare(inputs, dict(beta=0.04, entropy_coef=0.01), backend, rtol=2e-2)
+
+
+def test_flat_inputs_are_one_sequence(backend):
+    """(N, H) inputs give the loss of a (1, N, H) batch."""
+    inputs = make_batch(batch=1, seed=4, per_token_adv=True)
+    per_token = ("hidden", "targets", "mask", "advantages", "old_logps", "ref_logps", "is_ratio")
+    flat = {k: (v[0] if k in per_token else v) for k, v in inputs.items()}
+    for loss_type in ("grpo", "dapo"):
+        loss, grads = compare(flat, dict(loss_type=loss_type, beta=0.04), backend, rtol=1e-5)
+        batched, _, batched_grads = run(gf.grpo_loss, inputs, dict(loss_type=loss_type, beta=0.04,
+                                                                   backend=backend))
+        assert_close(loss, batched, 1e-6)
+        assert_close(grads["hidden"], batched_grads["hidden"][0], 1e-6)
+
+
+def test_all_masked_row_and_batch(backend):
+    inputs = make_batch(seed=5)
+    inputs["mask"][1] = False
+    compare(inputs, dict(loss_type="grpo", beta=0.04), backend, rtol=1e-5)
+    inputs["mask"][:] = False
+    for loss_type, level in [("dapo", "token"), ("grpo", "token"), ("luspo", "sequence")]:
+        loss, metrics, grads = run(gf.grpo_loss, inputs, dict(
+            loss_type=loss_type, importance_sampling_level=level, beta=0.04, backend=backend))
+        assert loss.item() == 0.0
+        assert all(torch.isfinite(v) for v in metrics.values())
+        for g in grads.values():
+            assert torch.count_nonzero(g) == 0
+
+
+def test_chunking_does_not_change_results(backend):
+    inputs = make_batch(seed=6, batch=4, seq=16)
+    options = dict(beta=0.04, entropy_coef=0.01, backend=backend)
+    one, _, one_grads = run(gf.grpo_loss, inputs, dict(options, chunk_bytes=2**30))
+    many, _, many_grads = run(gf.grpo_loss, inputs, dict(options, chunk_bytes=1))   # one token per chunk
+    assert_close(many, one, 1e-6)
+    for key in one_grads:
+        assert_close(many_grads[key], one_grads[key], 1e-6)
+
+
+def test_frozen_weight_gets_no_grad(backend):
+    inputs = make_batch(seed=7)
+    del inputs["is_ratio"], inputs["ref_logps"]
+    hidden = inputs["hidden"].clone().requires_grad_()
+    weight = inputs["weight"].clone()
+    loss, _ = gf.grpo_loss(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
+                           old_logps=inputs["old_logps"], backend=backend)
+    loss.backward()
+    assert weight.grad is None and hidden.grad is not None
+    ref_loss, _, ref_grads = run(reference.grpo_loss, as_float64(inputs), {}, grads=("hidden",))
+    assert_close(hidden.grad, ref_grads["hidden"], 1e-5, atol=1e-7)
+
+
+def test_upstream_gradient_scales(backend):
+    inputs = make_batch(seed=8)
+    hidden = inputs["hidden"].clone().requires_grad_()
+    args = (inputs["weight"], inputs["targets"], inputs["advantages"], inputs["mask"])
+    loss, _ = gf.grpo_loss(hidden, *args, old_logps=inputs["old_logps"], backend=backend)
+    (g1,) = torch.autograd.grad(loss, hidden)
+    loss, _ = gf.grpo_loss(hidden, *args, old_logps=inputs["old_logps"], backend=backend)
+    (g3,) = torch.autograd.grad(-3.0 * loss, hidden)
+    assert_close(g3, -3.0 * g1, 1e-6)
+
+
+def test_module_equals_function(backend):
+    inputs = make_batch(seed=9)
+    options = dict(loss_type="cispo", epsilon_high=4.0, beta=0.02, temperature=0.9)
+    module = gf.GRPOLoss(**options, backend=backend)
+    loss_m, metrics_m = module(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"],
+                               inputs["mask"], old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"])
+    loss_f, metrics_f = gf.grpo_loss(**{k: v for k, v in inputs.items() if k not in ("is_ratio", "bias")},
+                                     **options, backend=backend)
+    assert torch.equal(loss_m, loss_f)
+    assert metrics_m.keys() == metrics_f.keys()
+    assert "cispo" in repr(module)
