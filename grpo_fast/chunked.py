@@ -10,6 +10,7 @@ exist: the buffer is bounded by `chunk_bytes`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -52,14 +53,23 @@ def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops) -> in
     return max(1, chunk_bytes // bytes_per_row)
 
 
+_HAS_FP32_OUT_GEMM = [True]
+
+
 def _accumulate_weight_grad(grad_weight_fp32, dlogits, hidden_chunk):
     """grad_weight_fp32 += dlogits^T @ hidden_chunk, accumulated in fp32 whatever the input dtype."""
     if dlogits.dtype == grad_weight_fp32.dtype:
         grad_weight_fp32.addmm_(dlogits.t(), hidden_chunk)
-    elif dlogits.is_cuda:
-        torch.addmm(grad_weight_fp32, dlogits.t(), hidden_chunk, out_dtype=torch.float32, out=grad_weight_fp32)
-    else:  # CPU GEMMs have no fp32-output form for half inputs: upcast the chunk
-        grad_weight_fp32.addmm_(dlogits.t().float(), hidden_chunk.float())
+        return
+    if dlogits.is_cuda and _HAS_FP32_OUT_GEMM[0]:
+        try:
+            torch.addmm(grad_weight_fp32, dlogits.t(), hidden_chunk, out_dtype=torch.float32, out=grad_weight_fp32)
+            return
+        except (RuntimeError, TypeError) as error:   # torch builds without the out_dtype form of addmm
+            _HAS_FP32_OUT_GEMM[0] = False
+            warnings.warn(f"fp32-output addmm unavailable ({error}); upcasting each chunk for d(weight) instead")
+    # CPU GEMMs have no fp32-output form for half inputs: upcast the chunk.
+    grad_weight_fp32.addmm_(dlogits.t().float(), hidden_chunk.float())
 
 
 def chunked_pass(

@@ -103,6 +103,9 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         with torch.no_grad():
             return loss_from(logp_c, entropy_c)
 
+    trainable = [t for t in (hidden_c, weight, bias) if t is not None and t.requires_grad]
+    if not (torch.is_grad_enabled() and trainable):     # evaluation: the log-prob pass alone, 1 GEMM pass
+        token_grads = None
     metrics: dict = {}
     loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish,
                                   metrics)

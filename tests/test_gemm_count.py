@@ -67,3 +67,9 @@ def test_token_logprobs_no_grad_is_one_pass():
 def test_token_logprobs_with_grad_is_four_passes():
     hidden, weight, targets, _, _ = make()
     assert passes(lambda: gf.token_logprobs(hidden, weight, targets, backend="torch").sum().backward()) == 4
+
+
+def test_loss_under_no_grad_is_one_pass():
+    hidden, weight, targets, adv, mask = make()
+    with torch.no_grad():
+        assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, backend="torch")) == 1
