@@ -13,8 +13,7 @@ from grpo_fast._inputs import (
 )
 from grpo_fast.chunked import LogitTransform, chunk_rows, chunked_pass, default_chunk_bytes
 from grpo_fast.logprobs import flat_token_logprobs
-from grpo_fast.variants import LossConfig, entropy_weights, importance_ratio, per_token_loss, policy_loss, \
-    token_weights
+from grpo_fast.variants import LossConfig, TokenTerms, entropy_weights, policy_loss, token_weights
 
 
 class _FusedPolicyLoss(torch.autograd.Function):
@@ -81,23 +80,17 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     def compact(t):
         return None if t is None else t.expand(shape).reshape(-1).index_select(0, index)
 
-    old_c, ref_c, is_c = compact(batch.old_logps), compact(batch.ref_logps), compact(batch.is_ratio)
-    adv_c = compact(batch.advantages)
-    weights_c = compact(token_weights(mask_f, config, num_items_in_batch))
-    entropy_grad_c = None if config.entropy_coef == 0.0 else -compact(entropy_weights(mask_f, config))
+    terms = TokenTerms(
+        config, advantages=compact(batch.advantages),
+        weights=compact(token_weights(mask_f, config, num_items_in_batch)),
+        old_logps=compact(batch.old_logps), ref_logps=compact(batch.ref_logps), is_ratio=compact(batch.is_ratio),
+        entropy_grad=None if config.entropy_coef == 0.0 else -compact(entropy_weights(mask_f, config)),
+    )
 
     def token_grads(start, end, logp, entropy):
-        # d(loss)/d(logp) of this chunk's tokens through the same per-token math as the reference.
-        with torch.enable_grad():
-            logp = logp.detach().requires_grad_()
-            old = logp.detach() if old_c is None else old_c[start:end]
-            ratio = importance_ratio(logp, old, None, config)
-            losses, _ = per_token_loss(
-                logp, old, adv_c[start:end], None if ref_c is None else ref_c[start:end],
-                None if is_c is None else is_c[start:end], ratio, config,
-            )
-            (g_logp,) = torch.autograd.grad((losses * weights_c[start:end]).sum(), logp)
-        return g_logp, None if entropy_grad_c is None else entropy_grad_c[start:end]
+        # d(loss)/d(logp) and d(loss)/d(entropy) of this chunk's tokens, while its logits are in the buffer.
+        chunk = terms.slice(start, end)
+        return ops.policy_grad(logp, chunk), chunk.entropy_grad
 
     def finish(logp_c, entropy_c):
         with torch.no_grad():

@@ -176,6 +176,43 @@ def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, conf
     return loss, kl
 
 
+@dataclass
+class TokenTerms:
+    """What a token-level loss needs per token besides logp: compacted (N,) fp32 vectors and the config.
+
+    weights are `token_weights` at those tokens; entropy_grad is d(loss)/d(entropy) (None without a bonus).
+    """
+
+    config: LossConfig
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    old_logps: Optional[torch.Tensor] = None
+    ref_logps: Optional[torch.Tensor] = None
+    is_ratio: Optional[torch.Tensor] = None
+    entropy_grad: Optional[torch.Tensor] = None
+
+    def slice(self, start: int, end: int) -> "TokenTerms":
+        cut = lambda t: None if t is None else t[start:end]  # noqa: E731
+        return TokenTerms(self.config, self.advantages[start:end], self.weights[start:end], cut(self.old_logps),
+                          cut(self.ref_logps), cut(self.is_ratio), cut(self.entropy_grad))
+
+
+def token_loss_grad(logp: torch.Tensor, terms: TokenTerms) -> torch.Tensor:
+    """d/d(logp) of (per_token_loss(logp, ...) * weights).sum() for token-level variants, by autograd.
+
+    The fused path calls this (or its Triton twin, grpo_fast.kernels.policy_grad) per chunk of tokens.
+    """
+    assert terms.config.token_separable
+    with torch.enable_grad():
+        logp = logp.detach().requires_grad_()
+        old = logp.detach() if terms.old_logps is None else terms.old_logps
+        ratio = importance_ratio(logp, old, None, terms.config)
+        losses, _ = per_token_loss(logp, old, terms.advantages, terms.ref_logps, terms.is_ratio, ratio,
+                                   terms.config)
+        (grad,) = torch.autograd.grad((losses * terms.weights).sum(), logp)
+    return grad
+
+
 def entropy_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """Per-token weights of the entropy bonus: the loss gets -(entropy * these).sum()."""
     return config.entropy_coef * mask / mask.sum().clamp(min=1.0)

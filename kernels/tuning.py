@@ -6,3 +6,4 @@ count small at V ~ 150k-260k. Checked for register spills by tests/test_aot_comp
 
 LOGPROB_FORWARD = {"BLOCK_V": 2048, "num_warps": 8}
 DLOGITS = {"BLOCK_V": 2048, "num_warps": 8}
+POLICY_GRAD = {"BLOCK": 1024, "num_warps": 4}

@@ -17,7 +17,8 @@ from triton.compiler import ASTSource
 
 from grpo_fast.kernels.dlogits import _dlogits_kernel
 from grpo_fast.kernels.logprob_forward import _logprob_forward_kernel
-from grpo_fast.kernels.tuning import DLOGITS, LOGPROB_FORWARD
+from grpo_fast.kernels.policy_grad import OBJECTIVES, _policy_grad_kernel
+from grpo_fast.kernels.tuning import DLOGITS, LOGPROB_FORWARD, POLICY_GRAD
 
 # Shared memory per block available to a kernel without opt-in, and with it, per architecture.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -40,6 +41,17 @@ def variants():
                 "BLOCK_V": "constexpr", "HAS_SOFTCAP": "constexpr", "HAS_GRAD_ENTROPY": "constexpr",
             }, {"BLOCK_V": DLOGITS["BLOCK_V"], "HAS_SOFTCAP": softcap, "HAS_GRAD_ENTROPY": True},
                 DLOGITS["num_warps"])
+
+
+    for objective, code in OBJECTIVES.items():
+        yield ("policy_grad", f"{objective}/all-terms", _policy_grad_kernel, {
+            "Logp": "*fp32", "Old": "*fp32", "Ref": "*fp32", "Adv": "*fp32", "IsRatio": "*fp32", "Weights": "*fp32",
+            "GradLogp": "*fp32", "n": "i32", "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32", "beta": "fp32",
+            "sapo_temperature_pos": "fp32", "sapo_temperature_neg": "fp32", "BLOCK": "constexpr",
+            "OBJECTIVE": "constexpr", "HAS_OLD": "constexpr", "HAS_DELTA": "constexpr", "HAS_IS_RATIO": "constexpr",
+            "HAS_KL": "constexpr", "BIAS_CORRECTION": "constexpr",
+        }, {"BLOCK": POLICY_GRAD["BLOCK"], "OBJECTIVE": code, "HAS_OLD": True, "HAS_DELTA": True,
+            "HAS_IS_RATIO": True, "HAS_KL": True, "BIAS_CORRECTION": True}, POLICY_GRAD["num_warps"])
 
 
 def ptxas_report(ptx: str, arch: int) -> dict:

@@ -20,7 +20,7 @@ def test_kernels_compile_for_sm90_and_sm80():
     for r in reports:
         print(f"{r['kernel']:<16} {r['variant']:<20} {r['arch']:<6} {r['registers']:>5} "
               f"{r['spill_stores'] + r['spill_loads']:>7} {r['shared_bytes']:>7}")
-    assert {r["kernel"] for r in reports} == {"logprob_forward", "dlogits"}
+    assert {r["kernel"] for r in reports} == {"logprob_forward", "policy_grad", "dlogits"}
     assert {r["arch"] for r in reports} == {"sm_90", "sm_80"}
     for r in reports:
         assert r["cubin_bytes"] > 0

@@ -51,3 +51,41 @@ def test_dlogits_without_entropy_gradient():
     expected = g_logp[:, None] * (torch.nn.functional.one_hot(targets, 100) - logits.softmax(-1))
     dlogits_(logits, targets, lse, g_logp)
     assert_close(logits, expected, 1e-5)
+
+
+POLICY_OPTIONS = [
+    dict(loss_type="dapo"),
+    dict(loss_type="dapo", epsilon_high=0.28, delta=1.3, beta=0.04),
+    dict(loss_type="grpo", beta=0.1, use_bias_correction_kl=True),
+    dict(loss_type="cispo", epsilon_high=1.5, beta=0.04),
+    dict(loss_type="sapo", beta=0.02, use_bias_correction_kl=True),
+    dict(loss_type="bnpo", delta=0.9),       # a cap below 1 + epsilon_high: the unclipped branch saturates
+]
+
+
+@pytest.mark.parametrize("options", POLICY_OPTIONS)
+@pytest.mark.parametrize("on_policy", [False, True])
+@pytest.mark.parametrize("with_is_ratio", [False, True])
+def test_policy_grad_kernel_matches_autograd(options, on_policy, with_is_ratio):
+    from grpo_fast.kernels import policy_grad
+    from grpo_fast.variants import LossConfig, TokenTerms, token_loss_grad
+
+    gen = torch.Generator().manual_seed(len(options) + 2 * on_policy + with_is_ratio)
+    n = 1500                                            # more than one 1024-wide block, not a multiple of it
+    logp = -torch.rand(n, generator=gen) * 5
+    old = logp + 0.4 * torch.randn(n, generator=gen)
+    old[:100] = logp[:100]                              # ratio exactly 1: ties inside the clip range
+    old[100:200] = logp[100:200] - torch.log(torch.tensor(1.2))   # ratio 1.2, on the default upper boundary
+    advantages = torch.randn(n, generator=gen)
+    advantages[200:250] = 0.0
+    terms = TokenTerms(
+        LossConfig(**options), advantages=advantages, weights=torch.rand(n, generator=gen) / n,
+        old_logps=None if on_policy else old, ref_logps=logp + 0.3 * torch.randn(n, generator=gen),
+        is_ratio=0.5 + torch.rand(n, generator=gen) if with_is_ratio else None,
+    )
+    terms = TokenTerms(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(terms).items()})
+    logp = logp.to(DEVICE)
+    expected = token_loss_grad(logp.double(), TokenTerms(**{
+        k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in vars(terms).items()}))
+    actual = policy_grad(logp, terms)
+    assert_close(actual, expected, 1e-5, atol=1e-9, name="dloss/dlogp")

@@ -1,6 +1,7 @@
 """The two executions of the chunk passes: `torch` (any device) and `triton` (CUDA, or the CPU interpreter).
 
-A backend module provides `bytes_per_logit(dtype)`, `stats_(buffer, targets, transform, need_entropy)` and
+A backend module provides `bytes_per_logit(dtype)`, `stats_(buffer, targets, transform, need_entropy)`,
+`policy_grad(logp, terms)` (d(loss)/d(logp) of token-level variants, see `grpo_fast.variants.TokenTerms`) and
 `dlogits_(buffer, state, targets, g_logp, g_entropy, transform)`. `stats_` may rewrite the buffer in a form only
 its own `dlogits_` reads, so the two are always called as a pair on the same buffer.
 """

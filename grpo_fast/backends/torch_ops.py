@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.variants import token_loss_grad
+
 
 @dataclass
 class ChunkState:
@@ -54,3 +56,8 @@ def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
         dlogits.mul_(1 - (z * (transform.temperature / transform.softcap)).square_())
     dlogits.mul_(transform.scale / transform.temperature)
     buffer.copy_(dlogits)
+
+
+def policy_grad(logp, terms):
+    """d(loss)/d(logp) per token: autograd over the loss math of grpo_fast.variants."""
+    return token_loss_grad(logp, terms)

@@ -9,6 +9,7 @@ import torch
 
 from grpo_fast.kernels import dlogits_ as _dlogits_kernel
 from grpo_fast.kernels import logprob_forward
+from grpo_fast.kernels import policy_grad as _policy_grad_kernel
 
 
 @dataclass
@@ -30,6 +31,10 @@ def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
         compute_entropy=need_entropy,
     )
     return ChunkState(lse, logp, entropy)
+
+
+def policy_grad(logp, terms):
+    return _policy_grad_kernel(logp.contiguous(), terms)
 
 
 def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
