@@ -83,3 +83,14 @@ def test_module_rejects_bad_config_at_construction():
         gf.GRPOLoss(loss_type="nope")
     with pytest.raises(ValueError, match="backend must be one of"):
         gf.GRPOLoss(backend="jax")
+
+
+def test_tensors_on_different_devices():
+    hidden, targets = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="hidden and weight must be on one device, got cpu and meta"):
+        gf.token_logprobs(hidden, torch.randn(10, 8, device="meta"), targets)
+    with pytest.raises(ValueError, match="targets must be on cpu like hidden, got meta"):
+        gf.token_logprobs(hidden, torch.randn(10, 8), targets.to("meta"))
+    inputs = make_batch()
+    with pytest.raises(ValueError, match="old_logps must be on .* like hidden, got meta"):
+        call(old_logps=inputs["old_logps"].to("meta"))
