@@ -41,3 +41,20 @@ def test_demo_runs_both_implementations_and_agrees():
 def test_cli_rejects_unknown_command():
     done = subprocess.run([sys.executable, "-m", "grpo_fast.cli", "nonsense"], capture_output=True, text=True)
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_gpu_check_script_on_cpu(tmp_path):
+    """benchmarks/gpu_check.py runs its correctness rows and a timing row; on CPU with the torch backend."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    status = gpu_check.main([str(tmp_path), "--device", "cpu", "--dtype", "float32", "--backend", "torch",
+                             "--shapes", "256x32x2000", "--repeats", "1"])
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert status == 0 and all(row["ok"] for row in result["checks"])
+    assert len(result["checks"]) == len(gpu_check.CHECKS)
+    (row,) = result["rows"]
+    assert row["fused_s"] > 0 and row["floor_s"] > 0
+    assert "| 256x32x2000 |" in (tmp_path / "gpu_check.md").read_text()
