@@ -190,8 +190,7 @@ def _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logp
     check_chunk_bytes(chunk_bytes)
     if config.beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta = {config.beta} > 0 needs ref_logps (the reference policy's log-probs), got None")
-    if backend not in backends.BACKENDS:
-        raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
+    backends.check_name(backend)
     batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
     check_target_range(batch.targets, weight.shape[0], batch.mask)
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
@@ -222,8 +221,7 @@ class GRPOLoss(nn.Module):
         )
         self.transform = check_transform(temperature, logit_scale, logit_softcap)
         check_chunk_bytes(chunk_bytes)
-        if backend not in backends.BACKENDS:
-            raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
+        backends.check_name(backend)
         self.chunk_bytes, self.backend = chunk_bytes, backend
 
     def forward(self, hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,

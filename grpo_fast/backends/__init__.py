@@ -27,10 +27,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve(backend: str, device: torch.device):
-    """The backend module for `backend` on `device`, with a clear error when it cannot run there."""
+def check_name(backend) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def resolve(backend: str, device: torch.device):
+    """The backend module for `backend` on `device`, with a clear error when it cannot run there."""
+    check_name(backend)
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "triton":
