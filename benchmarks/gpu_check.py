@@ -172,7 +172,7 @@ def main(argv=None) -> int:
             lines.append(f"| {r['shape']} | {r['error']} | | | | | |")
         else:
             lines.append(f"| {r['shape']} | {r['floor_s'] * 1e3:.1f} | {r['fused_s'] * 1e3:.1f} | "
-                         f"{r['fused_over_floor']:.2f} | {r['fused_tflops']:.0f} | {r['logprobs_no_grad_s'] * 1e3:.1f}"
+                         f"{r['fused_over_floor']:.2f} | {r['fused_tflops']:.3g} | {r['logprobs_no_grad_s'] * 1e3:.1f}"
                          f" | {r.get('fused_peak_mib', float('nan')):.0f} |")
     with open(os.path.join(args.out_dir, "gpu_check.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -124,9 +124,11 @@ def chunked_pass(
         if need_entropy:
             entropy[start:end] = state.entropy
         if not want_grads:
+            del state                                           # frees the backend's chunk temporaries
             continue
         g_logp, g_entropy = token_grads(start, end, state.logp, state.entropy)
         ops.dlogits_(y, state, targets[start:end], g_logp, g_entropy, transform)
+        del state
         if d_hidden is not None:
             torch.mm(y, weight, out=d_hidden[start:end])        # GEMM 2: d(hidden)
         if d_weight is not None:

@@ -12,14 +12,15 @@ from grpo_fast.variants import token_loss_grad
 
 @dataclass
 class ChunkState:
-    logits: torch.Tensor            # z (C, V) fp32: the transformed logits (aliases the buffer when it is fp32)
-    lse: torch.Tensor               # (C,) fp32
-    logp: torch.Tensor              # (C,) fp32
+    logits: torch.Tensor             # z (C, V): the transformed logits (aliases the buffer when it is fp32/fp64)
+    probs: torch.Tensor              # softmax(z) (C, V), reused by dlogits_
+    lse: torch.Tensor                # (C,) fp32
+    logp: torch.Tensor               # (C,) fp32
     entropy: Optional[torch.Tensor]  # (C,) fp32
 
 
 def bytes_per_logit(dtype: torch.dtype) -> int:
-    # The GEMM buffer, an fp32 copy when it is not fp32, and two fp32 temporaries (probabilities, one more).
+    # The GEMM buffer, an fp32 copy when it is not fp32, the probabilities and one more temporary.
     if dtype == torch.float64:
         return 8 * 3
     return torch.finfo(dtype).bits // 8 + (0 if dtype == torch.float32 else 4) + 8
@@ -33,18 +34,20 @@ def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
         z.div_(transform.softcap).tanh_().mul_(transform.softcap)
     if transform.temperature != 1.0:
         z.div_(transform.temperature)
-    lse = torch.logsumexp(z, dim=-1)
+    row_max = z.amax(dim=-1, keepdim=True)
+    probs = torch.sub(z, row_max).exp_()
+    sum_exp = probs.sum(dim=-1, keepdim=True)
+    lse = (row_max + sum_exp.log()).squeeze(1)
+    probs.div_(sum_exp)
     logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-    entropy = None
-    if need_entropy:
-        entropy = lse - torch.exp(z - lse[:, None]).mul_(z).sum(-1)   # H = lse - sum p z
-    return ChunkState(z, lse, logp, entropy)
+    entropy = lse - (probs * z).sum(-1) if need_entropy else None      # H = lse - sum p z
+    return ChunkState(z, probs, lse, logp, entropy)
 
 
 def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
     """buffer <- dL/dy = (g (onehot - p) - g_H p (z - lse + H)) * dz/dy."""
     z, lse = state.logits, state.lse
-    dlogits = torch.exp(z - lse[:, None])                   # p
+    dlogits = state.probs                                  # overwritten: the state is spent after this pass
     if g_entropy is None:
         dlogits.mul_(-g_logp[:, None])
     else:
