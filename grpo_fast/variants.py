@@ -11,7 +11,6 @@ gradient-accumulation steps (divide the returned loss yourself if you accumulate
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -109,9 +108,6 @@ class LossConfig:
     def token_separable(self) -> bool:
         """True when d(loss)/d(logp_t) depends on token t alone, so the fused path can produce it per chunk."""
         return self.importance_sampling_level == "token"
-
-    def replace(self, **changes) -> "LossConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def token_weights(mask: torch.Tensor, config: LossConfig, num_items_in_batch=None) -> torch.Tensor:
