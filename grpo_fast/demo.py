@@ -47,7 +47,7 @@ def _step(impl, inputs, backend):
 
 def worker(impl, tokens, hidden_size, vocab, dtype_name, device, backend, repeats) -> dict:
     """One implementation, measured in this process (called in a fresh subprocess by `measure`)."""
-    from grpo_fast.profiling import peak_rss_bytes, rss_bytes
+    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
 
     dtype = getattr(torch, dtype_name)
     inputs = _inputs(tokens, hidden_size, vocab, dtype, device)
@@ -59,7 +59,7 @@ def worker(impl, tokens, hidden_size, vocab, dtype_name, device, backend, repeat
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = max(rss_bytes(), peak_rss_bytes())
+        base = start_peak_rss()
     times = []
     for _ in range(repeats):
         inputs["hidden"].grad = inputs["weight"].grad = None

@@ -48,7 +48,31 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def reset_peak_rss() -> bool:
+    """Restart the peak-RSS count at the current RSS (Linux: /proc/self/clear_refs); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far."""
+    """Peak resident set size since the process started or since the last `reset_peak_rss`."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def start_peak_rss() -> int:
+    """Reset the peak count and return the baseline to subtract from a later `peak_rss_bytes()`."""
+    if reset_peak_rss():
+        return rss_bytes()
+    return max(rss_bytes(), peak_rss_bytes())   # without a reset the peak so far is the only safe baseline

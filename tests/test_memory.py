@@ -10,7 +10,7 @@ GIB = 2**30
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import grpo_fast as gf
-    from grpo_fast.profiling import peak_rss_bytes, rss_bytes
+    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
     torch.set_num_threads(2)
     N, H, V = 8192, 64, 32768           # fp32 logits: N * V * 4 bytes = 1 GiB
     gen = torch.Generator().manual_seed(0)
@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     # Warm up allocator and thread pools on a small problem first, so the measurement sees only the big one.
     gf.grpo_loss(hidden[:64], weight[:512], targets[:64] % 512, advantages[:64], mask[:64])[0].backward()
     hidden.grad = weight.grad = None
-    before = max(rss_bytes(), peak_rss_bytes())
+    before = start_peak_rss()
     loss, metrics = gf.grpo_loss(hidden, weight, targets, advantages, mask, backend=sys.argv[1])
     loss.backward()
     grads = (N * H + V * H) * 4

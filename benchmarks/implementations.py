@@ -1,0 +1,143 @@
+"""Every method the benchmarks compare, behind one interface: `step(batch) -> (loss, d_hidden, d_weight)`.
+
+All compute the same loss (dapo with the k3 KL, `LOSS` below) forward and backward through hidden and the
+LM-head weight, on the same inputs; they differ only in how the LM head and log-softmax are executed.
+Peers (TRL, Liger) are optional: when one is not importable its rows say so instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+import grpo_fast as gf
+from grpo_fast import reference
+from grpo_fast.variants import LossConfig, policy_loss
+
+LOSS = dict(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_high=0.28)
+TRL_VOCAB_CHUNK = 32768        # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16
+
+
+@dataclass
+class Batch:
+    hidden: torch.Tensor       # (B, T, H), requires grad
+    weight: torch.Tensor       # (V, H), requires grad
+    targets: torch.Tensor      # (B, T)
+    mask: torch.Tensor         # (B, T) bool
+    advantages: torch.Tensor   # (B,)
+    old_logps: torch.Tensor    # (B, T) fp32
+    ref_logps: torch.Tensor    # (B, T) fp32
+
+    @property
+    def num_items(self) -> torch.Tensor:
+        return self.mask.sum()
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    step: Callable                              # Batch -> (loss or None, d_hidden, d_weight)
+    requires: tuple = ()                        # modules that must be importable
+    devices: tuple = ("cpu", "cuda")
+    description: str = ""
+
+    def unavailable(self, device: str) -> Optional[str]:
+        """Why this implementation cannot run here, or None."""
+        if device.split(":")[0] not in self.devices:
+            return f"not for {device}"
+        for module in self.requires:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} not installed"
+        return None
+
+
+def backward(loss, batch):
+    d_hidden, d_weight = torch.autograd.grad(loss, (batch.hidden, batch.weight))
+    return loss.detach(), d_hidden, d_weight
+
+
+def loss_math(logp, entropy, batch):
+    """The same per-token loss and reduction for every two-stage method (log-probs first, then this)."""
+    config = LossConfig(**LOSS)
+    loss, _ = policy_loss(logp, entropy, batch.mask.float(), batch.advantages[:, None].float(),
+                          old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+                          num_items_in_batch=batch.num_items, config=config)
+    return loss
+
+
+def grpo_fast_fused(backend):
+    def step(batch):
+        loss, _ = gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask,
+                               old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+                               num_items_in_batch=batch.num_items, backend=backend, **LOSS)
+        return backward(loss, batch)
+    return step
+
+
+def grpo_fast_two_phase(batch):
+    """token_logprobs (4 GEMM passes with its backward) followed by the plain loss math."""
+    logp = gf.token_logprobs(batch.hidden, batch.weight, batch.targets.clamp(min=0))
+    return backward(loss_math(logp, None, batch), batch)
+
+
+def naive(batch):
+    """Full logits, fp32 log-softmax and gather, then the loss math: what TRL did before its fused head."""
+    loss, _ = reference.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask,
+                                  old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+                                  num_items_in_batch=batch.num_items, **LOSS)
+    return backward(loss, batch)
+
+
+def trl(batch):
+    """TRL 1.16's fused LM head (ChunkedLogProbFunction, as GRPOTrainer calls it) and then the loss math."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    mask = batch.mask
+    logp, entropy, *_ = ChunkedLogProbFunction.apply(
+        batch.hidden[mask], batch.weight, None, batch.targets[mask], 1.0, TRL_VOCAB_CHUNK, None, 1.0, ("entropy",))
+    logp = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
+    entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+    return backward(loss_math(logp, entropy, batch), batch)
+
+
+def liger(compiled):
+    modules = {}
+
+    def step(batch):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        if "loss" not in modules:
+            modules["loss"] = LigerFusedLinearGRPOLoss(
+                beta=LOSS["beta"], compiled=compiled, use_ref_model=True, epsilon_low=LOSS["epsilon_low"],
+                epsilon_high=LOSS["epsilon_high"], loss_type=LOSS["loss_type"])
+        loss, _ = modules["loss"](batch.hidden, batch.weight, batch.targets.clamp(min=0), batch.mask.long(),
+                                  batch.advantages, ref_per_token_logps=batch.ref_logps,
+                                  old_per_token_logps=batch.old_logps, num_items_in_batch=batch.num_items)
+        return backward(loss, batch)
+    return step
+
+
+def floor(batch):
+    """The three GEMMs no method can skip: logits, d(hidden), d(weight) (no loss)."""
+    hidden = batch.hidden.detach()[batch.mask]
+    weight = batch.weight.detach()
+    logits = hidden @ weight.t()
+    return None, logits @ weight, logits.t() @ hidden
+
+
+IMPLEMENTATIONS = {impl.name: impl for impl in [
+    Implementation("floor", floor, description="three plain matmuls of the same shapes"),
+    Implementation("grpo_fast", grpo_fast_fused("torch"), description="fused loss, torch backend"),
+    Implementation("grpo_fast[triton]", grpo_fast_fused("triton"), requires=("triton",), devices=("cuda",),
+                   description="fused loss, Triton backend"),
+    Implementation("grpo_fast_two_phase", grpo_fast_two_phase, description="token_logprobs, then the loss math"),
+    Implementation("naive", naive, description="full logits, fp32 log-softmax, gather"),
+    Implementation("trl", trl, requires=("trl",), description="TRL 1.16 ChunkedLogProbFunction + loss math"),
+    Implementation("liger", liger(compiled=False), requires=("liger_kernel",),
+                   description="LigerFusedLinearGRPOLoss, eager"),
+    Implementation("liger_compiled", liger(compiled=True), requires=("liger_kernel",),
+                   description="LigerFusedLinearGRPOLoss, torch.compile"),
+]}
