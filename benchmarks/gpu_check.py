@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--shapes", nargs="+", type=harness.Shape.parse, help="NxHxV (default: the GPU sweep)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     started = time.monotonic()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -119,7 +119,9 @@ def main(argv=None) -> int:
     shapes = args.shapes or harness.default_shapes(args.device, quick=False)
     names = harness.default_impls(args.device, quick=False)
     remaining = args.budget - (time.monotonic() - started)
-    harness.run(shapes, names, args.dtype, args.device, args.repeats, args.out_dir, time_budget=remaining)
+    command = "python -m grpo_fast.benchmarks.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
+    harness.run(shapes, names, args.dtype, args.device, args.repeats, args.out_dir, time_budget=remaining,
+                command=command)
     return 0 if all(c["ok"] for c in checks) else 1
 
 

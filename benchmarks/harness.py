@@ -268,7 +268,7 @@ def default_impls(device: str, quick: bool) -> list:
     return [name for name in names if device.split(":")[0] in IMPLEMENTATIONS[name].devices]
 
 
-def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, log=print) -> list:
+def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, log=print, command=None) -> list:
     from grpo_fast.demo import machine_name
 
     dtype = getattr(torch, dtype_name)
@@ -301,7 +301,7 @@ def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, l
     header = (f"# LM head + GRPO loss on {machine}\n\n{dtype_name}; dapo + k3 KL (beta 0.04), forward + backward "
               f"through hidden and weight; median of {repeats} after a warm-up. Errors are against the float64 "
               f"reference at N x H x V = {'x'.join(map(str, CHECK_SHAPE))}. Versions: {json.dumps(versions())}.\n\n"
-              f"Command: `grpo-fast bench {' '.join(sys.argv[2:]) if sys.argv[1:2] == ['bench'] else ''}`\n\n")
+              f"Command: `{command or 'python ' + ' '.join(sys.argv)}`\n\n")
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
         f.write(header + table + "\n")
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
@@ -339,7 +339,8 @@ def main(args) -> int:
     if "floor" not in names:
         names = ["floor", *names]
     out = args.out or os.path.join("benchmarks", "results", "gpu" if cuda else "cpu")
-    rows = run(shapes, names, dtype, args.device, repeats, out, args.time_budget)
+    rows = run(shapes, names, dtype, args.device, repeats, out, args.time_budget,
+               command="grpo-fast " + " ".join(sys.argv[1:]))
     return 0 if rows else 1
 
 
