@@ -43,11 +43,6 @@ def install_wheels(folder, log=print) -> None:
     log(f"installed {len(wheels)} wheels (exit {done.returncode}){': ' + done.stderr[-300:] if done.returncode else ''}")
 
 
-def rel_error(actual, expected) -> float:
-    expected = expected.double()
-    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
-
-
 def grads_of(fn, hidden, weight, data, options):
     hidden = hidden.detach().requires_grad_()
     weight = weight.detach().requires_grad_()
@@ -72,8 +67,8 @@ def check(dtype, device, backend, log=print) -> list:
         naive = grads_of(reference.grpo_loss, hidden, weight, data, options)
         row = {"options": options}
         for name, a, b, e in zip(("loss", "dhidden", "dweight"), ours, naive, exact):
-            row[f"{name}_error"] = rel_error(a, e)
-            row[f"{name}_naive_error"] = rel_error(b, e)
+            row[f"{name}_error"] = harness.relative_error(a, e)
+            row[f"{name}_naive_error"] = harness.relative_error(b, e)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         row["ok"] = all(row[f"{n}_error"] <= max(tol, 2 * row[f"{n}_naive_error"])
                         for n in ("loss", "dhidden", "dweight"))

@@ -75,7 +75,8 @@ def make_batch(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0, seq
     )
 
 
-def _relative_error(actual, expected) -> float:
+def relative_error(actual, expected) -> float:
+    """max |actual - expected| / max |expected|, in float64."""
     expected = expected.double()
     return ((actual.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
@@ -100,9 +101,9 @@ def check(name: str, dtype: torch.dtype, device: str) -> dict:
     exact.hidden.data.copy_(batch.hidden.detach().cpu())
     exact.weight.data.copy_(batch.weight.detach().cpu())
     ref_loss, ref_hidden, ref_weight = IMPLEMENTATIONS["naive"].step(exact)
-    result["loss_error"] = _relative_error(loss.cpu(), ref_loss)
-    result["grad_error"] = max(_relative_error(d_hidden.cpu(), ref_hidden),
-                               _relative_error(d_weight.cpu(), ref_weight))
+    result["loss_error"] = relative_error(loss.cpu(), ref_loss)
+    result["grad_error"] = max(relative_error(d_hidden.cpu(), ref_hidden),
+                               relative_error(d_weight.cpu(), ref_weight))
     return result
 
 
