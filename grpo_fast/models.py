@@ -1,0 +1,117 @@
+"""Hugging Face causal LMs without their logits: final hidden states and the LM head's parameters.
+
+    head = lm_head(model)                                    # weight, bias, logit_scale, logit_softcap
+    hidden = final_hidden_states(model, input_ids, attention_mask)        # (B, L, H), normed, no logits
+    logp = token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], **head.logit_kwargs(temperature=0.9))
+
+equals `log_softmax(model(input_ids).logits[:, :-1] / 0.9).gather(...)`. Works for PEFT-wrapped models and models
+wrapped by DDP / FSDP (`.module`), tied embeddings, Gemma 2's final soft-cap, Cohere's `logit_scale` and
+Granite's `logits_scaling`; an FSDP2 (DTensor) head is gathered once per call, a ZeRO-3 head inside
+`gathered_lm_head(model)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LMHead:
+    """What turns final hidden states into logits: z = softcap((h @ weight.T + bias) * logit_scale)."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    logit_scale: float = 1.0
+    logit_softcap: Optional[float] = None
+
+    def logit_kwargs(self, temperature: float = 1.0) -> dict:
+        """Keyword arguments of `token_logprobs` / `grpo_loss` for this head."""
+        return dict(bias=self.bias, logit_scale=self.logit_scale, logit_softcap=self.logit_softcap,
+                    temperature=temperature)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / FSDP / torch.compile / PEFT wrappers."""
+    while True:
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):   # PEFT
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):                # DDP, FSDP1, DeepSpeed
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):             # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def lm_head(model: nn.Module) -> LMHead:
+    """The LM-head parameters and logit transform of a Hugging Face causal LM (wrappers removed).
+
+    Raises TypeError when the model has no linear output embedding (e.g. a LoRA adapter on the head itself).
+    """
+    model = unwrap(model)
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.ndim != 2:
+        raise TypeError(f"model must have a linear output embedding (lm_head), got {type(head).__name__}")
+    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
+        raise TypeError("a PEFT adapter on the LM head itself is not supported: its logits are not h @ W^T + b")
+    config = _text_config(model.config)
+    scale = 1.0
+    if getattr(model, "logit_scale", None) is not None and not isinstance(model.logit_scale, nn.Module):
+        scale *= float(model.logit_scale)                          # Cohere: logits * logit_scale
+    if getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)                      # Granite: logits / logits_scaling
+    softcap = getattr(config, "final_logit_softcapping", None)     # Gemma 2: softcap * tanh(logits / softcap)
+    weight, bias = _full(head.weight), _full(getattr(head, "bias", None))
+    return LMHead(weight, bias, scale, None if softcap is None else float(softcap))
+
+
+def _full(param):
+    """A sharded FSDP2 parameter (DTensor) gathered once, differentiably; anything else as it is."""
+    if param is not None and hasattr(param, "full_tensor") and hasattr(param, "device_mesh"):
+        return param.full_tensor()
+    return param
+
+
+def gathered_lm_head(model: nn.Module):
+    """Context in which a DeepSpeed ZeRO-3 LM head is gathered (a no-op otherwise).
+
+    A fused loss reads the head's weight directly rather than through lm_head.forward, so ZeRO-3's gather hook
+    never fires: wrap `lm_head(model)` and the loss in this context, as TRL does for its own fused head.
+    """
+    head = unwrap(model).get_output_embeddings()
+    params = [p for p in (getattr(head, "weight", None), getattr(head, "bias", None)) if p is not None]
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (`model.model` for most): everything but the LM head."""
+    model = unwrap(model)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None:
+        decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        raise TypeError(f"cannot find the decoder of {type(model).__name__} (tried get_decoder and base_model_prefix)")
+    return decoder
+
+
+def final_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+    """(B, L, H) final normed hidden states, computed by the decoder alone: no logits are formed.
+
+    Call it with `model` itself (not the decoder) under DDP / FSDP so their hooks run: the decoder is reached
+    through the wrapper's own forward where one exists.
+    """
+    outputs = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    return outputs.last_hidden_state
