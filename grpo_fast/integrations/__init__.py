@@ -1,0 +1,1 @@
+"""Drop-ins for existing trainers and loss modules (Liger's GRPO loss signature)."""

@@ -1,0 +1,78 @@
+"""A drop-in for liger-kernel's `LigerFusedLinearGRPOLoss`: same constructor, forward and return structure.
+
+    from grpo_fast.integrations.liger import FusedLinearGRPOLoss as LigerFusedLinearGRPOLoss
+
+The loss and gradients are grpo_fast's fused loss (3 GEMM passes, no logits); the formulas are TRL 1.16's,
+which Liger follows, with one known difference: for luspo with a token-shaped term (beta > 0 or a per-token
+vLLM ratio) Liger divides by B * T, TRL 1.16 (and grpo_fast) by B.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from grpo_fast.logprobs import token_logprobs
+from grpo_fast.loss import GRPOLoss
+
+
+class FusedLinearGRPOLoss(nn.Module):
+    """`LigerFusedLinearGRPOLoss`'s interface over `grpo_fast.grpo_loss`.
+
+    Returns (loss, metrics) with metrics = (kl_mean, clip_ratio) when beta != 0, else (clip_ratio,), as Liger.
+    `compiled` and `chunk_size` are accepted for compatibility and ignored (grpo_fast sizes its own chunks);
+    loss_type="vespo" is not supported.
+    """
+
+    def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
+                 epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
+                 max_completion_length: Optional[int] = None, importance_sampling_level: str = "token",
+                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
+                 delta: Optional[float] = None, use_bias_correction_kl: bool = False, **vespo_options):
+        super().__init__()
+        unknown = set(vespo_options) - {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+        if loss_type == "vespo":
+            raise ValueError("loss_type='vespo' is not supported by grpo_fast; use liger-kernel for it")
+        if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo"):
+            raise ValueError(f"importance_sampling_level='sequence' is not supported for loss_type={loss_type!r}")
+        self.beta, self.use_ref_model, self.temperature = beta, use_ref_model, temperature
+        options = dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level,
+                       epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                       use_bias_correction_kl=use_bias_correction_kl, temperature=temperature,
+                       max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+                       sapo_temperature_neg=sapo_temperature_neg)
+        self.with_kl = GRPOLoss(beta=beta, **options)
+        self.without_kl = GRPOLoss(beta=0.0, **options)
+
+    def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
+                ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None,
+                ref_bias=None, vllm_is_ratio=None, num_items_in_batch=None):
+        """_input (B, T, H), lin_weight (V, H), selected_token_ids / attention_mask / log-probs (B, T),
+        advantages (B,), vllm_is_ratio (B,), (B, 1) or (B, T)."""
+        mask = attention_mask.bool()
+        ref = None
+        if self.beta != 0.0 and self.use_ref_model:
+            ref = ref_per_token_logps
+            if ref is None and ref_input is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(ref_input, lin_weight if ref_weight is None else ref_weight,
+                                         torch.where(mask, selected_token_ids, 0), bias=ref_bias,
+                                         temperature=self.temperature)
+        if vllm_is_ratio is not None:
+            vllm_is_ratio = vllm_is_ratio.reshape(mask.shape[0], -1).expand(mask.shape).float()
+        # Without reference log-probs Liger takes ref = logp.detach(): a KL of exactly 0 with zero gradient.
+        loss_fn = self.with_kl if ref is not None else self.without_kl
+        loss, metrics = loss_fn(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,
+                                old_logps=old_per_token_logps, ref_logps=ref, is_ratio=vllm_is_ratio,
+                                num_items_in_batch=num_items_in_batch)
+        clip_ratio = metrics.get("clip_ratio/region_mean", metrics.get("cispo_clip_ratio"))
+        if clip_ratio is None:                       # sapo has no clipping
+            clip_ratio = torch.zeros((), device=loss.device)
+        if self.beta == 0.0:
+            return loss, (clip_ratio,)
+        kl = metrics.get("kl", torch.zeros((), device=loss.device))
+        return loss, (kl, clip_ratio)
