@@ -64,14 +64,26 @@ def lm_head(model: nn.Module) -> LMHead:
     if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         raise TypeError("a PEFT adapter on the LM head itself is not supported: its logits are not h @ W^T + b")
     config = _text_config(model.config)
-    scale = 1.0
-    if getattr(model, "logit_scale", None) is not None and not isinstance(model.logit_scale, nn.Module):
-        scale *= float(model.logit_scale)                          # Cohere: logits * logit_scale
-    if getattr(config, "logits_scaling", None):
-        scale /= float(config.logits_scaling)                      # Granite: logits / logits_scaling
+    scale = logit_scale(config)
     softcap = getattr(config, "final_logit_softcapping", None)     # Gemma 2: softcap * tanh(logits / softcap)
     weight, bias = _full(head.weight), _full(getattr(head, "bias", None))
     return LMHead(weight, bias, scale, None if softcap is None else float(softcap))
+
+
+def logit_scale(config) -> float:
+    """The factor a model's forward applies to h @ W^T (before any soft-cap), read from its config.
+
+    Cohere: logit_scale; Falcon-H1: lm_head_multiplier; output_multiplier where a family names it so; Granite and
+    MiniCPM3 divide by logits_scaling (HyperCLOVA X multiplies by it).
+    """
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        return float(scaling) if getattr(config, "model_type", "") == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
 
 
 def _full(param):
@@ -97,13 +109,12 @@ def gathered_lm_head(model: nn.Module):
 
 
 def backbone(model: nn.Module) -> nn.Module:
-    """The decoder stack of a causal LM (`model.model` for most): everything but the LM head."""
+    """Everything but the LM head (`model.base_model`: `model.model` for most causal LMs, the multimodal stack
+    for vision-language models), returning `last_hidden_state`."""
     model = unwrap(model)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None:
-        decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    decoder = getattr(model, "base_model", None)
     if not isinstance(decoder, nn.Module) or decoder is model:
-        raise TypeError(f"cannot find the decoder of {type(model).__name__} (tried get_decoder and base_model_prefix)")
+        raise TypeError(f"cannot find the backbone of {type(model).__name__} (its base_model_prefix attribute)")
     return decoder
 
 

@@ -1,0 +1,82 @@
+"""FastGRPOTrainer against TRL 1.16's GRPOTrainer: same seed, same tiny model, a few optimizer steps.
+
+Tolerances: logged losses, grad norms and entropies within 1e-4 relative (1e-7 absolute); updated weights within
+1e-4 absolute. Both heads' gradients agree with the float64 reference to ~1e-6, but AdamW divides each gradient by
+its running magnitude, so elements whose gradient is near zero amplify those differences: 1e-4 is 0.5% of the
+largest possible update (2 steps at lr 1e-2).
+"""
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from grpo_fast.integrations import trl as dropin  # noqa: E402
+from trl_setup import run_grpo, tiny_model  # noqa: E402
+
+CONFIGS = {
+    "dapo": dict(),
+    "grpo": dict(loss_type="grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "sapo": dict(loss_type="sapo"),
+    "gspo_sequence": dict(importance_sampling_level="sequence", loss_type="grpo"),
+    "luspo": dict(importance_sampling_level="sequence", loss_type="luspo"),
+    "beta_kl": dict(beta=0.1),
+    "grad_accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
+    "num_iterations": dict(num_iterations=2, epsilon_high=0.28),
+    "entropy_bonus_temperature": dict(entropy_coef=0.01, temperature=0.7),
+}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts grpo_fast's log-prob calls, so a silent fallback to TRL's head would fail the test."""
+    count = {"n": 0}
+    original = dropin.token_logprobs
+
+    def counting(*args, **kwargs):
+        count["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dropin, "token_logprobs", counting)
+    return count
+
+
+def logged(trainer, key):
+    return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_grpo_trainer(name, tmp_path, calls):
+    config = CONFIGS[name]
+    steps = 3 if name in ("num_iterations", "grad_accumulation") else 2
+    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
+    assert calls["n"] == 0
+    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
+    assert calls["n"] > 0, "grpo_fast's head was not used"
+    for key in ("loss", "grad_norm", "entropy"):
+        torch.testing.assert_close(torch.tensor(logged(actual, key)), torch.tensor(logged(expected, key)),
+                                   rtol=1e-4, atol=1e-7, msg=key)
+    if config.get("beta"):
+        torch.testing.assert_close(torch.tensor(logged(actual, "kl")), torch.tensor(logged(expected, "kl")),
+                                   rtol=1e-4, atol=1e-7)
+    for (param_name, ours), theirs in zip(actual.model.named_parameters(), expected.model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4, msg=param_name)
+    initial = tiny_model(len(actual.processing_class)).state_dict()
+    moved = max((p - initial[n]).abs().max().item() for n, p in actual.model.named_parameters())
+    assert moved > 1e-4, "training did not change the weights, so the comparison shows nothing"
+
+
+def test_patch_existing_trainer_is_idempotent(tmp_path, calls):
+    trainer = run_grpo(trl.GRPOTrainer, tmp_path, steps=1)
+    forward = trainer.model.forward
+    dropin.patch_grpo_trainer(trainer)
+    assert trainer.model.forward is not forward
+    patched = trainer.model.forward
+    dropin.patch_grpo_trainer(trainer)
+    assert trainer.model.forward is patched
+    trainer.args.max_steps = 2
+    trainer.train()
+    assert calls["n"] > 0
