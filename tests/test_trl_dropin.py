@@ -80,3 +80,17 @@ def test_patch_existing_trainer_is_idempotent(tmp_path, calls):
     trainer.args.max_steps = 2
     trainer.train()
     assert calls["n"] > 0
+
+
+def test_example_learns(tmp_path):
+    """examples/trl_grpo.py runs on CPU and its reward rises (the drop-in trains, not only runs)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "trl_grpo.py")
+    done = subprocess.run([sys.executable, script, "--steps", "100"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, last = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", done.stdout).groups())
+    assert last > first + 0.5, done.stdout
