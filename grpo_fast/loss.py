@@ -46,8 +46,12 @@ def _scatter(values, index, shape):
 
 
 def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, transform: LogitTransform, *,
-                      num_items_in_batch=None, chunk_bytes=None, backend="auto"):
-    """The policy loss of `batch`; see `grpo_loss`. Inputs already checked."""
+                      num_items_in_batch=None, chunk_bytes=None, backend="auto", token_stats=None):
+    """The policy loss of `batch`; see `grpo_loss`. Inputs already checked.
+
+    token_stats: an optional dict that receives the detached (B, T) "logp" and "entropy" (zero off the mask),
+    for callers that log per-token metrics of their own (the TRL integration).
+    """
     hidden, mask = batch.hidden, batch.mask
     shape = tuple(mask.shape)
     ops = backends.resolve(backend, hidden.device)
@@ -62,8 +66,11 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     mask_f = mask.to(batch.advantages.dtype)
 
     def loss_from(logp_c, entropy_c):
+        logp, entropy = _scatter(logp_c, index, shape), _scatter(entropy_c, index, shape)
+        if token_stats is not None:
+            token_stats.update(logp=logp.detach(), entropy=entropy.detach())
         return policy_loss(
-            _scatter(logp_c, index, shape), _scatter(entropy_c, index, shape), mask_f, batch.advantages,
+            logp, entropy, mask_f, batch.advantages,
             old_logps=batch.old_logps, ref_logps=batch.ref_logps, is_ratio=batch.is_ratio,
             num_items_in_batch=num_items_in_batch, config=config,
         )
@@ -185,7 +192,7 @@ def grpo_loss(
 
 
 def _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
-                  num_items_in_batch, config, transform, chunk_bytes, backend):
+                  num_items_in_batch, config, transform, chunk_bytes, backend, token_stats=None):
     check_lm_head(hidden, weight, bias, targets)
     check_chunk_bytes(chunk_bytes)
     if config.beta != 0.0 and ref_logps is None:
@@ -196,7 +203,7 @@ def _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logp
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch!r}")
     return fused_policy_loss(batch, weight, bias, config, transform, num_items_in_batch=num_items_in_batch,
-                             chunk_bytes=chunk_bytes, backend=backend)
+                             chunk_bytes=chunk_bytes, backend=backend, token_stats=token_stats)
 
 
 class GRPOLoss(nn.Module):

@@ -30,17 +30,22 @@ CONFIGS = {
 }
 
 
+FUSED = {name for name, config in CONFIGS.items() if config.get("importance_sampling_level") != "sequence"}
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts grpo_fast's log-prob calls, so a silent fallback to TRL's head would fail the test."""
-    count = {"n": 0}
-    original = dropin.token_logprobs
+    """Counts grpo_fast's log-prob and fused-loss calls, so a silent fallback to TRL would fail the tests."""
+    count = {"logprobs": 0, "fused_loss": 0}
 
-    def counting(*args, **kwargs):
-        count["n"] += 1
-        return original(*args, **kwargs)
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            count[name] += 1
+            return original(*args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(dropin, "token_logprobs", counting)
+    monkeypatch.setattr(dropin, "token_logprobs", counting("logprobs", dropin.token_logprobs))
+    monkeypatch.setattr(dropin, "_checked_loss", counting("fused_loss", dropin._checked_loss))
     return count
 
 
@@ -53,15 +58,17 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
     config = CONFIGS[name]
     steps = 3 if name in ("num_iterations", "grad_accumulation") else 2
     expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
-    assert calls["n"] == 0
+    assert calls == {"logprobs": 0, "fused_loss": 0}
     actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
-    assert calls["n"] > 0, "grpo_fast's head was not used"
-    for key in ("loss", "grad_norm", "entropy"):
+    if name in FUSED:
+        assert calls["fused_loss"] > 0, "the fused loss was not used"
+    else:
+        assert calls["fused_loss"] == 0 and calls["logprobs"] > 0, "TRL's loss on grpo_fast log-probs expected"
+    keys = ["loss", "grad_norm", "entropy"] + [k for k in expected.state.log_history[0]
+                                             if k.startswith(("clip_ratio", "cispo", "policy_loss", "kl"))]
+    for key in keys:
         torch.testing.assert_close(torch.tensor(logged(actual, key)), torch.tensor(logged(expected, key)),
                                    rtol=1e-4, atol=1e-7, msg=key)
-    if config.get("beta"):
-        torch.testing.assert_close(torch.tensor(logged(actual, "kl")), torch.tensor(logged(expected, "kl")),
-                                   rtol=1e-4, atol=1e-7)
     for (param_name, ours), theirs in zip(actual.model.named_parameters(), expected.model.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4, msg=param_name)
     initial = tiny_model(len(actual.processing_class)).state_dict()
@@ -79,7 +86,7 @@ def test_patch_existing_trainer_is_idempotent(tmp_path, calls):
     assert trainer.model.forward is patched
     trainer.args.max_steps = 2
     trainer.train()
-    assert calls["n"] > 0
+    assert calls["logprobs"] > 0
 
 
 def test_example_learns(tmp_path):

@@ -3,12 +3,13 @@
     from grpo_fast.integrations.trl import FastGRPOTrainer      # same constructor as trl.GRPOTrainer
     trainer = FastGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
 
-or, for a trainer that already exists, `patch_grpo_trainer(trainer)`. TRL 1.16 scores completions through a
-fused LM head it patches onto the model (`model(..., labels=..., fused_lm_head=True)`); this replaces that head
-with grpo_fast's, keeping the same contract, so every TRL semantic (loss types, normalizers, gradient
-accumulation, vLLM importance sampling, off-policy mask, entropy mask and bonus, KL bias correction) stays TRL's
-own code. Calls grpo_fast cannot serve (vision-language inputs, MoE router logits) go to TRL's head, with one
-warning.
+or, for a trainer that already exists, `patch_grpo_trainer(trainer)` (log-probs only). TRL 1.16 scores
+completions through a fused LM head it patches onto the model (`model(..., labels=..., fused_lm_head=True)`);
+this replaces that head with grpo_fast's under the same contract, so the old, reference and training log-probs
+and entropies come from grpo_fast. FastGRPOTrainer also computes the training loss itself, fused (3 GEMM passes),
+wherever TRL's options allow it (`FastGRPOTrainer.fused_loss_unsupported` says when not), reproducing TRL's
+formulas, normalizers and logged metrics; otherwise TRL's own loss code runs on grpo_fast's log-probs. Calls
+grpo_fast cannot serve (vision-language inputs, MoE router logits) go to TRL's head, with one warning.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import warnings
 
 import torch
 
+from grpo_fast.chunked import LogitTransform
 from grpo_fast.logprobs import token_logprobs
+from grpo_fast.loss import _checked_loss
 from grpo_fast.models import backbone, lm_head
+from grpo_fast.variants import LOSS_TYPES, LossConfig
 
 try:
     from trl import GRPOTrainer
-    from trl.trainer.utils import FusedCausalLMOutput
+    from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 except ImportError as error:  # pragma: no cover - exercised only without trl
     raise ImportError("grpo_fast.integrations.trl needs trl (pip install 'trl==1.16.0')") from error
 
@@ -44,14 +48,16 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
     """Make `model(..., labels=labels, fused_lm_head=True)` return grpo_fast's log-probs and entropies.
 
     `model` is a transformers causal LM whose forward TRL has already patched (`add_fused_lm_head`); calls
-    without `fused_lm_head=True`, and the ones grpo_fast does not serve, go to that forward unchanged.
+    without `fused_lm_head=True`, and the ones grpo_fast does not serve, go to that forward unchanged. With
+    `grpo_fast_loss=fn` the forward returns `fn(hidden, weight, bias, head)` instead, hidden being the
+    next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward.
     """
     trl_forward = model.forward
     warned = set()
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                **kwargs):
+                grpo_fast_loss=None, **kwargs):
         reason = _unsupported(self, kwargs) if fused_lm_head else None
         if not fused_lm_head or reason:
             if reason and reason not in warned:
@@ -62,20 +68,24 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
         kwargs["use_cache"] = False
         hidden = backbone(self)(*args, **kwargs).last_hidden_state
         if shift_labels is None:
-            hidden, labels = hidden[:, :-1], labels[:, 1:]
+            hidden = hidden[:, :-1]
+            labels = None if labels is None else labels[:, 1:]
         else:
             labels = shift_labels
         head = lm_head(self)
         weight, bias = head.weight, head.bias
-        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+        hidden = hidden.to(weight.device)
         if cast_lm_head_to_fp32:
             hidden, weight = hidden.float(), weight.float()
             bias = None if bias is None else bias.float()
         elif hidden.dtype != weight.dtype:          # under autocast the head runs in the activations' dtype
             weight = weight.to(hidden.dtype)
             bias = None if bias is None else bias.to(hidden.dtype)
-        mask = labels != -100
         with torch.autocast(hidden.device.type, enabled=False):
+            if grpo_fast_loss is not None:
+                return grpo_fast_loss(hidden, weight, bias, head)
+            labels = labels.to(weight.device)
+            mask = labels != -100
             logp, entropy = token_logprobs(hidden[mask], weight, labels[mask], bias=bias, temperature=temperature,
                                            logit_scale=head.logit_scale, logit_softcap=head.logit_softcap,
                                            return_entropy=True)
@@ -107,8 +117,118 @@ def patch_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
 
 
 class FastGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` (same constructor) whose per-token log-probs and entropies come from grpo_fast."""
+    """`trl.GRPOTrainer` (same constructor) with grpo_fast's log-probs, entropies and, where TRL's options allow,
+    its fused loss: the gradient computed with the logits, 3 GEMM passes over the LM head instead of 4.
+
+    The fused loss serves token-level importance sampling with every loss type of `grpo_fast.LOSS_TYPES`, KL,
+    delta, the vLLM importance-sampling ratio, a static entropy bonus and gradient accumulation. Anything else
+    (sequence level, vespo, off-policy mask, entropy masks, adaptive entropy, MoE aux loss, vision-language
+    inputs) runs TRL's own loss on grpo_fast log-probs.
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         patch_grpo_trainer(self)
+
+    def fused_loss_unsupported(self, inputs) -> str | None:
+        """Why this batch needs TRL's loss code, or None when the fused loss reproduces it."""
+        if self.importance_sampling_level != "token":
+            return "sequence-level importance sampling"
+        if self.loss_type not in LOSS_TYPES:
+            return f"loss_type={self.loss_type!r}"
+        if self.off_policy_mask_threshold is not None:
+            return "off_policy_mask_threshold"
+        if self.top_entropy_quantile < 1.0:
+            return "top_entropy_quantile < 1"
+        if getattr(self, "use_adaptive_entropy", False):
+            return "adaptive entropy"
+        if self.aux_loss_enabled:
+            return "MoE aux loss"
+        if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
+            return "vision-language inputs"
+        return None
+
+    def _compute_loss(self, model, inputs):
+        if self.fused_loss_unsupported(inputs):
+            return super()._compute_loss(model, inputs)
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        per_token_normalized = self.loss_type in ("dapo", "cispo")
+        num_items = None
+        if per_token_normalized:        # TRL: the generation batch's token count, per process and window
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * accumulation / self.args.steps_per_generation
+        entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        if per_token_normalized:        # TRL divides the bonus, not the dapo / cispo term, by accumulation
+            entropy_coef = entropy_coef / accumulation
+        is_ratio = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_ratio = inputs["importance_sampling_ratio"].expand(mask.shape)
+        config = LossConfig(
+            loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            delta=self.args.delta, beta=self.beta, use_bias_correction_kl=self.args.use_bias_correction_kl,
+            sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
+            entropy_coef=entropy_coef, max_completion_length=self.max_completion_length,
+        )
+        old_logps, ref_logps = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps")
+        stats = {}
+
+        def loss_on_hidden(hidden, weight, bias, head):
+            transform = LogitTransform(head.logit_scale, head.logit_softcap, self.temperature)
+            return _checked_loss(hidden[:, -completion_ids.size(1):], weight, completion_ids, inputs["advantages"],
+                                 mask, old_logps, ref_logps, bias, is_ratio, num_items, config, transform, None,
+                                 "auto", token_stats=stats)
+
+        loss, _ = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
+                        grpo_fast_loss=loss_on_hidden)
+        policy_loss = loss.detach()
+        if not per_token_normalized:
+            loss = loss / accumulation
+        self._log_metrics(mode, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
+                          policy_loss + entropy_coef * _mean(stats["entropy"], mask))
+        return loss
+
+    def _log_metrics(self, mode, logp, entropy, mask, inputs, old_logps, ref_logps, policy_loss):
+        """The metrics TRL's `_compute_loss` logs, from the detached per-token values of the fused loss."""
+        mask = mask.float()
+        gather, metrics = self.accelerator.gather, self._metrics[mode]
+
+        def global_masked_mean(x):
+            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        ratio = torch.exp(logp - (logp if old_logps is None else old_logps))
+        if self.beta != 0.0:
+            kl = torch.exp(ref_logps - logp) - (ref_logps - logp) - 1
+            metrics["kl"].append(global_masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
+        metrics["entropy"].append(global_masked_mean(entropy))
+        if self.loss_type == "cispo":
+            clipped = (ratio > self.epsilon_high) & (advantages > 0)
+            metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))
+        elif self.loss_type != "sapo":
+            if self.args.delta is not None:          # TRL flags clipping on the delta-capped ratio
+                ratio = torch.clamp(ratio, max=self.args.delta)
+            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
+            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
+            metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+            metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+            metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+            per_sequence = lambda x: (x * mask).sum(-1) / mask.sum(-1)  # noqa: E731  (NaN for empty rows)
+            metrics["clip_ratio/low_min"].append(nanmin(gather(per_sequence(low))).item())
+            metrics["clip_ratio/high_max"].append(nanmax(gather(per_sequence(high))).item())
+        if self._entropy_bonus_enabled:
+            metrics["policy_loss"].append(gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                metrics["entropy_coef"].append(self.entropy_coef)
+
+
+def _mean(values, mask):
+    mask = mask.float()
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
