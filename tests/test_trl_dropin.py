@@ -76,6 +76,25 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
     assert moved > 1e-4, "training did not change the weights, so the comparison shows nothing"
 
 
+def test_lora_matches_grpo_trainer(tmp_path, calls):
+    """A LoRA run: the LM head is frozen, so the fused loss skips its weight GEMM; adapters train alike."""
+    peft = pytest.importorskip("peft")
+    def lora():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", peft_config=lora(), beta=0.1)
+    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", peft_config=lora(), beta=0.1)
+    assert calls["fused_loss"] > 0
+    for key in ("loss", "grad_norm", "kl"):
+        torch.testing.assert_close(torch.tensor(logged(actual, key)), torch.tensor(logged(expected, key)),
+                                   rtol=1e-4, atol=1e-7, msg=key)
+    trained = [(n, p) for n, p in actual.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, _ in trained)
+    reference = dict(expected.model.named_parameters())
+    for name, param in trained:
+        torch.testing.assert_close(param, reference[name], rtol=0, atol=1e-4, msg=name)
+
+
 def test_patch_existing_trainer_is_idempotent(tmp_path, calls):
     trainer = run_grpo(trl.GRPOTrainer, tmp_path, steps=1)
     forward = trainer.model.forward

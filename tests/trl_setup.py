@@ -30,7 +30,7 @@ def length_reward(completions, **kwargs):
     return [float(len(c)) / 8.0 for c in completions]
 
 
-def run_grpo(trainer_cls, output_dir, steps=2, **config):
+def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, **config):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -44,6 +44,6 @@ def run_grpo(trainer_cls, output_dir, steps=2, **config):
                    save_strategy="no")
     args = GRPOConfig(output_dir=str(output_dir), **{**options, **config})
     trainer = trainer_cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
     return trainer
