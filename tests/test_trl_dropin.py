@@ -120,3 +120,21 @@ def test_example_learns(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     first, last = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", done.stdout).groups())
     assert last > first + 0.5, done.stdout
+
+
+def test_unsupported_inputs_go_to_trls_head(tmp_path):
+    """Vision-language inputs and ZeRO-3 heads are scored by TRL's own head, with one warning each."""
+    trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path, steps=1)
+    model = trainer.model
+    assert dropin._unsupported(model, {"pixel_values": torch.zeros(1)}) == "vision-language inputs"
+    assert dropin._unsupported(model, {}) is None
+    model.lm_head.weight.ds_id = 7                     # what DeepSpeed ZeRO-3 marks its parameters with
+    try:
+        assert dropin._unsupported(model, {}) == "DeepSpeed ZeRO-3 LM heads"
+        assert trainer.fused_loss_unsupported({}) == "DeepSpeed ZeRO-3 LM head"
+        ids = torch.randint(0, 200, (1, 6))
+        with pytest.warns(UserWarning, match="ZeRO-3 LM heads are scored by TRL"):
+            out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        assert out.log_probs.shape == (1, 5)
+    finally:
+        del model.lm_head.weight.ds_id

@@ -9,7 +9,8 @@ this replaces that head with grpo_fast's under the same contract, so the old, re
 and entropies come from grpo_fast. FastGRPOTrainer also computes the training loss itself, fused (3 GEMM passes),
 wherever TRL's options allow it (`FastGRPOTrainer.fused_loss_unsupported` says when not), reproducing TRL's
 formulas, normalizers and logged metrics; otherwise TRL's own loss code runs on grpo_fast's log-probs. Calls
-grpo_fast cannot serve (vision-language inputs, MoE router logits) go to TRL's head, with one warning.
+grpo_fast cannot serve (vision-language inputs, MoE router logits, a DeepSpeed ZeRO-3 head) go to TRL's head,
+with one warning.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "i
                     "image_position_ids", "token_type_ids", "mm_token_type_ids")
 
 
+def _zero3_head(model) -> bool:
+    head = model.get_output_embeddings()
+    return any(hasattr(p, "ds_id") for p in (getattr(head, "weight", None), getattr(head, "bias", None)))
+
+
 def _unsupported(model, kwargs) -> str | None:
+    if _zero3_head(model):     # partitioned parameters: TRL's head gathers them around its own autograd function
+        return "DeepSpeed ZeRO-3 LM heads"
     if any(kwargs.get(key) is not None for key in _MULTIMODAL_KEYS):
         return "vision-language inputs"
     if kwargs.get("output_router_logits") or getattr(model.config.get_text_config(), "output_router_logits", False):
@@ -146,6 +154,8 @@ class FastGRPOTrainer(GRPOTrainer):
             return "MoE aux loss"
         if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
             return "vision-language inputs"
+        if _zero3_head(_target(self.accelerator.unwrap_model(self.model))):
+            return "DeepSpeed ZeRO-3 LM head"
         return None
 
     def _compute_loss(self, model, inputs):
