@@ -1,0 +1,94 @@
+"""Each reward on fixed strings, including an <answer> that holds a bare number with no LaTeX."""
+
+import math
+import threading
+
+import pytest
+
+from grpo_fast import rewards as R
+
+pytest.importorskip("math_verify")
+
+GOOD = "<think>\nStep 1: add.\nStep 2: check.\n</think>\n<answer>\n18\n</answer>"
+
+
+def test_accuracy_bare_number_latex_boxed_and_wrong():
+    completions = [GOOD, "<answer>\n$18$\n</answer>", "so \\boxed{18}", "<answer>\n17\n</answer>",
+                   [{"role": "assistant", "content": "<answer>\n18\n</answer>"}]]
+    assert R.accuracy_reward(completions, solution=["18"] * 5) == [1.0, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_accuracy_skips_unparseable_gold():
+    assert R.accuracy_reward(["<answer>\n1\n</answer>"], solution=["no number here"]) == [None]
+
+
+def test_accuracy_off_the_main_thread():
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=R.accuracy_reward([GOOD], solution=["$18$"])))
+    thread.start()
+    thread.join()
+    assert out["r"] == [1.0]
+
+
+def test_format_and_tag_count():
+    assert R.format_reward([GOOD, "<answer>\n18\n</answer>", GOOD + " trailing"]) == [1.0, 0.0, 0.0]
+    assert R.tag_count_reward([GOOD, "<think>\nx\n</think>\n", "nothing"]) == [1.0, 0.5, 0.0]
+
+
+def test_reasoning_steps():
+    assert R.reasoning_steps_reward(["Step 1: a\nStep 2: b\nStep 3: c", "First, x. Finally, y.", "none"]) == \
+        [1.0, pytest.approx(2 / 3), 0.0]
+
+
+def test_length_reward():
+    completions = ["<answer>\n18\n</answer>", "<answer>\n18\n</answer> with more words", "<answer>\n17\n</answer>"]
+    assert R.length_reward(completions, solution=["18"] * 3) == [0.5, -0.5, 0.0]
+    assert R.length_reward(["a", "b"], solution=["1", "1"]) == [0.0, 0.0]
+
+
+def test_cosine_scaled_reward():
+    reward = R.cosine_scaled_reward(max_len=100)
+    short_right, short_wrong = "<answer>\n18\n</answer>", "<answer>\n17\n</answer>"
+    right, wrong = reward([short_right, short_wrong], solution=["18", "18"])
+    cosine = math.cos(len(short_right) / 100 * math.pi)
+    assert right == pytest.approx(0.5 + 0.25 * (1 + cosine))
+    assert wrong == pytest.approx(-0.5 + 0.5 * (-1.0 + 0.5) * (1 + cosine))
+    assert reward(["x"], solution=["no gold"]) == [1.0]
+
+
+def test_repetition_penalty():
+    reward = R.repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)
+    assert reward(["a b a b a b", "a b c d", "a"]) == [pytest.approx(-(1 - 2 / 5)), 0.0, 0.0]
+    with pytest.raises(ValueError, match="max_penalty must be <= 0"):
+        R.repetition_penalty_reward(max_penalty=0.5)
+
+
+def test_weighted_sum_and_skips():
+    def half(completions, **_):
+        return [0.5] * len(completions)
+
+    def skipper(completions, **_):
+        return [None, 1.0]
+
+    assert R.weighted_rewards([half, skipper], [2.0, 1.0], ["a", "b"]) == [1.0, 2.0]
+    assert math.isnan(R.weighted_rewards([skipper], None, ["a", "b"])[0])
+    with pytest.raises(ValueError, match="weights must match"):
+        R.weighted_rewards([half], [1.0, 2.0], ["a"])
+
+
+def test_failing_reward_names_itself():
+    def broken(completions, **_):
+        raise KeyError("solution")
+
+    with pytest.raises(RuntimeError, match="reward broken failed on a batch of 2 completions"):
+        R.weighted_rewards([broken], None, ["a", "b"])
+
+
+def test_load_reward():
+    assert R.load_reward("format") is R.format_reward
+    assert R.load_reward("grpo_fast.rewards:tag_count_reward") is R.tag_count_reward
+    assert R.load_reward("repetition_penalty", ngram_size=2)(["a b a b"]) == [pytest.approx(-1 / 3)]
+    with pytest.raises(ValueError, match="reward must be one of"):
+        R.load_reward("nope")
+    with pytest.raises(ValueError, match="cannot load reward"):
+        R.load_reward("grpo_fast.rewards:nope")
