@@ -164,7 +164,9 @@ class FastGRPOTrainer(GRPOTrainer):
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         per_token_normalized = self.loss_type in ("dapo", "cispo")

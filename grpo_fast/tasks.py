@@ -1,0 +1,58 @@
+"""Prompt sources: a built-in arithmetic task generated in code, and JSONL files of prompts with solutions.
+
+A sample is a dict with "prompt" (text) and "solution" (the gold answer, a string math-verify can parse).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def arithmetic_task(num_samples: int, *, seed: int = 0, max_operand: int = 20, operations: str = "+-") -> list:
+    """`num_samples` problems "a op b =" with their answers, reproducible from `seed`."""
+    if num_samples <= 0 or max_operand <= 0:
+        raise ValueError(f"num_samples and max_operand must be positive, got {num_samples} and {max_operand}")
+    unknown = set(operations) - set("+-*")
+    if not operations or unknown:
+        raise ValueError(f"operations must be a non-empty string of + - *, got {operations!r}")
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(num_samples):
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(operations)
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        samples.append({"prompt": f"{a}{op}{b}=", "solution": str(value)})
+    return samples
+
+
+def extract_answer(text: str):
+    """The answer in a completion: the <answer> block if present, else the last number; None if neither."""
+    match = ANSWER_RE.search(text)
+    if match:
+        return match.group(1).strip()
+    numbers = NUMBER_RE.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def load_jsonl(path: str, *, prompt_key: str = "prompt", solution_key: str = "solution") -> list:
+    """Samples from a JSONL file; a line without the keys raises an error naming the file, line and key."""
+    samples = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+            for key in (prompt_key, solution_key):
+                if key not in record:
+                    raise ValueError(f"{path}:{number}: missing key {key!r} (has {sorted(record)})")
+            samples.append({"prompt": record[prompt_key], "solution": str(record[solution_key])})
+    if not samples:
+        raise ValueError(f"{path}: no samples")
+    return samples

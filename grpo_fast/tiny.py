@@ -1,0 +1,54 @@
+"""A byte-level BPE tokenizer trained in code and a tiny Qwen2-style model: the offline default of the trainer.
+
+Nothing is downloaded. head_dim is 32, the smallest vLLM's CPU attention accepts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def train_tokenizer(texts, vocab_size: int = 512):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on `texts` (any byte sequence stays encodable).
+
+    Its vocabulary is at most `vocab_size` (fewer when the texts offer fewer merges): size models by len(tokenizer).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), "
+                         f"got {vocab_size}")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    core.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen2(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+               num_kv_heads: int = 2, max_positions: int = 1024, seed: int = 0, eos_token_id=None,
+               pad_token_id=None):
+    """A Qwen2ForCausalLM of a few hundred thousand parameters with tied embeddings, built from a config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if hidden_size % num_heads or hidden_size // num_heads < 32:
+        raise ValueError(f"hidden_size / num_heads must be a whole head_dim >= 32 (vLLM CPU attention), got "
+                         f"{hidden_size} / {num_heads}")
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
+                         tie_word_embeddings=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)

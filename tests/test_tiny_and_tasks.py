@@ -1,0 +1,58 @@
+"""The offline default's pieces: tokenizer trained in code, tiny model, arithmetic task, JSONL loading."""
+
+import pytest
+import torch
+
+from grpo_fast import tasks
+from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+
+pytest.importorskip("transformers")
+
+
+def test_tokenizer_round_trips_and_learns_merges():
+    texts = [s["prompt"] + s["solution"] for s in tasks.arithmetic_task(500)]
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    assert 256 + 3 < len(tokenizer) <= 300          # bytes + specials + merges (fewer if the corpus runs out)
+    for text in ["12+7=19", "héllo wörld ∑", "<|im_start|>user\n3-4=<|im_end|>"]:
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert len(tokenizer("12+7=")["input_ids"]) < len("12+7=")          # merges learned from the task
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="vocab_size must be >="):
+        train_tokenizer(texts, vocab_size=100)
+
+
+def test_tiny_model_generates():
+    model = tiny_qwen2(300, eos_token_id=0, pad_token_id=0)
+    assert model.config.hidden_size // model.config.num_attention_heads >= 32
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
+    with pytest.raises(ValueError, match="head_dim >= 32"):
+        tiny_qwen2(300, hidden_size=64, num_heads=4)
+
+
+def test_arithmetic_task_is_reproducible_and_correct():
+    first, again = tasks.arithmetic_task(50, seed=3), tasks.arithmetic_task(50, seed=3)
+    assert first == again and first != tasks.arithmetic_task(50, seed=4)
+    for sample in tasks.arithmetic_task(200, operations="+-*"):
+        assert str(eval(sample["prompt"].rstrip("="))) == sample["solution"]
+    with pytest.raises(ValueError, match="operations must be"):
+        tasks.arithmetic_task(3, operations="/")
+
+
+def test_extract_answer():
+    assert tasks.extract_answer("<think>x</think><answer> 42 </answer>") == "42"
+    assert tasks.extract_answer("so it is 3, then -7") == "-7"
+    assert tasks.extract_answer("no digits") is None
+
+
+def test_load_jsonl(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "1+1=", "answer": 2}\n\n{"question": "2+2=", "answer": "4"}\n')
+    assert tasks.load_jsonl(str(path), prompt_key="question", solution_key="answer") == [
+        {"prompt": "1+1=", "solution": "2"}, {"prompt": "2+2=", "solution": "4"}]
+    path.write_text('{"question": "1+1="}\n')
+    with pytest.raises(ValueError, match=r"data.jsonl:1: missing key 'answer'"):
+        tasks.load_jsonl(str(path), prompt_key="question", solution_key="answer")
