@@ -6,8 +6,12 @@ A sample is a dict with "prompt" (text) and "solution" (the gold answer, a strin
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+
+GSM8K_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_test_200.jsonl")
+GSM8K_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")
 
 NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -56,3 +60,15 @@ def load_jsonl(path: str, *, prompt_key: str = "prompt", solution_key: str = "so
     if not samples:
         raise ValueError(f"{path}: no samples")
     return samples
+
+
+def gsm8k(num_samples=None) -> list:
+    """The vendored GSM8K subset (200 test problems, MIT licence beside it): the question as prompt and the number
+    after "#### " in the worked answer (commas removed) as solution."""
+    samples = []
+    with open(GSM8K_PATH) as f:
+        for line in f:
+            record = json.loads(line)
+            answer = GSM8K_ANSWER_RE.search(record["answer"]).group(1).replace(",", "")
+            samples.append({"prompt": record["question"], "solution": answer})
+    return samples if num_samples is None else samples[:num_samples]

@@ -16,6 +16,7 @@ def test_wheel_layout_and_import(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "grpo_fast/kernels/logprob_forward.py" in names and "grpo_fast/kernels/dlogits.py" in names
     assert "grpo_fast/integrations/liger.py" in names and "grpo_fast/benchmarks/harness.py" in names
+    assert "grpo_fast/data/gsm8k_test_200.jsonl" in names and "grpo_fast/data/LICENSE-gsm8k" in names
     assert not any(name.startswith(("kernels/", "tests/", "benchmarks/")) for name in names)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
