@@ -17,6 +17,13 @@ def main(argv=None) -> int:
     from grpo_fast.benchmarks import harness
 
     harness.add_arguments(bench_parser)
+    train_parser = commands.add_parser(
+        "train", help="GRPO training (default: a tiny model on the arithmetic task, on CPU)",
+        usage="grpo-fast train [CONFIG.yaml] [--output-dir DIR] [--max-steps N] [--resume] [--key value ...]",
+        description="Keys are the fields of grpo_fast.config.TrainConfig (dashes or underscores).")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
+        return _train(argv[1:])                 # free-form --key value pairs: parsed by the config itself
     args = parser.parse_args(argv)
     if args.command == "bench":
         return harness.main(args)
@@ -28,3 +35,28 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _train(arguments: list) -> int:
+    from grpo_fast.config import load_config, parse_overrides
+    from grpo_fast.trainer import train
+
+    arguments = list(arguments)
+    config_path = arguments.pop(0) if arguments and not arguments[0].startswith("--") else None
+    resume = "--resume" in arguments
+    arguments = [item for item in arguments if item != "--resume"]
+    try:
+        config = load_config(config_path, parse_overrides(arguments))
+    except (ValueError, OSError) as error:
+        print(f"grpo-fast train: {error}", file=sys.stderr)
+        return 2
+    try:
+        history = train(config, resume=resume)
+    except KeyboardInterrupt:
+        print("stopped; the last checkpoint is in " + config.output_dir, file=sys.stderr)
+        return 130
+    if history:
+        first, last = history[0]["reward"], history[-1]["reward"]
+        print(f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}; {config.output_dir}/metrics.jsonl, "
+              f"curves.png")
+    return 0

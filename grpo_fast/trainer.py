@@ -1,0 +1,356 @@
+"""A thin GRPO trainer: rollouts, rewards, group advantages and grpo_fast's loss, in one loop.
+
+    grpo-fast train                                     # the built-in default: tiny model, arithmetic, CPU
+    grpo-fast train examples/tiny_cpu.yaml --max-steps 20 --output-dir runs/try
+
+Each step: sample prompts_per_step prompts, generate group_size completions each, score them, turn rewards into
+group-normalized advantages, then update the policy with grpo_fast.grpo_loss on the final hidden states (no
+logits), in micro-batches, num_iterations times. The output folder gets metrics.jsonl (one line per step),
+completions.jsonl, curves.png and checkpoints written atomically; `resume=True` continues from the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+
+import grpo_fast as gf
+from grpo_fast import tasks
+from grpo_fast.advantages import group_advantages
+from grpo_fast.config import TrainConfig
+from grpo_fast.models import final_hidden_states, lm_head
+from grpo_fast.rewards import load_reward, weighted_rewards
+
+
+# ----------------------------------------------------------------------------------------------- setup pieces
+def load_samples(config: TrainConfig) -> list:
+    if config.task == "arithmetic":
+        return tasks.arithmetic_task(config.num_prompts, seed=config.seed, max_operand=config.max_operand)
+    if config.task == "gsm8k":
+        return tasks.gsm8k()
+    return tasks.load_jsonl(config.task)
+
+
+def load_model(config: TrainConfig, samples: list):
+    """(model, tokenizer): the tiny model with a tokenizer trained on the task, or a local HF directory."""
+    if config.model == "tiny":
+        from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+
+        tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+        model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def prompt_text(sample: dict, tokenizer, config: TrainConfig) -> str:
+    if config.prompt_format == "chat":
+        return tokenizer.apply_chat_template([{"role": "user", "content": sample["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)
+    return sample["prompt"]
+
+
+def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:
+    """The step's prompts: a fixed shuffle per epoch, so a resumed run sees exactly the same ones."""
+    order = []
+    epoch = (step * count) // len(samples)
+    while len(order) < (step * count) % len(samples) + count:
+        permutation = list(range(len(samples)))
+        random.Random(seed * 100_003 + epoch).shuffle(permutation)
+        order.extend(permutation)
+        epoch += 1
+    start = (step * count) % len(samples)
+    return [samples[i] for i in order[start:start + count]]
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    if step < config.warmup_steps:
+        return (step + 1) / (config.warmup_steps + 1)
+    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+    if config.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    if config.lr_schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return 1.0
+
+
+# --------------------------------------------------------------------------------------- the math of a step
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list, config: TrainConfig):
+    """Sample group_size completions per prompt. Returns input_ids (B, P + C), attention_mask, prompt length
+    P, completion_ids (B, C) and completion_mask (B, C) (tokens up to and including the first EOS)."""
+    texts = [p for p in prompts for _ in range(config.group_size)]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    model.eval()
+    output = model.generate(**encoded, do_sample=True, temperature=config.temperature, top_p=config.top_p,
+                            top_k=0, max_new_tokens=config.max_completion_length, use_cache=True,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.train()
+    prompt_length = encoded["input_ids"].shape[1]
+    completion_ids = output[:, prompt_length:]
+    is_eos = completion_ids == tokenizer.eos_token_id
+    no_eos = torch.full_like(is_eos[:, 0], completion_ids.shape[1], dtype=torch.long)
+    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), no_eos)
+    positions = torch.arange(completion_ids.shape[1])[None]
+    completion_mask = positions <= first_eos[:, None]
+    truncated = ~is_eos.any(1)
+    if config.mask_truncated_completions:
+        completion_mask &= ~truncated[:, None]
+    attention_mask = torch.cat([encoded["attention_mask"].bool(), positions.expand_as(completion_ids) <=
+                                first_eos[:, None]], dim=1)
+    return output, attention_mask, prompt_length, completion_ids, completion_mask, truncated
+
+
+def completion_logprobs(model, input_ids, attention_mask, prompt_length, completion_ids, temperature):
+    """Per-token log-probs of the completion under `model`, one GEMM pass, no logits (for old / ref)."""
+    hidden = final_hidden_states(model, input_ids, attention_mask.long())[:, prompt_length - 1:-1]
+    head = lm_head(model)
+    return gf.token_logprobs(hidden, head.weight, completion_ids, **head.logit_kwargs(temperature))
+
+
+def policy_update(model, optimizer, rollout: dict, config: TrainConfig) -> dict:
+    """One optimizer step of grpo_loss over the rollout, in micro-batches of sequences."""
+    loss_config = config.loss_config()
+    total_tokens = rollout["completion_mask"].sum()
+    num_sequences = rollout["input_ids"].shape[0]
+    starts = range(0, num_sequences, config.micro_batch_size)
+    head = lm_head(model)
+    summed = {"loss": 0.0}
+    for start in starts:
+        rows = slice(start, start + config.micro_batch_size)
+        hidden = final_hidden_states(model, rollout["input_ids"][rows], rollout["attention_mask"][rows].long())
+        hidden = hidden[:, rollout["prompt_length"] - 1:-1]
+        loss, metrics = gf.grpo_loss(
+            hidden, head.weight, rollout["completion_ids"][rows], rollout["advantages"][rows],
+            rollout["completion_mask"][rows], old_logps=_rows(rollout.get("old_logps"), rows),
+            ref_logps=_rows(rollout.get("ref_logps"), rows), loss_type=loss_config.loss_type,
+            epsilon_low=loss_config.epsilon_low, epsilon_high=loss_config.epsilon_high, beta=loss_config.beta,
+            entropy_coef=loss_config.entropy_coef, max_completion_length=config.max_completion_length,
+            num_items_in_batch=total_tokens, **head.logit_kwargs(config.temperature),
+        )
+        # dapo / cispo normalize by the whole step's tokens already; the others average over micro-batches
+        if loss_config.reduction != "num_items":
+            loss = loss / len(starts)
+        loss.backward()
+        summed["loss"] += loss.item()
+        for name, value in metrics.items():
+            summed[name] = summed.get(name, 0.0) + value.item() / len(starts)
+    summed["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return summed
+
+
+def _rows(tensor, rows):
+    return None if tensor is None else tensor[rows]
+
+
+def supervised_warm_start(model, tokenizer, samples: list, config: TrainConfig, log) -> float:
+    """sft_steps of next-token training on prompt -> solution<eos>, the loss from token_logprobs."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_learning_rate)
+    rng = random.Random(config.seed)
+    loss_value = float("nan")
+    for step in range(config.sft_steps):
+        batch = rng.sample(samples, min(32, len(samples)))
+        prompts = [prompt_text(s, tokenizer, config) for s in batch]
+        full = [p + s["solution"] + tokenizer.eos_token for p, s in zip(prompts, batch)]
+        encoded = tokenizer(full, return_tensors="pt", padding=True, add_special_tokens=False)
+        prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        ids, mask = encoded["input_ids"], encoded["attention_mask"].bool()
+        answer = torch.zeros_like(mask)
+        for row, (length, valid) in enumerate(zip(prompt_lengths, mask.sum(1).tolist())):
+            answer[row, ids.shape[1] - valid + length:] = True          # left padding: answers end each row
+        hidden = final_hidden_states(model, ids, mask.long())[:, :-1]
+        head = lm_head(model)
+        targets = torch.where(answer[:, 1:], ids[:, 1:], 0)
+        logp = gf.token_logprobs(hidden, head.weight, targets, **head.logit_kwargs())
+        loss = -(logp * answer[:, 1:]).sum() / answer[:, 1:].sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if step % 50 == 0 or step == config.sft_steps - 1:
+            log(f"warm start {step + 1}/{config.sft_steps}: loss {loss_value:.3f}")
+    return loss_value
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, rng=None) -> str:
+    """Written to a temporary folder, then renamed: a crash or a full disk never leaves a broken checkpoint.
+
+    rng: the (torch, python) random states to resume with; default the current ones.
+    """
+    torch_rng, python_rng = rng or (torch.get_rng_state(), random.getstate())
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    temporary = final + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    try:
+        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "torch_rng": torch_rng,
+                    "python_rng": python_rng}, os.path.join(temporary, "state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(temporary, final)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    for name in os.listdir(output_dir):                       # keep only the newest complete checkpoint
+        if name.startswith("checkpoint-") and not name.endswith(".tmp") and name != os.path.basename(final):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(output_dir: str):
+    steps = [int(name.split("-")[1]) for name in os.listdir(output_dir) if name.startswith("checkpoint-")
+             and not name.endswith(".tmp")] if os.path.isdir(output_dir) else []
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
+    """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl)."""
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    os.makedirs(config.output_dir, exist_ok=True)
+    samples = load_samples(config)
+    model, tokenizer = load_model(config, samples)
+    reward_fns = [load_reward(name) for name in config.rewards]
+    ref_model = None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+    checkpoint = latest_checkpoint(config.output_dir) if resume else None
+    start_step = 0
+    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
+    if checkpoint:
+        state = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        start_step = state["step"]
+        _truncate_metrics(metrics_path, start_step)
+        log(f"resumed from {checkpoint} at step {start_step}")
+    else:
+        open(metrics_path, "w").close()
+        if config.sft_steps:
+            supervised_warm_start(model, tokenizer, samples, config, log)
+        torch.manual_seed(config.seed + 1)
+    if config.beta > 0:                        # the reference: the policy as GRPO starts (after the warm start)
+        import copy
+
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if checkpoint:
+            log("note: with beta > 0 the reference is the resumed policy")
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    history = []
+    step = start_step
+    progress = tqdm(range(start_step, config.max_steps), initial=start_step, total=config.max_steps,
+                    desc="grpo", disable=None)
+    try:
+        for step in progress:
+            started = time.perf_counter()
+            rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here
+            batch = prompts_for_step(samples, step, config.prompts_per_step, config.seed)
+            prompts = [prompt_text(s, tokenizer, config) for s in batch]
+            input_ids, attention_mask, prompt_length, completion_ids, completion_mask, truncated = generate(
+                model, tokenizer, prompts, config)
+            completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            solutions = [s["solution"] for s in batch for _ in range(config.group_size)]
+            try:
+                rewards = weighted_rewards(reward_fns, config.reward_weights, completions, solution=solutions)
+            except RuntimeError as error:
+                raise RuntimeError(f"step {step}: {error}") from error
+            rewards = torch.tensor(rewards, dtype=torch.float32)
+            advantages, reward_stats = group_advantages(rewards, config.group_size, scale=config.scale_rewards,
+                                                        estimator=config.advantage_estimator)
+            rollout = dict(input_ids=input_ids, attention_mask=attention_mask, prompt_length=prompt_length,
+                           completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages)
+            with torch.no_grad():
+                if config.num_iterations > 1:
+                    rollout["old_logps"] = completion_logprobs(model, input_ids, attention_mask, prompt_length,
+                                                               completion_ids, config.temperature)
+                if ref_model is not None:
+                    rollout["ref_logps"] = completion_logprobs(ref_model, input_ids, attention_mask,
+                                                               prompt_length, completion_ids, config.temperature)
+            for _ in range(config.num_iterations):
+                update = policy_update(model, optimizer, rollout, config)
+            scheduler.step()
+            elapsed = time.perf_counter() - started
+            tokens = int(completion_mask.sum())
+            record = {"step": step + 1, "reward": reward_stats["reward_mean"],
+                      "reward_std": reward_stats["reward_std"],
+                      "frac_zero_std_groups": reward_stats["frac_zero_std_groups"], "loss": update["loss"],
+                      "kl": update.get("kl", 0.0), "entropy": update.get("entropy", float("nan")),
+                      "completion_len": tokens / completion_ids.shape[0],
+                      "truncated": truncated.float().mean().item(), "grad_norm": update["grad_norm"],
+                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / elapsed, "seconds": elapsed}
+            history.append(record)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if config.log_completions:
+                with open(os.path.join(config.output_dir, "completions.jsonl"), "a") as f:
+                    for prompt, completion, reward in list(zip(prompts[::config.group_size],
+                                                               completions[::config.group_size],
+                                                               rewards[::config.group_size].tolist()))[
+                                                               :config.log_completions]:
+                        f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": completion,
+                                            "reward": reward}) + "\n")
+            progress.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}",
+                                 kl=f"{record['kl']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
+                save_checkpoint(config.output_dir, step + 1, model, optimizer, scheduler)
+    except KeyboardInterrupt:
+        done = len(history) + start_step      # the interrupted step left the weights as they were before it
+        log(f"interrupted: saving step {done}")
+        save_checkpoint(config.output_dir, done, model, optimizer, scheduler, rng=rng_at_start)
+        raise
+    plot_curves(metrics_path, os.path.join(config.output_dir, "curves.png"))
+    return history
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop metric lines past the checkpoint being resumed, so the file stays one line per step."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def plot_curves(metrics_path: str, out_path: str) -> None:
+    """Reward, completion length and KL against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key in zip(axes, ("reward", "completion_len", "kl")):
+        ax.plot([r["step"] for r in records], [r[key] for r in records], marker=".")
+        ax.set_xlabel("step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)

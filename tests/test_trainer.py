@@ -1,0 +1,102 @@
+"""The trainer: config handling, exact resume after an interruption, atomic checkpoints, the default run."""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import trainer_helpers  # noqa: E402
+from grpo_fast import trainer as T  # noqa: E402
+from grpo_fast.cli import main as cli  # noqa: E402
+from grpo_fast.config import TrainConfig, load_config, parse_overrides  # noqa: E402
+
+FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
+            rewards=["trainer_helpers:counting_reward"])
+
+
+def test_config_overrides_and_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("group_size: 4\nrewards: [accuracy, format]\nreward_weights: [1.0, 0.5]\n")
+    config = load_config(str(path), parse_overrides(["--max-steps", "7", "--beta=0.1", "--gradient-checkpointing",
+                                                     "false"]))
+    assert (config.group_size, config.max_steps, config.beta, config.gradient_checkpointing) == (4, 7, 0.1, False)
+    assert config.rewards == ["accuracy", "format"] and config.reward_weights == [1.0, 0.5]
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['groupsize'\]"):
+        load_config(None, {"groupsize": "4"})
+    with pytest.raises(ValueError, match="config key 'max_steps' expects int, got 'ten'"):
+        load_config(None, {"max_steps": "ten"})
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        TrainConfig(loss_type="ppo")
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        TrainConfig(group_size=1)
+    assert cli(["train", "--max_steps", "0"]) == 2
+
+
+def weights(model):
+    return {name: p.detach().clone() for name, p in model.state_dict().items()}
+
+
+def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
+    captured = {}
+    original = T.save_checkpoint
+
+    def keep_model(output_dir, step, model, *args, **kwargs):
+        captured[output_dir] = model
+        return original(output_dir, step, model, *args, **kwargs)
+
+    monkeypatch.setattr(T, "save_checkpoint", keep_model)
+    trainer_helpers.CALLS.update(n=0, interrupt_at=None)
+    straight = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
+    trainer_helpers.CALLS.update(n=0, interrupt_at=3)          # Ctrl-C while scoring step 3
+    with pytest.raises(KeyboardInterrupt):
+        T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "resumed")), log=lambda *_: None)
+    assert os.path.isdir(tmp_path / "resumed" / "checkpoint-2")
+    trainer_helpers.CALLS.update(interrupt_at=None)
+    resumed = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "resumed")), resume=True, log=lambda *_: None)
+    assert [r["step"] for r in resumed] == [3, 4]
+    a, b = weights(captured[str(tmp_path / "straight")]), weights(captured[str(tmp_path / "resumed")])
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    lines = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert [r["reward"] for r in lines] == [r["reward"] for r in straight]
+    assert (tmp_path / "resumed" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
+    config = TrainConfig(**{**FAST, "max_steps": 2}, output_dir=str(tmp_path))
+    trainer_helpers.CALLS.update(n=0, interrupt_at=None)
+    T.train(config, log=lambda *_: None)
+    good = tmp_path / "checkpoint-2" / "state.pt"
+    before = good.read_bytes()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(OSError, match="No space left"):
+        T.save_checkpoint(str(tmp_path), 3, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1))
+    assert good.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "curves.png", "metrics.jsonl"]
+
+
+def test_a_failing_reward_names_the_step(tmp_path):
+    config = TrainConfig(**{**FAST, "rewards": ["trainer_helpers:broken_reward"]}, output_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="step 0: reward broken_reward failed on a batch of 16 completions"):
+        T.train(config, log=lambda *_: None)
+
+
+def test_default_run_learns(tmp_path):
+    """The README's main job: the built-in default raises the mean reward (about 40 s on 2 cores)."""
+    history = T.train(TrainConfig(output_dir=str(tmp_path), log_completions=2), log=lambda *_: None)
+    rewards = [r["reward"] for r in history]
+    first, last = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
+    assert last > first + 0.08, (first, last)
+    assert (tmp_path / "curves.png").exists() and (tmp_path / "completions.jsonl").exists()
+    record = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert {"step", "reward", "loss", "kl", "completion_len", "tokens_per_s"} <= set(record)
