@@ -33,9 +33,6 @@ def main(argv=None) -> int:
     return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def _train(arguments: list) -> int:
     from grpo_fast.config import load_config, parse_overrides
@@ -60,3 +57,7 @@ def _train(arguments: list) -> int:
         print(f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}; {config.output_dir}/metrics.jsonl, "
               f"curves.png")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
