@@ -22,7 +22,7 @@ import torch
 import grpo_fast as gf
 from grpo_fast import reference
 from grpo_fast.benchmarks import harness
-from grpo_fast.demo import machine_name
+from grpo_fast.profiling import machine_name
 
 CHECKS = [
     dict(loss_type="dapo", beta=0.04),

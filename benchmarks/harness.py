@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, Batch
-from grpo_fast.profiling import GemmCounter, peak_rss_bytes, start_peak_rss
+from grpo_fast.profiling import GemmCounter, machine_name, peak_rss_bytes, start_peak_rss
 
 GPU_HEADS = [(896, 151936), (3584, 151936), (2304, 256000)]         # Qwen2.5-0.5B, Qwen2.5-7B, Gemma-2-2B
 GPU_TOKENS = [1024, 4096, 16384, 65536]
@@ -136,20 +136,21 @@ def measure(name: str, shape: Shape, dtype: torch.dtype, device: str, repeats: i
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            impl.step(batch)
+            loss = impl.step(batch)[0]
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
             times = _cuda_time(impl.step, batch, repeats)
         else:
             base = start_peak_rss()
-            impl.step(batch)
+            loss = impl.step(batch)[0]
             peak = peak_rss_bytes() - base
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 impl.step(batch)
                 times.append(time.perf_counter() - start)
-        return {"time_s": sorted(times)[len(times) // 2], "peak_bytes": peak}
+        return {"time_s": sorted(times)[len(times) // 2], "peak_bytes": peak,
+                "loss": None if loss is None else loss.item()}
     except (torch.OutOfMemoryError, MemoryError) as error:
         return {"error": "out of memory: " + (str(error).splitlines() or [""])[0][:120]}
     except Exception as error:
@@ -173,6 +174,13 @@ def measure_in_subprocess(name, shape, dtype_name, device, repeats, timeout=1800
             return {"error": "out of memory: killed"}
         return {"error": lines[-1][:200]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_row(name, shape, dtype_name, device, repeats) -> dict:
+    """`measure` in this process on GPU (the allocator's peak is per row), in a fresh one on CPU (RSS is not)."""
+    if device.startswith("cuda"):
+        return measure(name, shape, getattr(torch, dtype_name), device, repeats)
+    return measure_in_subprocess(name, shape, dtype_name, device, repeats)
 
 
 def assemble_rows(shapes, names, measurements: dict, checks: dict) -> list:
@@ -270,8 +278,6 @@ def default_impls(device: str, quick: bool) -> list:
 
 
 def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, log=print, command=None) -> list:
-    from grpo_fast.demo import machine_name
-
     dtype = getattr(torch, dtype_name)
     machine = machine_name(device)
     started = time.monotonic()
@@ -290,10 +296,8 @@ def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, l
                 measurements[(shape, name)] = {"error": checks[name]["error"]}
             elif time_budget is not None and time.monotonic() - started > time_budget:
                 measurements[(shape, name)] = {"error": "skipped: time budget spent"}
-            elif device.startswith("cuda"):
-                measurements[(shape, name)] = measure(name, shape, dtype, device, repeats)
             else:
-                measurements[(shape, name)] = measure_in_subprocess(name, shape, dtype_name, device, repeats)
+                measurements[(shape, name)] = measure_row(name, shape, dtype_name, device, repeats)
             log(json.dumps({"shape": shape.label, "impl": name, **measurements[(shape, name)]}))
     checks = {name: {k: v for k, v in c.items() if k != "error"} for name, c in checks.items()}
     rows = assemble_rows(shapes, names, measurements, checks)

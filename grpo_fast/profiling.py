@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import resource
 import sys
 
@@ -76,3 +78,16 @@ def start_peak_rss() -> int:
     if reset_peak_rss():
         return rss_bytes()
     return max(rss_bytes(), peak_rss_bytes())   # without a reset the peak so far is the only safe baseline
+
+
+def machine_name(device: str) -> str:
+    """The GPU's name, or the CPU model and core count, for result tables."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"

@@ -30,14 +30,16 @@ def test_wheel_layout_and_import(tmp_path):
     assert kernels_file.startswith(str(target)) and package_file.startswith(str(target))
 
 
-def test_demo_runs_both_implementations_and_agrees():
-    from grpo_fast.demo import measure
+def test_demo_runs_both_implementations_and_agrees(capsys):
+    from grpo_fast.demo import run
 
-    rows = [measure(impl, tokens=256, hidden_size=32, vocab=3000) for impl in ("reference", "grpo_fast")]
+    rows = run(256, 32, 3000, "float32", "cpu", "torch", 1)
     assert all("error" not in r for r in rows), rows
     reference, fused = rows
+    assert (reference["impl"], fused["impl"]) == ("reference", "grpo_fast")
     assert abs(fused["loss"] - reference["loss"]) <= 1e-5 * max(1.0, abs(reference["loss"]))
-    assert fused["seconds"] > 0 and fused["peak_bytes"] >= 0
+    assert fused["time_s"] > 0 and fused["peak_bytes"] >= 0
+    assert "grpo_fast uses" in capsys.readouterr().out
 
 
 def test_cli_rejects_unknown_command():
