@@ -28,20 +28,18 @@ def _text(completion) -> str:
     raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
 
 
-def _math_verify_timeouts() -> dict:
-    # math-verify times out with SIGALRM, which only the main thread may use: elsewhere run without a limit
-    # (use `score_in_processes` for a hard limit off the main thread).
+def _timeouts() -> tuple:
+    """(parse kwargs, verify kwargs). math-verify times out with SIGALRM, which only the main thread may use:
+    elsewhere run without a limit (use a process pool for a hard limit off the main thread)."""
     if threading.current_thread() is threading.main_thread():
-        return {}
-    return {"parsing_timeout": None, "timeout_seconds": None}
+        return {}, {}
+    return {"parsing_timeout": None}, {"timeout_seconds": None}
 
 
 def _parse_gold(solution: str):
     from math_verify import parse
 
-    timeouts = _math_verify_timeouts()
-    return parse(solution, extraction_mode="first_match",
-                 **({"parsing_timeout": timeouts["parsing_timeout"]} if timeouts else {}))
+    return parse(solution, extraction_mode="first_match", **_timeouts()[0])
 
 
 def _parse_answer(text: str):
@@ -52,17 +50,13 @@ def _parse_answer(text: str):
     match = ANSWER_RE.search(text)
     answer = match.group(1).strip() if match else text
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    timeouts = _math_verify_timeouts()
-    return parse(answer, extraction_config=config, extraction_mode="first_match",
-                 **({"parsing_timeout": timeouts["parsing_timeout"]} if timeouts else {}))
+    return parse(answer, extraction_config=config, extraction_mode="first_match", **_timeouts()[0])
 
 
 def _is_correct(gold_parsed, text: str) -> bool:
     from math_verify import verify
 
-    timeouts = _math_verify_timeouts()
-    return bool(verify(gold_parsed, _parse_answer(text),
-                       **({"timeout_seconds": timeouts["timeout_seconds"]} if timeouts else {})))
+    return bool(verify(gold_parsed, _parse_answer(text), **_timeouts()[1]))
 
 
 def accuracy_reward(completions, solution, **kwargs) -> list:
