@@ -246,8 +246,8 @@ def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=No
     return loss, metrics
 
 
-def _masked_mean(x, mask):
-    """TRL's global_masked_mean: per-sequence values (B, 1) average over all B sequences."""
+def masked_mean(x, mask):
+    """(x * mask).sum() / mask.sum(), as TRL's global_masked_mean: per-sequence values (B, 1) average over all B."""
     if x.shape[-1] == 1 and mask.shape[-1] != 1:
         return x.sum() / max(x.shape[0], 1)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
@@ -255,18 +255,18 @@ def _masked_mean(x, mask):
 
 def loss_metrics(ratio, kl, entropy, advantages, mask, config: LossConfig) -> dict:
     """Detached scalar metrics named as TRL logs them, plus the mean importance ratio."""
-    metrics = {"ratio/mean": _masked_mean(ratio, mask)}
+    metrics = {"ratio/mean": masked_mean(ratio, mask)}
     if kl is not None:
-        metrics["kl"] = _masked_mean(kl, mask)
+        metrics["kl"] = masked_mean(kl, mask)
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy, mask)
+        metrics["entropy"] = masked_mean(entropy, mask)
     if config.objective == "clip":
         low = ((ratio < 1 - config.epsilon_low) & (advantages < 0)).to(mask.dtype)
         high = ((ratio > 1 + config.epsilon_high) & (advantages > 0)).to(mask.dtype)
-        metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
-        metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
-        metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
+        metrics["clip_ratio/low_mean"] = masked_mean(low, mask)
+        metrics["clip_ratio/high_mean"] = masked_mean(high, mask)
+        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), mask)
     elif config.objective == "cispo":
         clipped = ((ratio > config.epsilon_high) & (advantages > 0)).to(mask.dtype)
-        metrics["cispo_clip_ratio"] = _masked_mean(clipped, mask)
+        metrics["cispo_clip_ratio"] = masked_mean(clipped, mask)
     return {name: value.detach() for name, value in metrics.items()}

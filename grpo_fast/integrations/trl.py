@@ -25,7 +25,7 @@ from grpo_fast.chunked import LogitTransform
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import _checked_loss
 from grpo_fast.models import backbone, lm_head
-from grpo_fast.variants import LOSS_TYPES, LossConfig
+from grpo_fast.variants import LOSS_TYPES, LossConfig, masked_mean
 
 try:
     from trl import GRPOTrainer
@@ -202,7 +202,7 @@ class FastGRPOTrainer(GRPOTrainer):
         if not per_token_normalized:
             loss = loss / accumulation
         self._log_metrics(mode, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
-                          policy_loss + entropy_coef * _mean(stats["entropy"], mask))
+                          policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
         return loss
 
     def _log_metrics(self, mode, logp, entropy, mask, inputs, old_logps, ref_logps, policy_loss):
@@ -239,8 +239,3 @@ class FastGRPOTrainer(GRPOTrainer):
             metrics["policy_loss"].append(gather(policy_loss).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:
                 metrics["entropy_coef"].append(self.entropy_coef)
-
-
-def _mean(values, mask):
-    mask = mask.float()
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
