@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_fast.advantages import ESTIMATORS, SCALES
+from grpo_fast.engines import IS_MODES
 from grpo_fast.variants import LossConfig
 
 
@@ -19,9 +20,15 @@ class TrainConfig:
         model: "tiny" (a Qwen2-style model and tokenizer built in code) or a Hugging Face model directory.
         task: "arithmetic" (generated, operands 0..max_operand), "gsm8k" (vendored subset) or a .jsonl file
             with prompt / solution.
-        prompt_format: "plain" (the prompt text) or "chat" (the tokenizer's chat template, as a user turn).
+        prompt_format: "plain" (the prompt text) or "chat" (the tokenizer's chat template, as a user turn);
+            system_prompt, if set, is the system turn (chat) or a line before the prompt (plain).
+        device: "auto" (CUDA when available), "cpu" or "cuda[:i]". bf16 autocast on GPU, fp32 on CPU.
     Rollouts: group_size completions per prompt, prompts_per_step prompts per step, sampled at temperature /
-        top_p up to max_completion_length tokens by the `engine` ("hf": model.generate).
+        top_p up to max_completion_length tokens by the `engine`: "hf" (model.generate) or "vllm" (an offline
+        vLLM engine in this process, weights pushed after every step; vllm_gpu_memory_utilization is its share of
+        the GPU). vLLM samples with its own numerics, so each token's loss is weighted by the rollout
+        correction `importance_sampling` (none, token_truncate, token_mask, sequence_truncate, sequence_mask)
+        of exp(trainer log-prob - engine log-prob), capped at importance_sampling_cap.
     Rewards: names from grpo_fast.rewards.REWARDS or "module:function", weighted by reward_weights.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
     Optimization: AdamW, warm-up then cosine or linear decay, grad-norm clipping, micro-batches of
@@ -33,6 +40,8 @@ class TrainConfig:
     model: str = "tiny"
     task: str = "arithmetic"
     prompt_format: str = "plain"
+    system_prompt: Optional[str] = None
+    device: str = "auto"
     num_prompts: int = 2000
     max_operand: int = 9
     engine: str = "hf"
@@ -41,6 +50,9 @@ class TrainConfig:
     max_completion_length: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
+    vllm_gpu_memory_utilization: float = 0.3
+    importance_sampling: str = "sequence_mask"
+    importance_sampling_cap: float = 3.0
     rewards: list = field(default_factory=lambda: ["accuracy"])
     reward_weights: Optional[list] = None
     scale_rewards: str = "group"
@@ -75,13 +87,16 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages compare completions), got {self.group_size}")
-        choices = {"prompt_format": ("plain", "chat"), "engine": ("hf",), "scale_rewards": SCALES,
+        choices = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES, "scale_rewards": SCALES,
                    "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        if self.importance_sampling_cap <= 0 or not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"importance_sampling_cap must be > 0 and vllm_gpu_memory_utilization in (0, 1], got "
+                             f"{self.importance_sampling_cap}, {self.vllm_gpu_memory_utilization}")
         if self.sft_steps < 0 or self.warmup_steps < 0:
             raise ValueError("sft_steps and warmup_steps must be >= 0")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):

