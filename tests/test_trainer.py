@@ -100,3 +100,40 @@ def test_default_run_learns(tmp_path):
     assert (tmp_path / "curves.png").exists() and (tmp_path / "completions.jsonl").exists()
     record = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert {"step", "reward", "loss", "kl", "completion_len", "tokens_per_s"} <= set(record)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(os.path.dirname(__file__), "..",
+                                                                          "examples")) if n.endswith(".yaml")))
+def test_example_configs_are_valid(name):
+    """Every example config loads: no unknown keys, no bad values (the GPU ones are not run here)."""
+    config = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", name))
+    assert config.max_steps > 0
+
+
+def test_resume_keeps_the_kl_reference(tmp_path):
+    """With beta > 0 the reference is the policy as GRPO started, also after --resume (saved in the checkpoint)."""
+    config = TrainConfig(**{**FAST, "max_steps": 2, "beta": 0.1, "learning_rate": 0.05},
+                         output_dir=str(tmp_path))
+    trainer_helpers.CALLS.update(n=0, interrupt_at=None)
+    T.train(config, log=lambda *_: None)
+    state = torch.load(tmp_path / "checkpoint-2" / "state.pt", weights_only=False)
+    moved = max((state["model"][k] - state["ref_model"][k]).abs().max().item() for k in state["model"])
+    assert moved > 0                                   # the policy left the reference ...
+    resumed = T.train(TrainConfig(**{**FAST, "max_steps": 3, "beta": 0.1, "learning_rate": 0.05},
+                                  output_dir=str(tmp_path)), resume=True, log=lambda *_: None)
+    assert resumed[0]["step"] == 3 and resumed[0]["kl"] > 0     # ... and the resumed run still measures KL to it
+    after = torch.load(tmp_path / "checkpoint-3" / "state.pt", weights_only=False)
+    for name, tensor in state["ref_model"].items():
+        assert torch.equal(after["ref_model"][name], tensor), name
+
+
+def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
+    from grpo_fast import engines
+
+    def crash(self, prompt_ids, seed):
+        raise MemoryError("out of KV cache")
+
+    monkeypatch.setattr(engines.HFEngine, "generate", crash)
+    config = TrainConfig(**{**FAST, "sft_steps": 0}, output_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"step 0: the hf engine failed to generate for prompts \[.*\]: out of KV"):
+        T.train(config, log=lambda *_: None)
