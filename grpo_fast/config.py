@@ -87,8 +87,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages compare completions), got {self.group_size}")
-        choices = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES, "scale_rewards": SCALES,
-                   "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant")}
+        choices = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
+                   "scale_rewards": SCALES, "advantage_estimator": ESTIMATORS,
+                   "lr_schedule": ("cosine", "linear", "constant")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -137,3 +137,24 @@ def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
     config = TrainConfig(**{**FAST, "sft_steps": 0}, output_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match=r"step 0: the hf engine failed to generate for prompts \[.*\]: out of KV"):
         T.train(config, log=lambda *_: None)
+
+
+def test_a_local_model_directory_trains(tmp_path):
+    """model: a Hugging Face model directory (here the tiny model saved to disk) loads, samples and updates."""
+    from grpo_fast import tasks
+    from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+
+    samples = tasks.arithmetic_task(64, seed=0, max_operand=9)
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    config = TrainConfig(**{**FAST, "sft_steps": 0, "max_steps": 1, "prompt_format": "chat",
+                            "system_prompt": "Add or subtract.",
+                            "rewards": ["trainer_helpers:text_length_reward"]},
+                         model=str(tmp_path / "model"), output_dir=str(tmp_path / "run"))
+    history = T.train(config, log=lambda *_: None)
+    assert history[0]["grad_norm"] > 0
+    state = torch.load(tmp_path / "run" / "checkpoint-1" / "state.pt", weights_only=False)
+    assert any(not torch.equal(state["model"][name], tensor) for name, tensor in model.state_dict().items())

@@ -12,3 +12,8 @@ def counting_reward(completions, solution, **kwargs):
 
 def broken_reward(completions, **kwargs):
     raise ZeroDivisionError("bad reward")
+
+
+def text_length_reward(completions, **kwargs):
+    """Varies with every sample, so advantages are never all zero (an untrained model scores 0 on accuracy)."""
+    return [float(len(c)) for c in completions]
