@@ -31,8 +31,12 @@ class TrainConfig:
         of exp(trainer log-prob - engine log-prob), capped at importance_sampling_cap.
     Rewards: names from grpo_fast.rewards.REWARDS or "module:function", weighted by reward_weights.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
-    Optimization: AdamW, warm-up then cosine or linear decay, grad-norm clipping, micro-batches of
-        micro_batch_size sequences accumulated into one step, gradient checkpointing.
+    Optimization: AdamW, warm-up then cosine or linear decay, grad-norm clipping, gradient checkpointing.
+        Micro-batches hold at most micro_batch_size sequences and micro_batch_tokens real tokens (None: no
+        token limit; a longer sequence goes alone); packing lays a micro-batch's sequences end to end without
+        padding (position_ids restart per sequence), otherwise they are padded to the micro-batch's longest.
+        Their gradients add up to the whole step's, whatever the cut. offload_activations keeps the tensors
+        saved for backward in CPU memory (GPU runs).
     Warm start: sft_steps of supervised training on the task's solutions before GRPO (0 to skip).
     Run: output_dir gets metrics.jsonl, curves.png, completions.jsonl and checkpoints every save_every steps.
     """
@@ -70,6 +74,9 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     max_grad_norm: float = 1.0
     micro_batch_size: int = 32
+    micro_batch_tokens: Optional[int] = None
+    packing: bool = True
+    offload_activations: bool = False
     gradient_checkpointing: bool = True
     max_steps: int = 300
     sft_steps: int = 300
@@ -95,6 +102,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens <= 0:
+            raise ValueError(f"micro_batch_tokens must be > 0 or None, got {self.micro_batch_tokens}")
         if self.importance_sampling_cap <= 0 or not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"importance_sampling_cap must be > 0 and vllm_gpu_memory_utilization in (0, 1], got "
                              f"{self.importance_sampling_cap}, {self.vllm_gpu_memory_utilization}")

@@ -17,16 +17,18 @@ import os
 import random
 import shutil
 import time
+from contextlib import nullcontext
 
 import torch
 
 import grpo_fast as gf
 from grpo_fast import tasks
 from grpo_fast.advantages import group_advantages
+from grpo_fast.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
 from grpo_fast.config import TrainConfig
 from grpo_fast.models import final_hidden_states, lm_head
 from grpo_fast.rewards import load_reward, weighted_rewards
-from grpo_fast.variants import masked_mean
+from grpo_fast.variants import masked_mean, micro_batch_share
 
 
 # ----------------------------------------------------------------------------------------------- setup pieces
@@ -104,17 +106,28 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 
 # --------------------------------------------------------------------------------------- the math of a step
-def compute_dtype(device: torch.device):
-    """bf16 autocast on GPU, fp32 on CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def compute_dtype(model, device: torch.device):
+    """bf16 autocast on GPU; on CPU the model's own dtype (fp32)."""
+    return torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
 
 
-def completion_hidden(model, input_ids, attention_mask, prompt_length: int):
-    """The final hidden states that predict each completion token (B, C, H), and the LM head's weight and logit
-    arguments in the same dtype: the backbone runs under bf16 autocast on GPU, the loss in bf16 outside it."""
-    dtype = compute_dtype(input_ids.device)
-    with torch.autocast(input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        hidden = final_hidden_states(model, input_ids, attention_mask.long())[:, prompt_length - 1:-1]
+def micro_batches(rollout: dict, config: TrainConfig) -> list:
+    """The step's micro-batches: at most micro_batch_size sequences and micro_batch_tokens real tokens each."""
+    lengths = rollout["attention_mask"].sum(1).tolist()
+    plan = plan_micro_batches(lengths, config.micro_batch_tokens, config.micro_batch_size)
+    return [micro_batch(rollout["input_ids"], rollout["attention_mask"], rollout["prompt_length"], rows,
+                        packed=config.packing) for rows in plan]
+
+
+def completion_hidden(model, batch: MicroBatch, offload: bool = False):
+    """The final hidden states that predict each completion token (b, C, H), and the LM head's weight and logit
+    arguments in the same dtype: the backbone runs under bf16 autocast on GPU, the loss in bf16 outside it.
+    offload: keep the activations saved for backward in (pinned) CPU memory."""
+    device = batch.hidden_index.device
+    dtype = compute_dtype(model, device)
+    saved = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else nullcontext()
+    with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"), saved:
+        hidden = completion_hidden_states(model, batch)
     head = lm_head(model)
     kwargs = head.logit_kwargs()
     if kwargs["bias"] is not None:
@@ -122,49 +135,58 @@ def completion_hidden(model, input_ids, attention_mask, prompt_length: int):
     return hidden.to(dtype), head.weight.to(dtype), kwargs
 
 
-def completion_logprobs(model, input_ids, attention_mask, prompt_length, completion_ids, temperature):
-    """Per-token log-probs of the completion under `model`, one GEMM pass, no logits (for old / ref)."""
-    hidden, weight, kwargs = completion_hidden(model, input_ids, attention_mask, prompt_length)
-    with torch.autocast(input_ids.device.type, enabled=False):
-        return gf.token_logprobs(hidden, weight, completion_ids, **{**kwargs, "temperature": temperature})
+@torch.no_grad()
+def completion_logprobs(model, rollout: dict, config: TrainConfig) -> torch.Tensor:
+    """(B, C) log-probs of the completions under `model`, micro-batch by micro-batch, one GEMM pass each and no
+    logits (old and reference log-probs)."""
+    completion_ids = rollout["completion_ids"]
+    logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    for batch in micro_batches(rollout, config):
+        hidden, weight, kwargs = completion_hidden(model, batch)
+        with torch.autocast(hidden.device.type, enabled=False):
+            values = gf.token_logprobs(hidden, weight, batch.completion(completion_ids),
+                                       **{**kwargs, "temperature": config.temperature})
+        logps[batch.rows, :batch.completion_length] = (values * batch.completion(rollout["completion_mask"])).float()
+    return logps
 
 
-def policy_update(model, optimizer, rollout: dict, config: TrainConfig) -> dict:
-    """One optimizer step of grpo_loss over the rollout, in micro-batches of sequences."""
+def accumulate_gradients(model, rollout: dict, config: TrainConfig) -> dict:
+    """Backward of the step's loss, micro-batch by micro-batch: the micro-batch losses are weighted
+    (`variants.micro_batch_share`) so that their sum is the loss of the whole rollout at once, however it is cut
+    and packed. Returns the loss and the loss metrics (token-weighted means over micro-batches)."""
     loss_config = config.loss_config()
     total_tokens = rollout["completion_mask"].sum()
-    num_sequences = rollout["input_ids"].shape[0]
-    starts = range(0, num_sequences, config.micro_batch_size)
+    total_sequences = rollout["input_ids"].shape[0]
     summed = {"loss": 0.0}
-    for start in starts:
-        rows = slice(start, start + config.micro_batch_size)
-        hidden, weight, head_kwargs = completion_hidden(model, rollout["input_ids"][rows],
-                                                        rollout["attention_mask"][rows], rollout["prompt_length"])
+    for batch in micro_batches(rollout, config):
+        hidden, weight, head_kwargs = completion_hidden(model, batch, config.offload_activations)
+        mask = batch.completion(rollout["completion_mask"])
         with torch.autocast(hidden.device.type, enabled=False):
             loss, metrics = gf.grpo_loss(
-                hidden, weight, rollout["completion_ids"][rows], rollout["advantages"][rows],
-                rollout["completion_mask"][rows], old_logps=_rows(rollout.get("old_logps"), rows),
-                ref_logps=_rows(rollout.get("ref_logps"), rows), is_ratio=_rows(rollout.get("is_ratio"), rows),
-                loss_type=loss_config.loss_type, epsilon_low=loss_config.epsilon_low,
-                epsilon_high=loss_config.epsilon_high, beta=loss_config.beta,
+                hidden, weight, batch.completion(rollout["completion_ids"]), rollout["advantages"][batch.rows],
+                mask, old_logps=batch.completion(rollout.get("old_logps")),
+                ref_logps=batch.completion(rollout.get("ref_logps")),
+                is_ratio=batch.completion(rollout.get("is_ratio")), loss_type=loss_config.loss_type,
+                epsilon_low=loss_config.epsilon_low, epsilon_high=loss_config.epsilon_high, beta=loss_config.beta,
                 entropy_coef=loss_config.entropy_coef, max_completion_length=config.max_completion_length,
                 num_items_in_batch=total_tokens, **{**head_kwargs, "temperature": config.temperature},
             )
-        # dapo / cispo normalize by the whole step's tokens already; the others average over micro-batches
-        if loss_config.reduction != "num_items":
-            loss = loss / len(starts)
+        loss = loss * micro_batch_share(mask, loss_config, total_sequences, total_tokens)
         loss.backward()
         summed["loss"] += loss.item()
+        token_share = float(mask.sum()) / max(1.0, float(total_tokens))
         for name, value in metrics.items():
-            summed[name] = summed.get(name, 0.0) + value.item() / len(starts)
+            summed[name] = summed.get(name, 0.0) + value.item() * token_share
+    return summed
+
+
+def policy_update(model, optimizer, rollout: dict, config: TrainConfig) -> dict:
+    """One optimizer step of grpo_loss over the rollout, with grad-norm clipping."""
+    summed = accumulate_gradients(model, rollout, config)
     summed["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return summed
-
-
-def _rows(tensor, rows):
-    return None if tensor is None else tensor[rows]
 
 
 def supervised_warm_start(model, tokenizer, samples: list, config: TrainConfig, log) -> float:
@@ -314,17 +336,14 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                           prompt_length=rollout.prompt_length, completion_ids=rollout.completion_ids,
                           completion_mask=completion_mask, advantages=advantages.to(device))
             correct = rollout.sampling_logps is not None and config.importance_sampling != "none"
-            with torch.no_grad():
-                args = (rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.completion_ids,
-                        config.temperature)
-                if config.num_iterations > 1 or correct:
-                    inputs["old_logps"] = completion_logprobs(model, *args)
-                if correct:
-                    inputs["is_ratio"] = importance_weights(inputs["old_logps"], rollout.sampling_logps,
-                                                            completion_mask, config.importance_sampling,
-                                                            config.importance_sampling_cap)
-                if ref_model is not None:
-                    inputs["ref_logps"] = completion_logprobs(ref_model, *args)
+            if config.num_iterations > 1 or correct:
+                inputs["old_logps"] = completion_logprobs(model, inputs, config)
+            if correct:
+                inputs["is_ratio"] = importance_weights(inputs["old_logps"], rollout.sampling_logps,
+                                                        completion_mask, config.importance_sampling,
+                                                        config.importance_sampling_cap)
+            if ref_model is not None:
+                inputs["ref_logps"] = completion_logprobs(ref_model, inputs, config)
             for _ in range(config.num_iterations):
                 update = policy_update(model, optimizer, inputs, config)
             scheduler.step()

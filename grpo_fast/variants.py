@@ -132,6 +132,23 @@ def token_weights(mask: torch.Tensor, config: LossConfig, num_items_in_batch=Non
     raise AssertionError(config.reduction)
 
 
+def micro_batch_share(mask: torch.Tensor, config: LossConfig, total_sequences: int, total_tokens) -> float:
+    """The factor that makes micro-batch losses add up to the loss of the whole batch:
+    sum over micro-batches of share * loss(micro-batch) == loss(all rows at once), when num_items_in_batch is the
+    whole batch's token count (num_items reductions already divide by it, so their share is 1).
+
+    mask: the micro-batch's (b, C) completion mask; total_sequences / total_tokens: the whole batch's rows and
+    masked tokens. Follows `token_weights`: per-sequence reductions weigh b / B, token_mean its tokens' share.
+    """
+    if config.reduction in ("sequence_mean", "constant", "sequence_sum"):
+        return mask.shape[0] / total_sequences
+    if config.reduction == "token_mean":
+        return float(mask.sum()) / max(1.0, float(total_tokens))
+    if config.reduction == "num_items":
+        return 1.0
+    raise AssertionError(config.reduction)
+
+
 def importance_ratio(logp, old_logps, mask, config: LossConfig) -> torch.Tensor:
     """exp(logp - old) per token, or per sequence (B, 1) as exp of the masked mean log-ratio (GSPO)."""
     log_ratio = logp - old_logps

@@ -16,12 +16,17 @@ from grpo_fast.tiny import tiny_qwen2, train_tokenizer
 from grpo_fast.trainer import completion_logprobs, prompt_ids, train
 
 
+def trainer_logprobs(model, generation, config):
+    rollout = dict(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
+                   prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
+                   completion_mask=generation.completion_mask)
+    return completion_logprobs(model, rollout, config)
+
+
 def engine_vs_trainer(engine, model, prompts, seed):
     """Largest |engine log-prob - trainer log-prob| over the sampled tokens, and the generation."""
     generation = engine.generate(prompts, seed=seed)
-    with torch.no_grad():
-        trainer = completion_logprobs(model, generation.input_ids, generation.attention_mask,
-                                      generation.prompt_length, generation.completion_ids, 1.0)
+    trainer = trainer_logprobs(model, generation, engine.config)
     mask = generation.completion_mask
     return (generation.sampling_logps - trainer).abs()[mask].max().item(), generation, trainer
 
@@ -53,8 +58,7 @@ def main(output_dir: str) -> None:
         generator = torch.Generator().manual_seed(1)
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-        stale = completion_logprobs(model, first.input_ids, first.attention_mask, first.prompt_length,
-                                    first.completion_ids, 1.0)
+    stale = trainer_logprobs(model, first, config)
     result["policy_moved"] = (stale - first.sampling_logps).abs()[first.completion_mask].max().item()
     engine.sync_weights(model)
     result["gap_after_push"], _, _ = engine_vs_trainer(engine, model, prompts, seed=11)
