@@ -17,6 +17,10 @@ def main(argv=None) -> int:
     from grpo_fast.benchmarks import harness
 
     harness.add_arguments(bench_parser)
+    plan_parser = commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component")
+    from grpo_fast import memory
+
+    memory.add_arguments(plan_parser)
     train_parser = commands.add_parser(
         "train", help="GRPO training (default: a tiny model on the arithmetic task, on CPU)",
         usage="grpo-fast train [CONFIG.yaml] [--output-dir DIR] [--max-steps N] [--resume] [--key value ...]",
@@ -25,6 +29,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
         return _train(argv[1:])                 # free-form --key value pairs: parsed by the config itself
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return memory.main(args)
     if args.command == "bench":
         return harness.main(args)
     if args.command == "demo":

@@ -31,6 +31,7 @@ class TrainConfig:
         of exp(trainer log-prob - engine log-prob), capped at importance_sampling_cap.
     Rewards: names from grpo_fast.rewards.REWARDS or "module:function", weighted by reward_weights.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
+        loss_implementation "naive" computes the same loss from the full logits (for comparisons).
     Optimization: AdamW, warm-up then cosine or linear decay, grad-norm clipping, gradient checkpointing.
         Micro-batches hold at most micro_batch_size sequences and micro_batch_tokens real tokens (None: no
         token limit; a longer sequence goes alone); packing lays a micro-batch's sequences end to end without
@@ -63,6 +64,7 @@ class TrainConfig:
     advantage_estimator: str = "grpo"
     mask_truncated_completions: bool = False
     loss_type: str = "dapo"
+    loss_implementation: str = "grpo_fast"
     beta: float = 0.0
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
@@ -95,6 +97,7 @@ class TrainConfig:
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages compare completions), got {self.group_size}")
         choices = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
+                   "loss_implementation": ("grpo_fast", "naive"),
                    "scale_rewards": SCALES, "advantage_estimator": ESTIMATORS,
                    "lr_schedule": ("cosine", "linear", "constant")}
         for name, allowed in choices.items():

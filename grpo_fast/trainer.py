@@ -22,13 +22,17 @@ from contextlib import nullcontext
 import torch
 
 import grpo_fast as gf
-from grpo_fast import tasks
+from grpo_fast import reference, tasks
 from grpo_fast.advantages import group_advantages
 from grpo_fast.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
 from grpo_fast.config import TrainConfig
 from grpo_fast.models import final_hidden_states, lm_head
 from grpo_fast.rewards import load_reward, weighted_rewards
 from grpo_fast.variants import masked_mean, micro_batch_share
+
+
+# the policy loss from hidden states: grpo_fast's, or the full-logits one (for memory and speed comparisons)
+LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": reference.grpo_loss}
 
 
 # ----------------------------------------------------------------------------------------------- setup pieces
@@ -162,7 +166,7 @@ def accumulate_gradients(model, rollout: dict, config: TrainConfig) -> dict:
         hidden, weight, head_kwargs = completion_hidden(model, batch, config.offload_activations)
         mask = batch.completion(rollout["completion_mask"])
         with torch.autocast(hidden.device.type, enabled=False):
-            loss, metrics = gf.grpo_loss(
+            loss, metrics = LOSS_IMPLEMENTATIONS[config.loss_implementation](
                 hidden, weight, batch.completion(rollout["completion_ids"]), rollout["advantages"][batch.rows],
                 mask, old_logps=batch.completion(rollout.get("old_logps")),
                 ref_logps=batch.completion(rollout.get("ref_logps")),

@@ -1,0 +1,333 @@
+"""How much memory a GRPO job needs, per component, before it is launched: `grpo-fast plan`.
+
+    shape = PRESETS["qwen2.5-1.5b"]                      # or ModelShape.from_config("config.json")
+    job = Job(prompt_length=512, completion_length=16384, group_size=8, micro_batch_size=1, loss="grpo_fast")
+    estimate = plan(shape, job)                          # {"weights": bytes, ..., "total": bytes}
+    print(format_plan(shape, job, estimate))             # a table and the cards it fits
+
+The peak is reached in the backward pass of a micro-batch, once gradients and optimizer states exist:
+
+    weights + gradients + optimizer states + reference model + autocast weight copies
+        + max(activations + loss buffers of one training micro-batch, one no-grad log-prob pass) + runtime
+
+Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
+backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
+products), with flash / memory-efficient attention (no (T x T) scores). Gradient checkpointing keeps each layer's
+input and recomputes one layer at a time. The loss buffers are what each implementation holds for the
+micro-batch's completion tokens: the full logits and their fp32 copies (naive), TRL 1.16's fused LM head tile,
+or grpo_fast's chunk buffer. Constants are checked against measured peaks (tests/test_memory_plan.py on CPU,
+benchmarks/long_context.py), not guessed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that decide its memory."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    head_dim: Optional[int] = None
+    attention_bias: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    def linear_shapes(self) -> list:
+        """(in, out) of every linear layer of one decoder layer (what LoRA adapts)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return [(h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h), (h, i), (h, i), (i, h)]
+
+    def num_parameters(self) -> int:
+        per_layer = sum(a * b for a, b in self.linear_shapes()) + 2 * self.hidden_size
+        if self.attention_bias:
+            per_layer += self.q_dim + 2 * self.kv_dim
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + self.hidden_size
+
+    @classmethod
+    def from_config(cls, path: str) -> "ModelShape":
+        """From a Hugging Face config.json (a text_config inside a multimodal config is used)."""
+        with open(path) as f:
+            config = json.load(f)
+        config = config.get("text_config", config)
+        try:
+            return cls(hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                       num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+                       num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+                       vocab_size=config["vocab_size"],
+                       tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                       head_dim=config.get("head_dim"),
+                       attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")))
+        except KeyError as error:
+            raise ValueError(f"{path}: a decoder config needs {error.args[0]!r}") from None
+
+
+PRESETS = {
+    "qwen2.5-0.5b": ModelShape(896, 4864, 24, 14, 2, 151936, tie_word_embeddings=True, attention_bias=True),
+    "qwen2.5-1.5b": ModelShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True, attention_bias=True),
+    "qwen2.5-7b": ModelShape(3584, 18944, 28, 28, 4, 152064, attention_bias=True),
+    "llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8, 128256),
+}
+
+CARDS = {"24 GB (RTX 4090 / L4)": 24e9, "A100 40GB": 40e9, "A100 80GB": 80e9, "H100 80GB": 80e9,
+         "H200 141GB": 141e9}
+DTYPES = ("bf16-autocast", "bf16", "fp32")
+OPTIMIZERS = ("adamw", "adamw8bit")
+LOSSES = ("naive", "trl", "grpo_fast")
+ENGINES = ("vllm", "hf")
+
+# Elements saved for backward per token by one decoder layer of Hugging Face's Llama / Qwen2 in eager PyTorch:
+#   x hidden_size (17): 2 RMSNorms x 3 (input, normalized, output), q, rotate_half(q), rotated q, k and v repeated
+#       to all heads (2), contiguous copies for attention (3), attention output and its reshaped copy (2)
+#   x kv_dim (4): k, v, rotate_half(k), rotated k
+#   x intermediate_size (6): gate, up, silu(gate), silu(gate) * up, and the backward's two gradients of that size
+# Checked against peak RSS on CPU (benchmarks/long_context.py: 70 KB per token without checkpointing and 37 KB
+# with it, at hidden 256, 2 layers, kv_dim 128, intermediate 512).
+SAVED_PER_HIDDEN = 17
+SAVED_PER_KV = 4
+SAVED_PER_INTERMEDIATE = 6
+NAIVE_LOGIT_COPIES = 3          # fp32 logits, log_softmax saved for backward, its gradient (and the GEMM output)
+TRL_TILE = (4096, 32768)        # tokens x vocabulary columns of TRL 1.16's ChunkedLogProbFunction tile
+TRL_TILE_COPIES = 3
+CUDA_CONTEXT = 600 * 2**20      # CUDA context and cuBLAS workspaces
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the trainer will run. Lengths in tokens; micro_batch_size in sequences (or micro_batch_tokens)."""
+
+    prompt_length: int = 512
+    completion_length: int = 4096
+    group_size: int = 8
+    prompts_per_step: int = 8
+    micro_batch_size: int = 1
+    micro_batch_tokens: Optional[int] = None
+    dtype: str = "bf16-autocast"
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = True
+    lora_rank: int = 0
+    loss: str = "grpo_fast"
+    beta: float = 0.0
+    engine: str = "vllm"
+    gpu_memory_utilization: float = 0.3
+    chunk_bytes: Optional[int] = None
+    device: str = "cuda"
+
+    def __post_init__(self):
+        for name, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("loss", LOSSES),
+                              ("engine", ENGINES), ("device", ("cuda", "cpu"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("prompt_length", "completion_length", "group_size", "prompts_per_step", "micro_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.lora_rank < 0 or not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"lora_rank must be >= 0 and gpu_memory_utilization in (0, 1), got {self.lora_rank}, "
+                             f"{self.gpu_memory_utilization}")
+
+    @property
+    def micro_batch_sequences(self) -> int:
+        if self.micro_batch_tokens is None:
+            return self.micro_batch_size
+        per_sequence = self.prompt_length + self.completion_length
+        return max(1, min(self.micro_batch_size, self.micro_batch_tokens // per_sequence))
+
+
+def _bytes(dtype: str) -> tuple:
+    """(parameter bytes, activation bytes)."""
+    return {"bf16-autocast": (4, 2), "bf16": (2, 2), "fp32": (4, 4)}[dtype]
+
+
+def plan(shape: ModelShape, job: Job) -> dict:
+    """Predicted peak memory per component, in bytes, and their sum as "total"."""
+    param_bytes, act_bytes = _bytes(job.dtype)
+    params = shape.num_parameters()
+    trainable, trainable_bytes, autocast_copies = params, param_bytes, job.dtype == "bf16-autocast"
+    if job.lora_rank:         # adapters in fp32 on a frozen base held in the compute dtype
+        trainable = job.lora_rank * shape.num_layers * sum(a + b for a, b in shape.linear_shapes())
+        trainable_bytes, param_bytes, autocast_copies = 4, act_bytes, False
+    state_bytes = {"adamw": 8, "adamw8bit": 2}[job.optimizer] + (4 if trainable_bytes == 2 else 0)
+    h, v = shape.hidden_size, shape.vocab_size
+    sequences = job.micro_batch_sequences
+    tokens = sequences * (job.prompt_length + job.completion_length)
+    completion_tokens = sequences * job.completion_length
+
+    per_layer = (SAVED_PER_HIDDEN * h + SAVED_PER_KV * shape.kv_dim + SAVED_PER_INTERMEDIATE
+                 * shape.intermediate_size) * act_bytes
+    around = 4 * h * 4 + h * act_bytes                # embeddings output, final norm (fp32), hidden for the loss
+    if job.gradient_checkpointing:
+        activations = tokens * (shape.num_layers * h * act_bytes + per_layer + around)
+    else:
+        activations = tokens * (shape.num_layers * per_layer + around)
+    loss_bytes = _loss_buffers(job, shape, completion_tokens, act_bytes)
+    # A no-grad pass (old / reference log-probs) holds one layer's working set and the loss's forward buffers.
+    no_grad = tokens * (per_layer + around) + _loss_buffers(job, shape, completion_tokens, act_bytes,
+                                                            forward_only=True)
+    components = {
+        "weights": params * param_bytes + (trainable * 4 if job.lora_rank else 0),
+        "gradients": trainable * trainable_bytes,
+        "optimizer": trainable * state_bytes,
+        "reference_model": params * param_bytes if job.beta > 0 else 0,
+        "autocast_weight_copies": params * 2 if autocast_copies and job.device == "cuda" else 0,
+        "activations": activations if activations + loss_bytes >= no_grad else 0,
+        "loss_buffers": loss_bytes if activations + loss_bytes >= no_grad else 0,
+        "no_grad_pass": 0 if activations + loss_bytes >= no_grad else no_grad,
+        "runtime": CUDA_CONTEXT if job.device == "cuda" else 0,
+    }
+    components["total"] = sum(components.values())
+    return components
+
+
+def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, forward_only: bool = False) -> int:
+    v, h = shape.vocab_size, shape.hidden_size
+    gradients = 0 if forward_only else tokens * h * 4 + v * h * 4          # fp32 d(hidden), d(weight)
+    if job.loss == "naive":
+        return tokens * v * (act_bytes + 4 * (1 if forward_only else NAIVE_LOGIT_COPIES)) + gradients
+    if job.loss == "trl":
+        tile = min(tokens, TRL_TILE[0]) * min(v, TRL_TILE[1]) * 4 * TRL_TILE_COPIES
+        return tile + gradients
+    chunk_bytes = job.chunk_bytes or (2**30 if job.device == "cuda" else 256 * 2**20)
+    # the chunk's working set per logit: Triton works in place on the GEMM buffer; the PyTorch path (CPU) keeps
+    # the buffer, an fp32 copy when it is not fp32, the probabilities and one temporary
+    per_logit = act_bytes if job.device == "cuda" else act_bytes + (0 if act_bytes == 4 else 4) + 8
+    buffer = min(tokens * v * per_logit, chunk_bytes)
+    return buffer + tokens * 4 * 8 + gradients                             # plus per-token fp32 vectors
+
+
+def kv_cache_needed(shape: ModelShape, job: Job) -> int:
+    """Bytes of bf16 KV cache that hold every sequence of one step at full length at once."""
+    sequences = job.group_size * job.prompts_per_step
+    per_token = 2 * shape.num_layers * shape.kv_dim * 2
+    return sequences * (job.prompt_length + job.completion_length) * per_token
+
+
+def fits(shape: ModelShape, job: Job, estimate: dict) -> dict:
+    """card -> (fits, needed bytes): training peak plus, with vLLM colocated, its pool
+    (gpu_memory_utilization x card, which must also hold vLLM's bf16 weights and the KV cache)."""
+    result = {}
+    vllm_minimum = shape.num_parameters() * 2 + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_step)
+    for card, capacity in CARDS.items():
+        needed = estimate["total"]
+        pool_ok = True
+        if job.engine == "vllm":
+            pool = job.gpu_memory_utilization * capacity
+            needed += pool
+            pool_ok = pool >= vllm_minimum            # its weights and one sequence's KV cache at full length
+        result[card] = (pool_ok and needed <= capacity, needed)
+    return result
+
+
+@dataclass
+class PlanReport:
+    model: str
+    job: dict
+    parameters: int
+    components: dict
+    kv_cache_needed: int
+    cards: dict = field(default_factory=dict)
+
+
+def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
+    estimate = plan(shape, job)
+    cards = {card: {"fits": ok, "needed_bytes": int(need)} for card, (ok, need) in fits(shape, job,
+                                                                                           estimate).items()}
+    return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
+                      components={k: int(v) for k, v in estimate.items()},
+                      kv_cache_needed=kv_cache_needed(shape, job), cards=cards)
+
+
+def format_report(report: PlanReport) -> str:
+    job = report.job
+    lines = [f"{report.model}: {report.parameters / 1e9:.2f}B parameters; prompt {job['prompt_length']} + completion "
+             f"{job['completion_length']} tokens, group {job['group_size']}, micro-batch "
+             f"{job['micro_batch_size']} seq, {job['dtype']}, {job['optimizer']}, checkpointing "
+             f"{'on' if job['gradient_checkpointing'] else 'off'}, "
+             f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}", "",
+             f"{'component':<24}{'GiB':>10}"]
+    for name, value in report.components.items():
+        if name == "total":
+            continue
+        lines.append(f"{name:<24}{value / GIB:>10.2f}")
+    lines.append(f"{'training peak':<24}{report.components['total'] / GIB:>10.2f}")
+    if job["engine"] == "vllm":
+        lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']}: pool = that share of the card; "
+                     f"one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB (less is "
+                     "fine: vLLM queues)")
+    lines.append("")
+    for card, result in report.cards.items():
+        verdict = "fits" if result["fits"] else "does not fit"
+        lines.append(f"{card:<24}{verdict:>14}  ({result['needed_bytes'] / GIB:.1f} GiB needed)")
+    return "\n".join(lines)
+
+
+def load_shape(model: str) -> ModelShape:
+    """A preset name or the path of a Hugging Face config.json (or of the folder holding it)."""
+    import os
+
+    if model in PRESETS:
+        return PRESETS[model]
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"model must be a preset {sorted(PRESETS)} or a config.json path, got {model!r}")
+    return ModelShape.from_config(path)
+
+
+def add_arguments(parser) -> None:
+    defaults = Job()
+    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json / folder")
+    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length)
+    parser.add_argument("--completion-length", type=int, default=defaults.completion_length)
+    parser.add_argument("--group-size", type=int, default=defaults.group_size)
+    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
+    parser.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size, help="sequences")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None)
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
+                        help="bf16-autocast: fp32 weights, bf16 compute (the trainer on GPU)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--lora-rank", type=int, default=0, help="0: full training")
+    parser.add_argument("--loss", choices=LOSSES, default=defaults.loss)
+    parser.add_argument("--beta", type=float, default=0.0, help="> 0 keeps a reference model")
+    parser.add_argument("--engine", choices=ENGINES, default=defaults.engine)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
+
+
+def main(args) -> int:
+    """`grpo-fast plan`: print the table (or JSON) for the arguments of `add_arguments`."""
+    import sys
+
+    try:
+        shape = load_shape(args.model)
+        job = Job(prompt_length=args.prompt_length, completion_length=args.completion_length,
+                  group_size=args.group_size, prompts_per_step=args.prompts_per_step,
+                  micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens,
+                  dtype=args.dtype, optimizer=args.optimizer,
+                  gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
+                  loss=args.loss, beta=args.beta, engine=args.engine,
+                  gpu_memory_utilization=args.gpu_memory_utilization, device=args.device)
+    except ValueError as error:
+        print(f"grpo-fast plan: {error}", file=sys.stderr)
+        return 2
+    result = report(args.model, shape, job)
+    print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
+    return 0
