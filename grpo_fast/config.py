@@ -24,7 +24,8 @@ class TrainConfig:
             system_prompt, if set, is the system turn (chat) or a line before the prompt (plain).
         device: "auto" (CUDA when available), "cpu" or "cuda[:i]". bf16 autocast on GPU, fp32 on CPU.
     Rollouts: group_size completions per prompt, prompts_per_step prompts per step, sampled at temperature /
-        top_p up to max_completion_length tokens by the `engine`: "hf" (model.generate) or "vllm" (an offline
+        top_p up to max_completion_length tokens (every one of them with ignore_eos, for length tests) by the
+        `engine`: "hf" (model.generate) or "vllm" (an offline
         vLLM engine in this process, weights pushed after every step; vllm_gpu_memory_utilization is its share of
         the GPU). vLLM samples with its own numerics, so each token's loss is weighted by the rollout
         correction `importance_sampling` (none, token_truncate, token_mask, sequence_truncate, sequence_mask)
@@ -55,6 +56,7 @@ class TrainConfig:
     max_completion_length: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
+    ignore_eos: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     importance_sampling: str = "sequence_mask"
     importance_sampling_cap: float = 3.0

@@ -81,11 +81,12 @@ class HFEngine:
         self.model.eval()
         output = self.model.generate(**encoded, do_sample=True, temperature=config.temperature, top_p=config.top_p,
                                      top_k=0, max_new_tokens=config.max_completion_length, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     min_new_tokens=config.max_completion_length if config.ignore_eos else 0)
         self.model.train(was_training)
         completions, truncated = [], []
         for sampled in output[:, encoded["input_ids"].shape[1]:].tolist():
-            ended = tokenizer.eos_token_id in sampled
+            ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
             completions.append(sampled[:sampled.index(tokenizer.eos_token_id) + 1] if ended else sampled)
             truncated.append(not ended)
         return pack(rows, completions, truncated, tokenizer.pad_token_id, device=device)
@@ -142,7 +143,7 @@ class VLLMEngine:
         config = self.config
         params = [SamplingParams(n=config.group_size, temperature=config.temperature, top_p=config.top_p,
                                  max_tokens=config.max_completion_length, logprobs=0, seed=seed + index,
-                                 detokenize=False)
+                                 detokenize=False, ignore_eos=config.ignore_eos)
                   for index in range(len(prompt_ids))]
         with _preserved_process_state():
             outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params,

@@ -51,6 +51,7 @@ def load_model(config: TrainConfig, samples: list):
 
         tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
         model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
+                           max_positions=max(1024, config.max_completion_length + 1024),
                            pad_token_id=tokenizer.pad_token_id)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer

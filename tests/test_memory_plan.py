@@ -1,0 +1,93 @@
+"""`grpo-fast plan`: parameter counts, the components' behaviour, the CLI, and the plan against measured peaks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from grpo_fast.memory import GIB, PRESETS, Job, ModelShape, load_shape, plan
+
+
+def test_parameter_count_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    for tied, bias_model in ((True, "qwen2"), (False, "llama")):
+        if bias_model == "qwen2":
+            config = transformers.Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=160,
+                                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                              tie_word_embeddings=tied)
+            model = transformers.Qwen2ForCausalLM(config)
+        else:
+            config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160,
+                                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                              tie_word_embeddings=tied)
+            model = transformers.LlamaForCausalLM(config)
+        folder = tmp_path / bias_model
+        config.save_pretrained(folder)
+        assert load_shape(str(folder)).num_parameters() == model.num_parameters(), bias_model
+
+
+def test_presets_have_the_published_sizes():
+    billions = {name: shape.num_parameters() / 1e9 for name, shape in PRESETS.items()}
+    assert round(billions["qwen2.5-0.5b"], 2) == 0.49 and round(billions["qwen2.5-1.5b"], 2) == 1.54
+    assert round(billions["qwen2.5-7b"], 2) == 7.62 and round(billions["llama-3.1-8b"], 2) == 8.03
+
+
+def test_components_behave():
+    shape = PRESETS["qwen2.5-1.5b"]
+    short, long = (plan(shape, Job(completion_length=n, loss="grpo_fast")) for n in (4096, 32768))
+    naive_short, naive_long = (plan(shape, Job(completion_length=n, loss="naive")) for n in (4096, 32768))
+    assert long["loss_buffers"] - short["loss_buffers"] < 0.05 * long["loss_buffers"] + 28672 * 1536 * 4 + 1
+    assert naive_long["loss_buffers"] > 7 * naive_short["loss_buffers"]            # grows with tokens
+    tokens_v = 32768 * shape.vocab_size
+    assert naive_long["loss_buffers"] >= tokens_v * (2 + 12)                         # bf16 logits + fp32 copies
+    no_ckpt = plan(shape, Job(completion_length=32768, gradient_checkpointing=False))
+    assert no_ckpt["activations"] > 10 * long["activations"]
+    lora = plan(shape, Job(lora_rank=16))
+    assert lora["optimizer"] < 0.02 * short["optimizer"] and lora["weights"] < short["weights"]
+    assert plan(shape, Job(beta=0.04))["reference_model"] == short["weights"]
+    assert plan(shape, Job(optimizer="adamw8bit"))["optimizer"] == short["optimizer"] // 4
+    for estimate in (short, long, naive_long, no_ckpt, lora):
+        assert estimate["total"] == sum(v for k, v in estimate.items() if k != "total")
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="loss must be one of"):
+        Job(loss="liger")
+    with pytest.raises(ValueError, match="completion_length must be > 0"):
+        Job(completion_length=0)
+    with pytest.raises(ValueError, match="model must be a preset"):
+        load_shape("no-such-model")
+
+
+def test_cli_json(tmp_path):
+    from grpo_fast.cli import main
+
+    done = subprocess.run([sys.executable, "-m", "grpo_fast.cli", "plan", "qwen2.5-7b", "--completion-length",
+                           "16384", "--json"], capture_output=True, text=True, check=True)
+    report = json.loads(done.stdout)
+    assert report["parameters"] == PRESETS["qwen2.5-7b"].num_parameters()
+    assert report["components"]["total"] == sum(v for k, v in report["components"].items() if k != "total")
+    assert set(report["cards"]) >= {"H200 141GB", "A100 80GB", "A100 40GB"}
+    small = json.loads(subprocess.run([sys.executable, "-m", "grpo_fast.cli", "plan", "qwen2.5-0.5b",
+                                       "--completion-length", "1024", "--json"], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert small["cards"]["H200 141GB"]["fits"] and not report["cards"]["24 GB (RTX 4090 / L4)"]["fits"]
+    assert main(["plan", "nonexistent-model"]) == 2
+
+
+@pytest.mark.parametrize("loss", ["grpo_fast", "naive"])
+def test_plan_within_20_percent_of_measured_cpu_peak(loss):
+    """A real policy-update step of a tiny model (vocabulary 32768, 2048-token completions) in a fresh process."""
+    pytest.importorskip("transformers")
+    command = [sys.executable, "-m", "grpo_fast.benchmarks.long_context", "--worker-length", "2048",
+               "--worker-loss", loss, "--device", "cpu", "--steps", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"]
+    from grpo_fast.benchmarks.long_context import PROMPT
+
+    shape = ModelShape(256, 512, 2, 4, 2, 32768, tie_word_embeddings=True, attention_bias=True)
+    planned = plan(shape, Job(prompt_length=PROMPT, completion_length=2048, group_size=2, micro_batch_size=1,
+                              dtype="fp32", loss=loss, engine="hf", device="cpu"))["total"]
+    assert 0.8 < planned / measured < 1.2, (planned / GIB, measured / GIB)
