@@ -135,6 +135,8 @@ def chunked_pass(
             _accumulate_weight_grad(d_weight, y, h)             # GEMM 3: d(weight)
         if d_bias is not None:
             d_bias += y.sum(0, dtype=stat_dtype)
+    if d_hidden is not None and hasattr(ops, "all_reduce_grad_hidden"):
+        ops.all_reduce_grad_hidden(d_hidden)                    # vocabulary-parallel: sum over the slices
     return PassResult(
         logp=logp,
         entropy=entropy,

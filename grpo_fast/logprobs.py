@@ -46,12 +46,13 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def flat_token_logprobs(hidden, weight, bias, targets, transform: LogitTransform, *, return_entropy, chunk_bytes,
-                        backend):
-    """token_logprobs on checked (N, H) inputs; returns logp or (logp, entropy), (N,) fp32."""
-    ops = backends.resolve(backend, hidden.device)
+                        backend, ops=None):
+    """token_logprobs on checked (N, H) inputs; returns logp or (logp, entropy), (N,) fp32. ops: the resolved
+    backend (default: `backend` on hidden's device)."""
+    ops = ops or backends.resolve(backend, hidden.device)
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(hidden.device)
-    rows = chunk_rows(weight.shape[0], hidden.dtype, chunk_bytes, ops)
+    rows = chunk_rows(getattr(ops, "chunk_vocab", weight.shape[0]), hidden.dtype, chunk_bytes, ops)
     return _TokenLogprobs.apply(hidden, weight, bias, targets, transform, ops, rows, return_entropy)
 
 
@@ -67,6 +68,7 @@ def token_logprobs(
     return_entropy: bool = False,
     chunk_bytes: Optional[int] = None,
     backend: str = "auto",
+    process_group=None,
 ):
     """Per-token log-probability of each target, computed in chunks without the (N, V) logits.
 
@@ -86,6 +88,8 @@ def token_logprobs(
         return_entropy: also return the entropy of each position's distribution (differentiable too).
         chunk_bytes: memory budget of one chunk's working set (default 256 MiB on CPU, 1 GiB on CUDA).
         backend: "auto" (Triton on CUDA when importable, else torch), "torch" or "triton".
+        process_group: weight (and bias) are this rank's rows of a vocabulary-parallel head; every rank passes
+            the same hidden and targets and gets the full log-probs (see `grpo_loss`).
 
     Returns:
         logp, or (logp, entropy): fp32 tensors of shape hidden.shape[:-1]. Differentiable with respect to
@@ -95,11 +99,12 @@ def token_logprobs(
     check_lm_head(hidden, weight, bias, targets)
     transform = check_transform(temperature, logit_scale, logit_softcap)
     check_chunk_bytes(chunk_bytes)
-    check_target_range(targets, weight.shape[0])
+    ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
+    check_target_range(targets, vocab_size)
     token_shape = hidden.shape[:-1]
     out = flat_token_logprobs(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), transform,
-        return_entropy=return_entropy, chunk_bytes=chunk_bytes, backend=backend,
+        return_entropy=return_entropy, chunk_bytes=chunk_bytes, backend=backend, ops=ops,
     )
     if return_entropy:
         return out[0].view(token_shape), out[1].view(token_shape)

@@ -46,18 +46,19 @@ def _scatter(values, index, shape):
 
 
 def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, transform: LogitTransform, *,
-                      num_items_in_batch=None, chunk_bytes=None, backend="auto", token_stats=None):
+                      num_items_in_batch=None, chunk_bytes=None, backend="auto", token_stats=None, ops=None):
     """The policy loss of `batch`; see `grpo_loss`. Inputs already checked.
 
     token_stats: an optional dict that receives the detached (B, T) "logp" and "entropy" (zero off the mask),
-    for callers that log per-token metrics of their own (the TRL integration).
+    for callers that log per-token metrics of their own (the TRL integration). ops: the resolved backend
+    (default: `backend` on hidden's device).
     """
     hidden, mask = batch.hidden, batch.mask
     shape = tuple(mask.shape)
-    ops = backends.resolve(backend, hidden.device)
+    ops = ops or backends.resolve(backend, hidden.device)
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(hidden.device)
-    rows = chunk_rows(weight.shape[0], hidden.dtype, chunk_bytes, ops)
+    rows = chunk_rows(getattr(ops, "chunk_vocab", weight.shape[0]), hidden.dtype, chunk_bytes, ops)
 
     # Compact the masked positions away: prompt and padding tokens cost no GEMM work.
     index = mask.reshape(-1).nonzero().squeeze(1)
@@ -80,7 +81,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         # loss math drives token_logprobs' backward (which recomputes each chunk): 4 GEMM passes.
         logp_c, entropy_c = flat_token_logprobs(
             hidden_c, weight, bias, targets_c, transform, return_entropy=True, chunk_bytes=chunk_bytes,
-            backend=backend,
+            backend=backend, ops=ops,
         )
         return loss_from(logp_c, entropy_c)
 
@@ -140,6 +141,7 @@ def grpo_loss(
     sapo_temperature_neg: float = 1.05,
     chunk_bytes: Optional[int] = None,
     backend: str = "auto",
+    process_group=None,
 ):
     """GRPO-family policy loss from final hidden states and the LM-head weight, without the (N, V) logits.
 
@@ -174,6 +176,9 @@ def grpo_loss(
         entropy_coef: subtract entropy_coef * masked mean entropy (the entropy gradient flows).
         sapo_temperature_pos / sapo_temperature_neg: SAPO gate temperatures.
         chunk_bytes, backend: as in `token_logprobs`.
+        process_group: for a vocabulary-parallel LM head: weight (and bias) hold this rank's rows of the
+            vocabulary (ranks in order, any sizes); every rank passes the same hidden, targets and the rest, and
+            gets the full loss, the full d(hidden) and its own slice's d(weight). Runs the PyTorch backend.
 
     Returns:
         (loss, metrics): loss a 0-dim fp32 tensor; metrics a dict of detached 0-dim tensors: "ratio/mean",
@@ -188,22 +193,23 @@ def grpo_loss(
     )
     transform = check_transform(temperature, logit_scale, logit_softcap)
     return _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
-                         num_items_in_batch, config, transform, chunk_bytes, backend)
+                         num_items_in_batch, config, transform, chunk_bytes, backend, process_group=process_group)
 
 
 def _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
-                  num_items_in_batch, config, transform, chunk_bytes, backend, token_stats=None):
+                  num_items_in_batch, config, transform, chunk_bytes, backend, token_stats=None,
+                  process_group=None):
     check_lm_head(hidden, weight, bias, targets)
     check_chunk_bytes(chunk_bytes)
     if config.beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta = {config.beta} > 0 needs ref_logps (the reference policy's log-probs), got None")
-    backends.check_name(backend)
+    ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
     batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
-    check_target_range(batch.targets, weight.shape[0], batch.mask)
+    check_target_range(batch.targets, vocab_size, batch.mask)
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch!r}")
     return fused_policy_loss(batch, weight, bias, config, transform, num_items_in_batch=num_items_in_batch,
-                             chunk_bytes=chunk_bytes, backend=backend, token_stats=token_stats)
+                             chunk_bytes=chunk_bytes, backend=backend, token_stats=token_stats, ops=ops)
 
 
 class GRPOLoss(nn.Module):
@@ -232,9 +238,10 @@ class GRPOLoss(nn.Module):
         self.chunk_bytes, self.backend = chunk_bytes, backend
 
     def forward(self, hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
-                is_ratio=None, num_items_in_batch=None):
+                is_ratio=None, num_items_in_batch=None, process_group=None):
         return _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
-                             num_items_in_batch, self.config, self.transform, self.chunk_bytes, self.backend)
+                             num_items_in_batch, self.config, self.transform, self.chunk_bytes, self.backend,
+                             process_group=process_group)
 
     def extra_repr(self) -> str:
         return f"{self.config}, {self.transform}, backend={self.backend!r}"

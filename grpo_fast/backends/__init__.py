@@ -51,3 +51,18 @@ def resolve(backend: str, device: torch.device):
     from grpo_fast.backends import torch_ops
 
     return torch_ops
+
+
+def resolve_head(backend: str, device: torch.device, vocab_rows: int, process_group=None):
+    """(ops, full vocabulary size) for an LM head of vocab_rows rows here: the whole head, or with a
+    process_group this rank's slice of a vocabulary-parallel head (see grpo_fast.backends.vocab_parallel)."""
+    if process_group is None:
+        return resolve(backend, device), vocab_rows
+    check_name(backend)
+    if backend == "triton":
+        raise ValueError("a vocabulary-parallel head (process_group) runs on backend 'torch' or 'auto', got "
+                         "'triton'")
+    from grpo_fast.backends.vocab_parallel import VocabParallelOps, VocabShard
+
+    shard = VocabShard.of(vocab_rows, process_group, device)
+    return VocabParallelOps(shard), shard.total_size

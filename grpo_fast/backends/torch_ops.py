@@ -44,8 +44,11 @@ def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
     return ChunkState(z, probs, lse, logp, entropy)
 
 
-def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
-    """buffer <- dL/dy = (g (onehot - p) - g_H p (z - lse + H)) * dz/dy."""
+def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, onehot=None) -> None:
+    """buffer <- dL/dy = (g (onehot - p) - g_H p (z - lse + H)) * dz/dy.
+
+    onehot: the (C,) values added at the targets' columns, default g_logp (a vocabulary slice that does not
+    hold a row's target passes 0 for it)."""
     z, lse = state.logits, state.lse
     dlogits = state.probs                                  # overwritten: the state is spent after this pass
     if g_entropy is None:
@@ -54,7 +57,7 @@ def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
         coef = (z - (lse - state.entropy)[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])
         dlogits.mul_(coef).neg_()
         del coef
-    dlogits.scatter_add_(1, targets[:, None], g_logp[:, None])
+    dlogits.scatter_add_(1, targets[:, None], (g_logp if onehot is None else onehot)[:, None])
     if transform.softcap is not None:                      # d tanh = 1 - tanh^2, tanh = z * T / softcap
         dlogits.mul_(1 - (z * (transform.temperature / transform.softcap)).square_())
     dlogits.mul_(transform.scale / transform.temperature)

@@ -1,0 +1,92 @@
+"""The chunk passes when the LM head is split by vocabulary across a process group (Megatron-style tensor
+parallelism): each rank holds rows [start, start + V_local) of the weight and never sees the others.
+
+Per chunk of tokens, each rank reduces its own slice to four numbers per token (max logit, sum of exp, sum of
+exp * logit, and the target's logit when the target is in its slice); one all-reduce of the max and one of the
+sums give every rank the full log-softmax statistics. The gradient pass then runs on each slice alone, and
+d(hidden), a sum over the vocabulary, is all-reduced once at the end of the pass. No rank gathers the weight or
+another rank's logits. The math is the PyTorch backend's (`torch_ops`), restricted to a slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from grpo_fast.backends import torch_ops
+from grpo_fast.backends.torch_ops import ChunkState
+
+bytes_per_logit = torch_ops.bytes_per_logit
+policy_grad = torch_ops.policy_grad
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of the vocabulary: rows [start, start + size) of a vocabulary of total_size."""
+
+    group: object
+    start: int
+    size: int
+    total_size: int
+    largest: int            # the largest slice: every rank sizes its chunks by it, so all take the same steps
+
+    @classmethod
+    def of(cls, local_rows: int, group, device) -> "VocabShard":
+        """The slices of all ranks, in rank order, from each rank's local row count (one all-gather)."""
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(sizes, torch.tensor([local_rows], dtype=torch.long, device=device), group=group)
+        sizes = [int(s) for s in sizes]
+        rank = dist.get_rank(group)
+        return cls(group, sum(sizes[:rank]), local_rows, sum(sizes), max(sizes))
+
+
+class VocabParallelOps:
+    """A backend (see grpo_fast.backends) for one rank's vocabulary slice."""
+
+    bytes_per_logit = staticmethod(bytes_per_logit)
+    policy_grad = staticmethod(policy_grad)
+
+    def __init__(self, shard: VocabShard):
+        self.shard = shard
+        self.chunk_vocab = shard.largest        # chunk rows follow the largest slice (collectives per chunk)
+
+    def _local(self, targets):
+        local = targets - self.shard.start
+        owned = (local >= 0) & (local < self.shard.size)
+        return torch.where(owned, local, 0), owned
+
+    def stats_(self, buffer, targets, transform, need_entropy) -> ChunkState:
+        group = self.shard.group
+        z = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()
+        if transform.scale != 1.0:
+            z.mul_(transform.scale)
+        if transform.softcap is not None:
+            z.div_(transform.softcap).tanh_().mul_(transform.softcap)
+        if transform.temperature != 1.0:
+            z.div_(transform.temperature)
+        row_max = z.amax(dim=-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        probs = torch.sub(z, row_max[:, None]).exp_()
+        local, owned = self._local(targets)
+        sums = torch.stack([
+            probs.sum(-1),
+            (probs * z).sum(-1) if need_entropy else torch.zeros_like(row_max),
+            torch.where(owned, z.gather(1, local[:, None]).squeeze(1), 0.0),
+        ])
+        dist.all_reduce(sums, group=group)
+        sum_exp, sum_exp_z, target_logit = sums
+        lse = row_max + sum_exp.log()
+        probs.div_(sum_exp[:, None])
+        entropy = lse - sum_exp_z / sum_exp if need_entropy else None          # H = lse - sum p z
+        return ChunkState(z, probs, lse, target_logit - lse, entropy)
+
+    def dlogits_(self, buffer, state, targets, g_logp, g_entropy, transform) -> None:
+        local, owned = self._local(targets)
+        # the one-hot term lives on the rank that owns the target: elsewhere add zero at column 0
+        torch_ops.dlogits_(buffer, state, local, g_logp, g_entropy, transform,
+                           onehot=torch.where(owned, g_logp, 0.0))
+
+    def all_reduce_grad_hidden(self, grad_hidden: torch.Tensor) -> None:
+        dist.all_reduce(grad_hidden, group=self.shard.group)

@@ -1,0 +1,99 @@
+"""A vocabulary-parallel LM head over a gloo process group: every loss type, log-probs and entropies, forward
+and backward, equal the unsharded computation (2 and 3 ranks, uneven slices, several chunks per pass)."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import grpo_fast as gf
+
+CASES = [dict(loss_type=name) for name in ("grpo", "bnpo", "dapo", "cispo", "sapo")] + [
+    dict(loss_type="dr_grpo", max_completion_length=8, beta=0.1, entropy_coef=0.01),
+    dict(loss_type="dapo", importance_sampling_level="sequence", temperature=0.7, logit_softcap=5.0),
+    dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.05),
+]
+
+
+def inputs(vocab=37, hidden_size=8, batch=3, seq=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, hidden_size, generator=generator, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=generator, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (batch, seq), generator=generator)
+    mask = torch.rand(batch, seq, generator=generator) > 0.25
+    old = torch.where(mask, -3 * torch.rand(batch, seq, generator=generator, dtype=torch.float64), 0.0)
+    ref = torch.where(mask, -3 * torch.rand(batch, seq, generator=generator, dtype=torch.float64), 0.0)
+    advantages = torch.randn(batch, generator=generator, dtype=torch.float64)
+    return hidden, weight, bias, targets, mask, old, ref, advantages
+
+
+def run_case(case, sizes, rank, group):
+    hidden, weight, bias, targets, mask, old, ref, advantages = inputs()
+    start, size = sum(sizes[:rank]), sizes[rank]
+    case = dict(case)
+    kwargs = dict(old_logps=old, ref_logps=ref, backend="torch", chunk_bytes=512, **case)
+
+    h_full, w_full, b_full = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    expected, expected_metrics = gf.grpo_loss(h_full, w_full, targets, advantages, mask, bias=b_full, **kwargs)
+    expected.backward()
+
+    h, w, b = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_(), \
+        bias[start:start + size].clone().requires_grad_()
+    loss, metrics = gf.grpo_loss(h, w, targets, advantages, mask, bias=b, process_group=group, **kwargs)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h.grad, h_full.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(b.grad, b_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
+    for name, value in expected_metrics.items():
+        torch.testing.assert_close(metrics[name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def run_logprobs(sizes, rank, group):
+    hidden, weight, _, targets, _, _, _, _ = inputs(seed=1)
+    start, size = sum(sizes[:rank]), sizes[rank]
+    h_full, w_full = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, entropy = gf.token_logprobs(h_full, w_full, targets, return_entropy=True, chunk_bytes=512)
+    (logp.sum() + 0.3 * entropy.sum()).backward()
+    h, w = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_()
+    logp_s, entropy_s = gf.token_logprobs(h, w, targets, return_entropy=True, chunk_bytes=512,
+                                          process_group=group)
+    (logp_s.sum() + 0.3 * entropy_s.sum()).backward()
+    torch.testing.assert_close(logp_s, logp, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(entropy_s, entropy, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h.grad, h_full.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
+    with torch.no_grad():                                        # the one-pass form under no_grad
+        torch.testing.assert_close(gf.token_logprobs(hidden, weight[start:start + size], targets,
+                                                     process_group=group), logp.detach())
+
+
+def worker(rank, world, port, sizes):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        for case in CASES:
+            run_case(case, sizes, rank, dist.group.WORLD)
+        run_logprobs(sizes, rank, dist.group.WORLD)
+        with pytest.raises(ValueError, match=r"targets must lie in \[0, V\) = \[0, 37\)"):
+            hidden, weight, _, targets, _, _, _, _ = inputs()
+            start, size = sum(sizes[:rank]), sizes[rank]
+            gf.token_logprobs(hidden, weight[start:start + size], targets + 37, process_group=dist.group.WORLD)
+        with pytest.raises(ValueError, match="backend 'torch' or 'auto'"):
+            gf.token_logprobs(hidden, weight[:size], targets, backend="triton", process_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sizes", [[20, 17], [13, 12, 12]], ids=["2 ranks", "3 ranks"])
+def test_vocab_parallel_equals_unsharded(sizes):
+    mp.spawn(worker, args=(len(sizes), free_port(), sizes), nprocs=len(sizes), join=True)
