@@ -48,7 +48,7 @@ def worker(args) -> dict:
     from grpo_fast.config import TrainConfig
     from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
     from grpo_fast.tiny import tiny_qwen2
-    from grpo_fast.trainer import completion_logprobs, policy_update
+    from grpo_fast.trainer import Policy, completion_logprobs, policy_update
 
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
@@ -84,8 +84,8 @@ def worker(args) -> dict:
     for _ in range(args.steps):
         started = time.perf_counter()
         if ref_model is not None:
-            rollout["ref_logps"] = completion_logprobs(ref_model, rollout, config)
-        policy_update(model, optimizer, rollout, config)
+            rollout["ref_logps"] = completion_logprobs(Policy.of(ref_model), rollout, config)
+        policy_update(Policy.of(model), optimizer, rollout, config)
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)

@@ -3,7 +3,7 @@
     plan = plan_micro_batches(sequence_lengths, max_tokens=16384, max_sequences=8)
     for rows in plan:
         batch = micro_batch(input_ids, attention_mask, prompt_length, rows, packed=True)
-        hidden = completion_hidden_states(model, batch)          # (b, C, H) for the loss
+        hidden = completion_hidden_states(HiddenStates(model), batch)    # (b, C, H) for the loss
 
 A rollout row is a left-padded prompt followed by a right-padded completion, so its real tokens are one
 contiguous run. Packed, the runs of a micro-batch are laid end to end in a single row whose position_ids restart
@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-from grpo_fast.models import final_hidden_states
 
 
 def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: int) -> list:
@@ -90,8 +88,10 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
                       hidden_index=torch.where(in_completion, predicting, 0), completion_length=completion_length)
 
 
-def completion_hidden_states(model, batch: MicroBatch) -> torch.Tensor:
-    """(b, C, H): the final hidden state that predicts each completion token (garbage where it has ended)."""
-    hidden = final_hidden_states(model, **batch.model_inputs)
+def completion_hidden_states(hidden_states, batch: MicroBatch) -> torch.Tensor:
+    """(b, C, H): the final hidden state that predicts each completion token (garbage where it has ended).
+    hidden_states: a module mapping decoder inputs to final hidden states (grpo_fast.distributed.HiddenStates,
+    possibly inside DDP / FSDP2)."""
+    hidden = hidden_states(**batch.model_inputs)
     flat = hidden.reshape(-1, hidden.shape[-1])
     return flat.index_select(0, batch.hidden_index.reshape(-1)).view(*batch.hidden_index.shape, -1)

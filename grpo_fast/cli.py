@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -58,7 +59,7 @@ def _train(arguments: list) -> int:
     except KeyboardInterrupt:
         print("stopped; the last checkpoint is in " + config.output_dir, file=sys.stderr)
         return 130
-    if history:
+    if history and os.environ.get("RANK", "0") == "0":
         first, last = history[0]["reward"], history[-1]["reward"]
         print(f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}; {config.output_dir}/metrics.jsonl, "
               f"curves.png")

@@ -40,6 +40,8 @@ class TrainConfig:
         Their gradients add up to the whole step's, whatever the cut. offload_activations keeps the tensors
         saved for backward in CPU memory (GPU runs).
     Warm start: sft_steps of supervised training on the task's solutions before GRPO (0 to skip).
+    Processes: under torchrun, `distributed` is "ddp" (PyTorch DistributedDataParallel) or "fsdp2"
+        (fully_shard per decoder layer); each rank takes prompts_per_step / world_size prompts per step.
     Run: output_dir gets metrics.jsonl, curves.png, completions.jsonl and checkpoints every save_every steps.
     """
 
@@ -72,7 +74,7 @@ class TrainConfig:
     epsilon_high: float = 0.28
     num_iterations: int = 1
     entropy_coef: float = 0.0
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 5
     lr_schedule: str = "cosine"
@@ -86,6 +88,7 @@ class TrainConfig:
     sft_steps: int = 300
     sft_learning_rate: float = 3e-3
     seed: int = 0
+    distributed: str = "ddp"
     output_dir: str = "runs/default"
     save_every: int = 20
     log_completions: int = 4
@@ -99,7 +102,7 @@ class TrainConfig:
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages compare completions), got {self.group_size}")
         choices = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
-                   "loss_implementation": ("grpo_fast", "naive"),
+                   "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"),
                    "scale_rewards": SCALES, "advantage_estimator": ESTIMATORS,
                    "lr_schedule": ("cosine", "linear", "constant")}
         for name, allowed in choices.items():

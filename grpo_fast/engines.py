@@ -66,29 +66,46 @@ def pack(prompt_ids: list, completions: list, truncated: list, pad_token_id: int
 
 
 class HFEngine:
-    """`model.generate` with sampling on the policy being trained."""
+    """`model.generate` with sampling on the policy being trained, one prompt's group per call, seeded per prompt:
+    the completions of a prompt do not depend on which other prompts share the step, the rank or the resume.
 
-    def __init__(self, model, tokenizer, config):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+    sharded_root: the FSDP2-wrapped module when the policy is sharded: its parameters are gathered for the
+    generation and every rank steps in lockstep (`synced_gpus`), since each forward is a collective.
+    """
+
+    def __init__(self, model, tokenizer, config, sharded_root=None):
+        self.model, self.tokenizer, self.config, self.sharded_root = model, tokenizer, config, sharded_root
 
     @torch.no_grad()
     def generate(self, prompt_ids: list, seed: int) -> Generation:
         config, tokenizer = self.config, self.tokenizer
-        rows = [ids for ids in prompt_ids for _ in range(config.group_size)]
         device = next(self.model.parameters()).device
-        encoded = tokenizer.pad({"input_ids": rows}, return_tensors="pt", padding=True).to(device)
         was_training = self.model.training
         self.model.eval()
-        output = self.model.generate(**encoded, do_sample=True, temperature=config.temperature, top_p=config.top_p,
-                                     top_k=0, max_new_tokens=config.max_completion_length, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                     min_new_tokens=config.max_completion_length if config.ignore_eos else 0)
-        self.model.train(was_training)
-        completions, truncated = [], []
-        for sampled in output[:, encoded["input_ids"].shape[1]:].tolist():
-            ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
-            completions.append(sampled[:sampled.index(tokenizer.eos_token_id) + 1] if ended else sampled)
-            truncated.append(not ended)
+        if self.sharded_root is not None:
+            self.sharded_root.unshard()
+        rows, completions, truncated = [], [], []
+        try:
+            for index, ids in enumerate(prompt_ids):
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    torch.manual_seed(seed + index)
+                    input_ids = torch.tensor([ids] * config.group_size, dtype=torch.long, device=device)
+                    output = self.model.generate(
+                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                        temperature=config.temperature, top_p=config.top_p, top_k=0,
+                        max_new_tokens=config.max_completion_length, use_cache=True,
+                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                        min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
+                        synced_gpus=self.sharded_root is not None)
+                for sampled in output[:, len(ids):].tolist():
+                    ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
+                    rows.append(ids)
+                    completions.append(sampled[:sampled.index(tokenizer.eos_token_id) + 1] if ended else sampled)
+                    truncated.append(not ended)
+        finally:
+            if self.sharded_root is not None:
+                self.sharded_root.reshard()
+            self.model.train(was_training)
         return pack(rows, completions, truncated, tokenizer.pad_token_id, device=device)
 
     def sync_weights(self, model) -> None:
@@ -161,21 +178,27 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         """Copy the policy's weights into the engine (names as in the Hugging Face checkpoint)."""
-        weights = [(name, tensor.detach()) for name, tensor in unwrap(model).state_dict().items()]
+        from grpo_fast.distributed import full_state_dict
+
+        weights = list(full_state_dict(unwrap(model)).items())
         with _preserved_process_state():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()                  # cached prompt KV came from the old weights
 
 
-def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Optional[str] = None):
-    """The configured engine. vLLM loads `model_dir` (the policy saved there first when it has no files of its own)
-    and gets the policy's current weights before returning."""
+def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Optional[str] = None,
+                sharded_root=None, save_dir: Optional[str] = None):
+    """The configured engine. vLLM loads `model_dir` (default: the policy saved to save_dir, by default
+    output_dir/engine_model, first) and gets the policy's current weights before returning. sharded_root: see
+    HFEngine."""
     if config.engine == "hf":
-        return HFEngine(model, tokenizer, config)
+        return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
     device = next(model.parameters()).device
     if model_dir is None:
-        model_dir = os.path.join(config.output_dir, "engine_model")
-        unwrap(model).save_pretrained(model_dir)
+        from grpo_fast.distributed import full_state_dict
+
+        model_dir = save_dir or os.path.join(config.output_dir, "engine_model")
+        unwrap(model).save_pretrained(model_dir, state_dict=full_state_dict(unwrap(model)))
         tokenizer.save_pretrained(model_dir)
     engine = VLLMEngine(model_dir, config, max_prompt_tokens + config.max_completion_length, device)
     engine.sync_weights(model)

@@ -18,11 +18,12 @@ import random
 import shutil
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 import grpo_fast as gf
-from grpo_fast import reference, tasks
+from grpo_fast import distributed, reference, tasks
 from grpo_fast.advantages import group_advantages
 from grpo_fast.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
 from grpo_fast.config import TrainConfig
@@ -78,11 +79,14 @@ def prompt_ids(texts: list, tokenizer) -> list:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, world: distributed.World = distributed.World()) -> torch.device:
+    """The device of this rank: "auto" is CUDA (the rank's local GPU) when available."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but torch sees no CUDA device")
+    if name == "cuda" and world.size > 1:
+        return torch.device("cuda", world.local_rank)
     return torch.device(name)
 
 
@@ -124,16 +128,29 @@ def micro_batches(rollout: dict, config: TrainConfig) -> list:
                         packed=config.packing) for rows in plan]
 
 
-def completion_hidden(model, batch: MicroBatch, offload: bool = False):
+@dataclass
+class Policy:
+    """A causal LM (its LM head, generation, checkpoints) and the module that computes its final hidden states
+    for training: HiddenStates(model), inside DDP or FSDP2 when distributed."""
+
+    model: torch.nn.Module
+    forward: torch.nn.Module
+
+    @classmethod
+    def of(cls, model) -> "Policy":
+        return cls(model, distributed.HiddenStates(model))
+
+
+def completion_hidden(policy: Policy, batch: MicroBatch, offload: bool = False):
     """The final hidden states that predict each completion token (b, C, H), and the LM head's weight and logit
     arguments in the same dtype: the backbone runs under bf16 autocast on GPU, the loss in bf16 outside it.
     offload: keep the activations saved for backward in (pinned) CPU memory."""
     device = batch.hidden_index.device
-    dtype = compute_dtype(model, device)
+    dtype = compute_dtype(policy.model, device)
     saved = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else nullcontext()
     with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"), saved:
-        hidden = completion_hidden_states(model, batch)
-    head = lm_head(model)
+        hidden = completion_hidden_states(policy.forward, batch)
+    head = lm_head(policy.model)
     kwargs = head.logit_kwargs()
     if kwargs["bias"] is not None:
         kwargs["bias"] = kwargs["bias"].to(dtype)
@@ -141,13 +158,18 @@ def completion_hidden(model, batch: MicroBatch, offload: bool = False):
 
 
 @torch.no_grad()
-def completion_logprobs(model, rollout: dict, config: TrainConfig) -> torch.Tensor:
-    """(B, C) log-probs of the completions under `model`, micro-batch by micro-batch, one GEMM pass each and no
-    logits (old and reference log-probs)."""
+def completion_logprobs(policy: Policy, rollout: dict, config: TrainConfig,
+                        world: distributed.World = distributed.World()) -> torch.Tensor:
+    """(B, C) log-probs of the completions under `policy`, micro-batch by micro-batch, one GEMM pass each and no
+    logits (old and reference log-probs). With a sharded policy every rank runs as many forwards as the busiest
+    (each is a collective)."""
     completion_ids = rollout["completion_ids"]
     logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
-    for batch in micro_batches(rollout, config):
-        hidden, weight, kwargs = completion_hidden(model, batch)
+    batches = micro_batches(rollout, config)
+    steps = distributed.all_reduce_max(len(batches), world, completion_ids.device)
+    for step in range(steps):
+        batch = batches[min(step, len(batches) - 1)]          # a repeat of the last one changes nothing
+        hidden, weight, kwargs = completion_hidden(policy, batch)
         with torch.autocast(hidden.device.type, enabled=False):
             values = gf.token_logprobs(hidden, weight, batch.completion(completion_ids),
                                        **{**kwargs, "temperature": config.temperature})
@@ -155,16 +177,23 @@ def completion_logprobs(model, rollout: dict, config: TrainConfig) -> torch.Tens
     return logps
 
 
-def accumulate_gradients(model, rollout: dict, config: TrainConfig) -> dict:
+def accumulate_gradients(policy: Policy, rollout: dict, config: TrainConfig,
+                         world: distributed.World = distributed.World()) -> dict:
     """Backward of the step's loss, micro-batch by micro-batch: the micro-batch losses are weighted
-    (`variants.micro_batch_share`) so that their sum is the loss of the whole rollout at once, however it is cut
-    and packed. Returns the loss and the loss metrics (token-weighted means over micro-batches)."""
+    (`variants.micro_batch_share`, over the sequences and tokens of all ranks) so that their sum is the loss of
+    the whole rollout at once, however it is cut, packed and spread over ranks. Every rank runs as many backward
+    passes as the busiest (extra ones weigh 0) and reduces gradients in the last. Returns the loss and the loss
+    metrics (token-weighted means over micro-batches), summed over ranks."""
     loss_config = config.loss_config()
-    total_tokens = rollout["completion_mask"].sum()
-    total_sequences = rollout["input_ids"].shape[0]
+    device = rollout["completion_mask"].device
+    total_sequences, total_tokens = distributed.all_reduce_sum(
+        [rollout["input_ids"].shape[0], float(rollout["completion_mask"].sum())], world, device)
+    batches = micro_batches(rollout, config)
+    steps = distributed.all_reduce_max(len(batches), world, device)
     summed = {"loss": 0.0}
-    for batch in micro_batches(rollout, config):
-        hidden, weight, head_kwargs = completion_hidden(model, batch, config.offload_activations)
+    for step in range(steps):
+        batch = batches[min(step, len(batches) - 1)]
+        hidden, weight, head_kwargs = completion_hidden(policy, batch, config.offload_activations)
         mask = batch.completion(rollout["completion_mask"])
         with torch.autocast(hidden.device.type, enabled=False):
             loss, metrics = LOSS_IMPLEMENTATIONS[config.loss_implementation](
@@ -176,19 +205,24 @@ def accumulate_gradients(model, rollout: dict, config: TrainConfig) -> dict:
                 entropy_coef=loss_config.entropy_coef, max_completion_length=config.max_completion_length,
                 num_items_in_batch=total_tokens, **{**head_kwargs, "temperature": config.temperature},
             )
-        loss = loss * micro_batch_share(mask, loss_config, total_sequences, total_tokens)
-        loss.backward()
+        share = micro_batch_share(mask, loss_config, total_sequences, total_tokens) if step < len(batches) else 0.0
+        loss = loss * share
+        with distributed.gradient_sync(policy.forward, enabled=step == steps - 1):
+            (loss * world.size).backward()          # DDP and FSDP2 average gradients over ranks
         summed["loss"] += loss.item()
-        token_share = float(mask.sum()) / max(1.0, float(total_tokens))
+        token_share = float(mask.sum()) / max(1.0, total_tokens) if step < len(batches) else 0.0
         for name, value in metrics.items():
             summed[name] = summed.get(name, 0.0) + value.item() * token_share
-    return summed
+    names = sorted(summed)
+    return dict(zip(names, distributed.all_reduce_sum([summed[n] for n in names], world, device)))
 
 
-def policy_update(model, optimizer, rollout: dict, config: TrainConfig) -> dict:
+def policy_update(policy: Policy, optimizer, rollout: dict, config: TrainConfig,
+                  world: distributed.World = distributed.World()) -> dict:
     """One optimizer step of grpo_loss over the rollout, with grad-norm clipping."""
-    summed = accumulate_gradients(model, rollout, config)
-    summed["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm).item()
+    summed = accumulate_gradients(policy, rollout, config, world)
+    norm = torch.nn.utils.clip_grad_norm_(policy.forward.parameters(), config.max_grad_norm)
+    summed["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return summed
@@ -225,23 +259,16 @@ def supervised_warm_start(model, tokenizer, samples: list, config: TrainConfig, 
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, rng=None, ref_model=None) -> str:
-    """Written to a temporary folder, then renamed: a crash or a full disk never leaves a broken checkpoint.
-
-    rng: the (torch, python) random states to resume with; default the current ones. ref_model: the KL reference
-    (beta > 0), saved so that a resumed run keeps the same one.
+def save_checkpoint(output_dir: str, step: int, state: dict) -> str:
+    """Writes `state` (see `training_state`) as output_dir/checkpoint-{step}/state.pt: to a temporary folder
+    first, then renamed, so a crash or a full disk never leaves a broken checkpoint; older ones are then removed.
     """
-    torch_rng, python_rng = rng or (torch.get_rng_state(), random.getstate())
     final = os.path.join(output_dir, f"checkpoint-{step}")
     temporary = final + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     os.makedirs(temporary)
     try:
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "torch_rng": torch_rng,
-                    "python_rng": python_rng,
-                    "ref_model": None if ref_model is None else ref_model.state_dict()},
-                   os.path.join(temporary, "state.pt"))
+        torch.save({"step": step, **state}, os.path.join(temporary, "state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(temporary, final)
     except BaseException:
@@ -253,6 +280,37 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, rng
     return final
 
 
+def training_state(policy: Policy, optimizer, scheduler, ref_model=None, rng=None) -> dict:
+    """Everything a resume needs, as full (unsharded) tensors keyed by parameter name, so that a checkpoint
+    written by any number of processes (plain, DDP or FSDP2) resumes with any other. Call it on every rank.
+
+    rng: the (torch, python) random states to resume with; default the current ones. ref_model: the KL
+    reference (beta > 0), so that a resumed run keeps the same one.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch_rng, python_rng = rng or (torch.get_rng_state(), random.getstate())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=dist_initialized())
+    return {"model": distributed.full_state_dict(policy.model),
+            "optimizer": get_optimizer_state_dict(policy.forward, optimizer, options=options),
+            "scheduler": scheduler.state_dict(), "torch_rng": torch_rng, "python_rng": python_rng,
+            "ref_model": None if ref_model is None else ref_model.state_dict()}
+
+
+def load_optimizer_state(policy: Policy, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    sharded = any(hasattr(p, "device_mesh") for p in policy.forward.parameters())
+    set_optimizer_state_dict(policy.forward, optimizer, state,
+                             options=StateDictOptions(full_state_dict=sharded))
+
+
+def dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def latest_checkpoint(output_dir: str):
     steps = [int(name.split("-")[1]) for name in os.listdir(output_dir) if name.startswith("checkpoint-")
              and not name.endswith(".tmp")] if os.path.isdir(output_dir) else []
@@ -261,40 +319,45 @@ def latest_checkpoint(output_dir: str):
 
 # ----------------------------------------------------------------------------------------------- the loop
 def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
-    """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl)."""
+    """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl).
+    Under torchrun, every rank runs this; rank 0 writes the metrics, plots and checkpoints."""
     import copy
 
     from tqdm.auto import tqdm
 
     from grpo_fast.engines import importance_weights, make_engine
 
+    world = distributed.init(config.device)
+    if config.prompts_per_step % world.size:
+        raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({world.size}) so that "
+                         f"each rank scores whole groups, got {config.prompts_per_step}")
+    if not world.is_main:
+        log = lambda *_: None  # noqa: E731
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     os.makedirs(config.output_dir, exist_ok=True)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, world)
     samples = load_samples(config)
     model, tokenizer = load_model(config, samples)
     model.to(device)
     reward_fns = [load_reward(name) for name in config.rewards]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     checkpoint = latest_checkpoint(config.output_dir) if resume else None
     start_step = 0
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     state = None
     if checkpoint:
-        state = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False, map_location=device)
+        state = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"].cpu())
         random.setstate(state["python_rng"])
         start_step = state["step"]
-        _truncate_metrics(metrics_path, start_step)
+        if world.is_main:
+            _truncate_metrics(metrics_path, start_step)
         log(f"resumed from {checkpoint} at step {start_step}")
     else:
-        open(metrics_path, "w").close()
-        if config.sft_steps:
+        if world.is_main:
+            open(metrics_path, "w").close()
+        if config.sft_steps:                   # the same on every rank: same seed, same samples
             supervised_warm_start(model, tokenizer, samples, config, log)
         torch.manual_seed(config.seed + 1)
     ref_model = None
@@ -302,25 +365,48 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if state is not None and state.get("ref_model") is not None:
             ref_model.load_state_dict(state["ref_model"])
-    max_prompt_tokens = max(len(ids) for ids in prompt_ids([prompt_text(s, tokenizer, config) for s in samples],
-                                                           tokenizer))
-    engine = make_engine(config, model, tokenizer, max_prompt_tokens,
-                         model_dir=None if config.model == "tiny" else config.model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    policy = Policy(model, distributed.wrap(model, config.distributed, world))
+    reference_policy = None if ref_model is None else Policy.of(ref_model)
+    optimizer = torch.optim.AdamW(policy.forward.parameters(), lr=config.learning_rate,
+                                  weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+    if state is not None:
+        load_optimizer_state(policy, optimizer, state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    state = None
+    max_prompt_tokens = max(len(ids) for ids in prompt_ids([prompt_text(s, tokenizer, config) for s in samples],
+                                                           tokenizer))
+    sharded = config.distributed == "fsdp2" and world.size > 1
+    engine = make_engine(config, model, tokenizer, max_prompt_tokens,
+                         model_dir=None if config.model == "tiny" else config.model,
+                         sharded_root=policy.forward if sharded else None,
+                         save_dir=os.path.join(config.output_dir, f"engine_model-rank{world.rank}"))
+    prompts_per_rank = config.prompts_per_step // world.size
     history = []
     step = start_step
     progress = tqdm(range(start_step, config.max_steps), initial=start_step, total=config.max_steps,
-                    desc="grpo", disable=None)
+                    desc="grpo", disable=None if world.is_main else True)
+
+    def save(step_done: int, rng=None) -> None:
+        snapshot = training_state(policy, optimizer, scheduler, ref_model, rng)      # a collective under FSDP2
+        if world.is_main:
+            save_checkpoint(config.output_dir, step_done, snapshot)
+        distributed.barrier(world)
+
     try:
         for step in progress:
             started = time.perf_counter()
             rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here
-            batch = prompts_for_step(samples, step, config.prompts_per_step, config.seed)
+            first = world.rank * prompts_per_rank      # this rank's share of the step's prompts: whole groups
+            batch = prompts_for_step(samples, step, config.prompts_per_step, config.seed)[
+                first:first + prompts_per_rank]
             prompts = [prompt_text(s, tokenizer, config) for s in batch]
             try:
-                rollout = engine.generate(prompt_ids(prompts, tokenizer), seed=config.seed * 1_000_003 + step * 997)
+                rollout = engine.generate(prompt_ids(prompts, tokenizer),
+                                          seed=config.seed * 1_000_003 + step * 997 + first)
             except Exception as error:
                 raise RuntimeError(f"step {step}: the {config.engine} engine failed to generate for prompts "
                                    f"{[p[:60] for p in prompts]}: {error}") from error
@@ -337,39 +423,46 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             rewards = torch.tensor(rewards, dtype=torch.float32)
             advantages, reward_stats = group_advantages(rewards, config.group_size, scale=config.scale_rewards,
                                                         estimator=config.advantage_estimator)
+            if config.scale_rewards == "batch" and world.size > 1:
+                raise ValueError("scale_rewards='batch' needs the rewards of all ranks; use 'group' or 'none'")
             inputs = dict(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                           prompt_length=rollout.prompt_length, completion_ids=rollout.completion_ids,
                           completion_mask=completion_mask, advantages=advantages.to(device))
             correct = rollout.sampling_logps is not None and config.importance_sampling != "none"
             if config.num_iterations > 1 or correct:
-                inputs["old_logps"] = completion_logprobs(model, inputs, config)
+                inputs["old_logps"] = completion_logprobs(policy, inputs, config, world)
             if correct:
                 inputs["is_ratio"] = importance_weights(inputs["old_logps"], rollout.sampling_logps,
                                                         completion_mask, config.importance_sampling,
                                                         config.importance_sampling_cap)
-            if ref_model is not None:
-                inputs["ref_logps"] = completion_logprobs(ref_model, inputs, config)
+            if reference_policy is not None:
+                inputs["ref_logps"] = completion_logprobs(reference_policy, inputs, config)
             for _ in range(config.num_iterations):
-                update = policy_update(model, optimizer, inputs, config)
+                update = policy_update(policy, optimizer, inputs, config, world)
             scheduler.step()
             engine.sync_weights(model)
             elapsed = time.perf_counter() - started
-            tokens = int(completion_mask.sum())
-            sampled_tokens = int(rollout.completion_mask.sum())
-            record = {"step": step + 1, "reward": reward_stats["reward_mean"],
-                      "reward_std": reward_stats["reward_std"],
-                      "frac_zero_std_groups": reward_stats["frac_zero_std_groups"], "loss": update["loss"],
+            sampled = rollout.completion_mask
+            local = [float(completion_mask.sum()), float(sampled.sum()), float(sampled.shape[0]),
+                     rollout.truncated.float().sum().item(), reward_stats["reward_mean"],
+                     reward_stats["reward_std"], reward_stats["frac_zero_std_groups"],
+                     masked_mean(inputs["is_ratio"], completion_mask).item() if correct else 0.0]
+            (tokens, sampled_tokens, rows, truncated, reward_mean, reward_std, zero_std,
+             is_ratio_mean) = distributed.all_reduce_sum(local, world, device)
+            record = {"step": step + 1, "reward": reward_mean / world.size, "reward_std": reward_std / world.size,
+                      "frac_zero_std_groups": zero_std / world.size, "loss": update["loss"],
                       "kl": update.get("kl", 0.0), "entropy": update.get("entropy", float("nan")),
-                      "completion_len": sampled_tokens / rollout.completion_ids.shape[0],
-                      "truncated": rollout.truncated.float().mean().item(), "grad_norm": update["grad_norm"],
-                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / elapsed, "seconds": elapsed,
+                      "completion_len": sampled_tokens / rows, "truncated": truncated / rows,
+                      "grad_norm": update["grad_norm"], "lr": scheduler.get_last_lr()[0],
+                      "tokens_per_s": tokens / elapsed, "seconds": elapsed,
                       "generation_tokens_per_s": sampled_tokens / generation_seconds}
-            if "is_ratio" in inputs:
-                record["is_ratio_mean"] = masked_mean(inputs["is_ratio"], completion_mask).item()
+            if correct:
+                record["is_ratio_mean"] = is_ratio_mean / world.size
             history.append(record)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if config.log_completions:
+            if world.is_main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if config.log_completions and world.is_main:
                 with open(os.path.join(config.output_dir, "completions.jsonl"), "a") as f:
                     for prompt, completion, reward in list(zip(prompts, completions[::config.group_size],
                                                                rewards[::config.group_size].tolist()))[
@@ -379,14 +472,14 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             progress.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}",
                                  kl=f"{record['kl']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
-                save_checkpoint(config.output_dir, step + 1, model, optimizer, scheduler, ref_model=ref_model)
+                save(step + 1)
     except KeyboardInterrupt:
         done = len(history) + start_step      # the interrupted step left the weights as they were before it
         log(f"interrupted: saving step {done}")
-        save_checkpoint(config.output_dir, done, model, optimizer, scheduler, rng=rng_at_start,
-                        ref_model=ref_model)
+        save(done, rng=rng_at_start)
         raise
-    plot_curves(metrics_path, os.path.join(config.output_dir, "curves.png"))
+    if world.is_main:
+        plot_curves(metrics_path, os.path.join(config.output_dir, "curves.png"))
     return history
 
 

@@ -9,7 +9,7 @@ from grpo_fast.batching import micro_batch, plan_micro_batches  # noqa: E402
 from grpo_fast.config import TrainConfig  # noqa: E402
 from grpo_fast.engines import pack  # noqa: E402
 from grpo_fast.tiny import tiny_qwen2  # noqa: E402
-from grpo_fast.trainer import accumulate_gradients, completion_logprobs  # noqa: E402
+from grpo_fast.trainer import Policy, accumulate_gradients, completion_logprobs  # noqa: E402
 
 
 def test_plan_micro_batches():
@@ -47,7 +47,7 @@ def rollout(seed=0, rows=6, vocab=64):
 
 def gradients(model, batch, config):
     model.zero_grad(set_to_none=True)
-    summed = accumulate_gradients(model, batch, config)
+    summed = accumulate_gradients(Policy.of(model), batch, config)
     return summed["loss"], {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -77,7 +77,7 @@ def test_packed_and_cut_match_one_padded_batch(loss_type, cut):
 def test_packed_logprobs_match_padded(cut):
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=1).double()
     batch = rollout(seed=1)
-    expected = completion_logprobs(model, batch, TrainConfig(packing=False, micro_batch_size=32))
-    got = completion_logprobs(model, batch, TrainConfig(**CUTS[cut]))
+    expected = completion_logprobs(Policy.of(model), batch, TrainConfig(packing=False, micro_batch_size=32))
+    got = completion_logprobs(Policy.of(model), batch, TrainConfig(**CUTS[cut]))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert (expected[~batch["completion_mask"]] == 0).all() and (expected[batch["completion_mask"]] < 0).all()

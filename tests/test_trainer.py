@@ -35,17 +35,17 @@ def test_config_overrides_and_errors(tmp_path):
     assert cli(["train", "--max_steps", "0"]) == 2
 
 
-def weights(model):
-    return {name: p.detach().clone() for name, p in model.state_dict().items()}
+def weights(state):
+    return {name: p.detach().clone() for name, p in state.items()}
 
 
 def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
     captured = {}
     original = T.save_checkpoint
 
-    def keep_model(output_dir, step, model, *args, **kwargs):
-        captured[output_dir] = model
-        return original(output_dir, step, model, *args, **kwargs)
+    def keep_model(output_dir, step, state):
+        captured[output_dir] = state["model"]
+        return original(output_dir, step, state)
 
     monkeypatch.setattr(T, "save_checkpoint", keep_model)
     trainer_helpers.CALLS.update(n=0, interrupt_at=None)
@@ -77,10 +77,8 @@ def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(OSError, match="No space left"):
-        T.save_checkpoint(str(tmp_path), 3, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1))
+        T.save_checkpoint(str(tmp_path), 3, {"model": torch.nn.Linear(2, 2).state_dict()})
     assert good.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "curves.png", "metrics.jsonl"]
 

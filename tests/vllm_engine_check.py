@@ -13,14 +13,14 @@ from grpo_fast import tasks
 from grpo_fast.config import TrainConfig
 from grpo_fast.engines import make_engine
 from grpo_fast.tiny import tiny_qwen2, train_tokenizer
-from grpo_fast.trainer import completion_logprobs, prompt_ids, train
+from grpo_fast.trainer import Policy, completion_logprobs, prompt_ids, train
 
 
 def trainer_logprobs(model, generation, config):
     rollout = dict(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
                    prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
                    completion_mask=generation.completion_mask)
-    return completion_logprobs(model, rollout, config)
+    return completion_logprobs(Policy.of(model), rollout, config)
 
 
 def engine_vs_trainer(engine, model, prompts, seed):

@@ -1,0 +1,149 @@
+"""Data-parallel training across processes (torchrun): PyTorch DDP or FSDP2, and the few collectives the trainer
+needs. With one process everything here is a no-op.
+
+    torchrun --nproc_per_node 2 -m grpo_fast.cli train --distributed ddp      # or fsdp2
+
+Each rank generates and scores whole groups (its share of the step's prompts), so group advantages need no
+communication; the loss's normalizers use the global token and sequence counts, and each rank's loss is scaled by
+the world size because DDP and FSDP2 average gradients: the update equals one process's on the whole batch.
+
+The data-parallel wrapper goes around `HiddenStates`, a module whose forward returns the decoder's final hidden
+states (no logits), so DDP's and FSDP2's hooks run on the forward the loss actually uses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from grpo_fast.models import final_hidden_states, unwrap
+
+STRATEGIES = ("none", "ddp", "fsdp2")
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(device_name: str) -> World:
+    """Joins the process group torchrun describes (WORLD_SIZE > 1): nccl on GPU, gloo on CPU."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and device_name != "cpu"
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return World(rank, size, local_rank)
+
+
+class HiddenStates(nn.Module):
+    """forward(**decoder inputs) -> final hidden states of `model` (a causal LM), without the LM head."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        return final_hidden_states(self.model, input_ids, attention_mask, **kwargs)
+
+
+def wrap(model: nn.Module, strategy: str, world: World) -> nn.Module:
+    """HiddenStates(model), wrapped for `strategy` when world.size > 1 (each decoder layer and then the whole
+    model sharded by FSDP2's fully_shard; or DDP). Gradient checkpointing must be enabled before."""
+    module = HiddenStates(model)
+    if world.size == 1 or strategy == "none":
+        return module
+    device = next(model.parameters()).device
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # no buffer broadcast: the rotary tables are the same everywhere, and a broadcast per forward would make
+        # every no-grad forward a collective
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                       forward_sync_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world.size,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    with torch.no_grad():     # one forward through the root first: generation calls the layers without it
+        module(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
+    module.reshard()          # the root keeps its parameters gathered after a forward: shard them again
+    return module
+
+
+def decoder_layers(model: nn.Module) -> list:
+    """The repeated transformer blocks of a Hugging Face causal LM (the units FSDP2 shards one by one)."""
+    classes = set(getattr(unwrap(model), "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    if not layers:
+        raise TypeError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return layers
+
+
+def gradient_sync(wrapped: nn.Module, enabled: bool):
+    """Context: gradients of this backward are (enabled) or are not yet (accumulating) reduced across ranks."""
+    import contextlib
+
+    if hasattr(wrapped, "no_sync") and not enabled:                     # DDP
+        return wrapped.no_sync()
+    if hasattr(wrapped, "set_requires_gradient_sync"):                   # FSDP2
+        wrapped.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def all_reduce_sum(values: list, world: World, device) -> list:
+    """Floats summed over ranks (one collective)."""
+    if world.size == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_reduce_max(value: int, world: World, device) -> int:
+    if world.size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor)
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The model's full (unsharded) state dict on every rank: for checkpoints and engine weight sync."""
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+
+def load_full_state_dict(model: nn.Module, state: dict) -> None:
+    """Loads a full state dict into a plain or FSDP2-sharded model (each rank keeps its shard)."""
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+        return
+    model.load_state_dict(state)
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()

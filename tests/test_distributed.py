@@ -1,0 +1,134 @@
+"""Data-parallel training over gloo on CPU: DDP and FSDP2 give the single-process update on the whole batch,
+torchrun trains the default task on 2 processes with the single-process metrics, and its checkpoint resumes in
+one process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers")
+
+from grpo_fast import distributed  # noqa: E402
+from grpo_fast.config import TrainConfig  # noqa: E402
+from grpo_fast.trainer import Policy, accumulate_gradients, policy_update  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_and_rollout():
+    from test_batching import rollout
+
+    from grpo_fast.tiny import tiny_qwen2
+
+    model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=0).double()
+    return model, rollout(rows=6)
+
+
+def rows_of(batch, rows):
+    return {k: v if k == "prompt_length" else v[rows] for k, v in batch.items()}
+
+
+def full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def step_worker(rank, world_size, port, strategy, loss_type, result_file):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        world = distributed.World(rank, world_size, 0)
+        config = TrainConfig(loss_type=loss_type, beta=0.05, max_completion_length=9, gradient_checkpointing=True,
+                             micro_batch_tokens=14, learning_rate=1e-3, max_grad_norm=1e9)
+        # the whole batch in one process, as the reference
+        model, batch = model_and_rollout()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        single = Policy.of(model)
+        expected_loss = accumulate_gradients(single, batch, config)["loss"]
+        expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        # eps well above the gradients' float noise: Adam's first step is then smooth in the gradient
+        optimizer = torch.optim.AdamW(single.forward.parameters(), lr=1e-3, eps=1e-3)
+        optimizer.step()
+        expected_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        # the same batch cut across ranks (uneven: rank 0 gets more rows than the others)
+        model, batch = model_and_rollout()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = Policy(model, distributed.wrap(model, strategy, world))
+        bounds = [0, 3, 6] if world_size == 2 else [0, 2, 4, 6]
+        mine = rows_of(batch, slice(bounds[rank], bounds[rank + 1]))
+        loss = accumulate_gradients(policy, mine, config, world)["loss"]
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        optimizer = torch.optim.AdamW(policy.forward.parameters(), lr=1e-3, eps=1e-3)
+        optimizer.step()
+        weights = distributed.full_state_dict(model)
+        # fp32 log-probs inside the loss (by design) bound the agreement: 1e-6 relative on loss and gradients;
+        # and the weights after one AdamW step to 1e-6
+        assert abs(loss - expected_loss) <= 1e-6 * max(1.0, abs(expected_loss)), (loss, expected_loss)
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        for name, weight in expected_weights.items():
+            torch.testing.assert_close(weights[name], weight, rtol=0, atol=1e-6, msg=name)
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump({"loss": loss, "expected": expected_loss}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy,world_size,loss_type", [("ddp", 2, "dapo"), ("fsdp2", 2, "grpo"),
+                                                           ("ddp", 3, "bnpo"), ("fsdp2", 3, "dr_grpo")])
+def test_data_parallel_step_equals_one_process(strategy, world_size, loss_type, tmp_path):
+    sys.path.insert(0, HERE)
+    mp.spawn(step_worker, args=(world_size, free_port(), strategy, loss_type, str(tmp_path / "r.json")),
+             nprocs=world_size, join=True)
+    assert json.loads((tmp_path / "r.json").read_text())["loss"] != 0
+
+
+def torchrun(nproc: int, args: list, env=None):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(free_port()), "-m", "grpo_fast.cli", "train"] + args
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
+    return done
+
+
+def records(folder):
+    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+
+
+FAST = ["--sft-steps", "20", "--max-steps", "2", "--save-every", "2", "--group-size", "4", "--prompts-per-step",
+        "4", "--log-completions", "0"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_torchrun_matches_one_process_and_resumes(strategy, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    two = tmp_path / "two"
+    torchrun(2, FAST + ["--output-dir", str(two), "--distributed", strategy], env)
+    one = tmp_path / "one"
+    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST + ["--output-dir", str(one)],
+                   check=True, capture_output=True, env=env, timeout=900)
+    a, b = records(two), records(one)
+    assert [r["step"] for r in a] == [1, 2]
+    for key in ("reward", "completion_len", "frac_zero_std_groups"):       # same rollouts: per-prompt seeds
+        assert a[0][key] == b[0][key], key
+    assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-5 * max(1.0, abs(b[0]["loss"]))
+    assert {"checkpoint-2", "curves.png", "metrics.jsonl"} <= set(os.listdir(two))
+    # a checkpoint written by 2 processes resumes in one
+    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST[:2] + ["--max-steps", "3"] + FAST[4:]
+                   + ["--output-dir", str(two), "--resume"], check=True, capture_output=True, env=env, timeout=900)
+    assert [r["step"] for r in records(two)] == [1, 2, 3]
