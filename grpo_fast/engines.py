@@ -198,8 +198,10 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
         from grpo_fast.distributed import full_state_dict
 
         model_dir = save_dir or os.path.join(config.output_dir, "engine_model")
-        unwrap(model).save_pretrained(model_dir, state_dict=full_state_dict(unwrap(model)))
+        unwrap(model).save_pretrained(model_dir, state_dict=full_state_dict(unwrap(model)))   # rank 0 writes
         tokenizer.save_pretrained(model_dir)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()                # the other ranks' engines read rank 0's folder
     engine = VLLMEngine(model_dir, config, max_prompt_tokens + config.max_completion_length, device)
     engine.sync_weights(model)
     return engine

@@ -382,8 +382,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     sharded = config.distributed == "fsdp2" and world.size > 1
     engine = make_engine(config, model, tokenizer, max_prompt_tokens,
                          model_dir=None if config.model == "tiny" else config.model,
-                         sharded_root=policy.forward if sharded else None,
-                         save_dir=os.path.join(config.output_dir, f"engine_model-rank{world.rank}"))
+                         sharded_root=policy.forward if sharded else None)
     prompts_per_rank = config.prompts_per_step // world.size
     history = []
     step = start_step
