@@ -26,7 +26,8 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8 + (0 if dtype == torch.float32 else 4) + 8
 
 
-def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
+def transformed_(buffer, transform) -> torch.Tensor:
+    """z = softcap(y * scale) / temperature, in place when the buffer is fp32 / fp64 (else an fp32 copy)."""
     z = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()
     if transform.scale != 1.0:
         z.mul_(transform.scale)
@@ -34,6 +35,11 @@ def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
         z.div_(transform.softcap).tanh_().mul_(transform.softcap)
     if transform.temperature != 1.0:
         z.div_(transform.temperature)
+    return z
+
+
+def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
+    z = transformed_(buffer, transform)
     row_max = z.amax(dim=-1, keepdim=True)
     probs = torch.sub(z, row_max).exp_()
     sum_exp = probs.sum(dim=-1, keepdim=True)

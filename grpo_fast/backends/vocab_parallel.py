@@ -59,13 +59,7 @@ class VocabParallelOps:
 
     def stats_(self, buffer, targets, transform, need_entropy) -> ChunkState:
         group = self.shard.group
-        z = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()
-        if transform.scale != 1.0:
-            z.mul_(transform.scale)
-        if transform.softcap is not None:
-            z.div_(transform.softcap).tanh_().mul_(transform.softcap)
-        if transform.temperature != 1.0:
-            z.div_(transform.temperature)
+        z = torch_ops.transformed_(buffer, transform)
         row_max = z.amax(dim=-1)
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         probs = torch.sub(z, row_max[:, None]).exp_()
