@@ -121,8 +121,9 @@ def backbone(model: nn.Module) -> nn.Module:
 def final_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
     """(B, L, H) final normed hidden states, computed by the decoder alone: no logits are formed.
 
-    Call it with `model` itself (not the decoder) under DDP / FSDP so their hooks run: the decoder is reached
-    through the wrapper's own forward where one exists.
+    Wrappers are looked through (the decoder is called directly), so DDP's and FSDP's forward hooks do not run
+    here: for data-parallel training wrap `grpo_fast.distributed.HiddenStates(model)` instead, whose forward is
+    this function.
     """
     outputs = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     return outputs.last_hidden_state
