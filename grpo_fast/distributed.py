@@ -36,6 +36,10 @@ class World:
         return self.rank == 0
 
 
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def init(device_name: str) -> World:
     """Joins the process group torchrun describes (WORLD_SIZE > 1): nccl on GPU, gloo on CPU."""
     size = int(os.environ.get("WORLD_SIZE", "1"))

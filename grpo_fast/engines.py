@@ -187,20 +187,20 @@ class VLLMEngine:
 
 
 def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Optional[str] = None,
-                sharded_root=None, save_dir: Optional[str] = None):
-    """The configured engine. vLLM loads `model_dir` (default: the policy saved to save_dir, by default
-    output_dir/engine_model, first) and gets the policy's current weights before returning. sharded_root: see
+                sharded_root=None):
+    """The configured engine. vLLM loads `model_dir` (default: the policy saved to output_dir/engine_model first,
+    by rank 0 when distributed) and gets the policy's current weights before returning. sharded_root: see
     HFEngine."""
     if config.engine == "hf":
         return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
     device = next(model.parameters()).device
     if model_dir is None:
-        from grpo_fast.distributed import full_state_dict
+        from grpo_fast import distributed
 
-        model_dir = save_dir or os.path.join(config.output_dir, "engine_model")
-        unwrap(model).save_pretrained(model_dir, state_dict=full_state_dict(unwrap(model)))   # rank 0 writes
-        tokenizer.save_pretrained(model_dir)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        model_dir = os.path.join(config.output_dir, "engine_model")
+        unwrap(model).save_pretrained(model_dir, state_dict=distributed.full_state_dict(unwrap(model)))
+        tokenizer.save_pretrained(model_dir)           # both write on rank 0 only when distributed
+        if distributed.initialized():
             torch.distributed.barrier()                # the other ranks' engines read rank 0's folder
     engine = VLLMEngine(model_dir, config, max_prompt_tokens + config.max_completion_length, device)
     engine.sync_weights(model)

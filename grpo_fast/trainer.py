@@ -3,10 +3,12 @@
     grpo-fast train                                     # the built-in default: tiny model, arithmetic, CPU
     grpo-fast train examples/tiny_cpu.yaml --max-steps 20 --output-dir runs/try
 
-Each step: sample prompts_per_step prompts, generate group_size completions each, score them, turn rewards into
-group-normalized advantages, then update the policy with grpo_fast.grpo_loss on the final hidden states (no
-logits), in micro-batches, num_iterations times. The output folder gets metrics.jsonl (one line per step),
+Each step: sample prompts_per_step prompts, generate group_size completions each (grpo_fast.engines: HF or
+vLLM), score them, turn rewards into group-normalized advantages, then update the policy with
+grpo_fast.grpo_loss on the final hidden states (no logits), in micro-batches sized by sequences and tokens
+(grpo_fast.batching), num_iterations times. The output folder gets metrics.jsonl (one line per step),
 completions.jsonl, curves.png and checkpoints written atomically; `resume=True` continues from the latest.
+Under torchrun each rank does this for its share of the prompts (grpo_fast.distributed).
 """
 
 from __future__ import annotations
@@ -290,7 +292,7 @@ def training_state(policy: Policy, optimizer, scheduler, ref_model=None, rng=Non
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     torch_rng, python_rng = rng or (torch.get_rng_state(), random.getstate())
-    options = StateDictOptions(full_state_dict=True, cpu_offload=dist_initialized())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=distributed.initialized())
     return {"model": distributed.full_state_dict(policy.model),
             "optimizer": get_optimizer_state_dict(policy.forward, optimizer, options=options),
             "scheduler": scheduler.state_dict(), "torch_rng": torch_rng, "python_rng": python_rng,
@@ -303,12 +305,6 @@ def load_optimizer_state(policy: Policy, optimizer, state: dict) -> None:
     sharded = any(hasattr(p, "device_mesh") for p in policy.forward.parameters())
     set_optimizer_state_dict(policy.forward, optimizer, state,
                              options=StateDictOptions(full_state_dict=sharded))
-
-
-def dist_initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def latest_checkpoint(output_dir: str):
