@@ -9,7 +9,8 @@ a rollout of group_size random completions of that length after a 32-token promp
 `grpo_fast.trainer.policy_update` (AdamW, one sequence per micro-batch, gradient checkpointing on or off, a
 reference model with beta > 0). Memory is the peak RSS above the process's RSS before the model was built (on
 CUDA the allocator's peak); time is the median step. A run the planner predicts past --max-gib is not started.
-Writes long_context.md / .json and memory / time plots to --out.
+Writes long_context.md / .json and memory / time plots to --out (--replan: only recompute the plan's columns of
+an existing --out/long_context.json with the current planner, the measurements as they were).
 """
 
 import argparse
@@ -110,20 +111,15 @@ def measure(args, length: int, loss: str) -> dict:
 
 
 def run(args) -> list:
-    from grpo_fast.memory import plan
-
-    shape = shape_for(args)
     rows = []
     for length in args.lengths:
         for loss in args.losses:
-            predicted = plan(shape, job_for(args, length, loss))
-            planned = predicted["total"] - predicted["runtime"]
-            if planned > args.max_gib * GIB:
-                row = {"loss": loss, "length": length, "error": f"not run: planned {planned / GIB:.1f} GiB"}
+            row = {"loss": loss, "length": length}
+            replan([row], args)
+            if row["planned_bytes"] > args.max_gib * GIB:
+                row["error"] = f"not run: planned {row['planned_bytes'] / GIB:.1f} GiB"
             else:
-                row = measure(args, length, loss)
-            row["planned_bytes"] = int(planned)
-            row["planned_components"] = {k: int(v) for k, v in predicted.items()}
+                row.update(measure(args, length, loss))
             rows.append(row)
             print(summary_line(row), file=sys.stderr, flush=True)
     return rows
@@ -137,7 +133,7 @@ def summary_line(row: dict) -> str:
             f"{row['planned_bytes'] / GIB:.2f} GiB ({ratio:.2f}x), step {row['step_seconds']:.1f} s")
 
 
-def write(rows: list, args, out: str) -> None:
+def write(rows: list, args, out: str, command: str) -> None:
     from grpo_fast.profiling import machine_name
 
     os.makedirs(out, exist_ok=True)
@@ -146,7 +142,7 @@ def write(rows: list, args, out: str) -> None:
                f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, beta {args.beta}, AdamW, "
                f"median of {args.steps} steps")
     lines = [f"# Long completions on {machine_name(args.device)}", "", setting, "",
-             "`python -m grpo_fast.benchmarks.long_context " + " ".join(sys.argv[1:]) + "`", "",
+             f"`{command}`" + (" (planned columns recomputed with `--replan`)" if args.replan else ""), "",
              "| completion tokens | loss | peak memory (GiB) | planned (GiB) | planned / measured | step (s) |",
              "|---|---|---|---|---|---|"]
     for row in rows:
@@ -160,7 +156,8 @@ def write(rows: list, args, out: str) -> None:
     with open(os.path.join(out, "long_context.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "long_context.json"), "w") as f:
-        json.dump({"machine": machine_name(args.device), "setting": setting, "rows": rows}, f, indent=1)
+        json.dump({"machine": machine_name(args.device), "setting": setting, "command": command, "rows": rows}, f,
+                  indent=1)
     plot(rows, out)
 
 
@@ -205,16 +202,36 @@ def main(argv=None) -> int:
     parser.add_argument("--max-gib", type=float, default=18.0, help="skip runs planned above this")
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--replan", action="store_true",
+                        help="recompute the planned columns of --out/long_context.json with the current planner")
     parser.add_argument("--worker-length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-loss", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_length:
         print(json.dumps(worker(args)))
         return 0
-    rows = run(args)
+    command = "python -m grpo_fast.benchmarks.long_context " + " ".join(sys.argv[1:])
+    if args.replan:
+        with open(os.path.join(args.out, "long_context.json")) as f:
+            saved = json.load(f)
+        rows, command = saved["rows"], saved["command"]
+        replan(rows, args)
+    else:
+        rows = run(args)
     if args.out:
-        write(rows, args, args.out)
+        write(rows, args, args.out, command)
     return 0
+
+
+def replan(rows: list, args) -> None:
+    """The planner's prediction for each measured row, in place (the measurements are kept)."""
+    from grpo_fast.memory import plan
+
+    for row in rows:
+        predicted = plan(shape_for(args), job_for(args, row["length"], row["loss"]))
+        row["planned_bytes"] = int(predicted["total"] - (predicted["runtime"] if args.device.startswith("cuda")
+                                                          else 0))
+        row["planned_components"] = {k: int(v) for k, v in predicted.items()}
 
 
 if __name__ == "__main__":

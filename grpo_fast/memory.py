@@ -99,15 +99,19 @@ ENGINES = ("vllm", "hf")
 #       to all heads (2), contiguous copies for attention (3), attention output and its reshaped copy (2)
 #   x kv_dim (4): k, v, rotate_half(k), rotated k
 #   x intermediate_size (6): gate, up, silu(gate), silu(gate) * up, and the backward's two gradients of that size
-# Checked against peak RSS on CPU (benchmarks/long_context.py: 70 KB per token without checkpointing and 37 KB
-# with it, at hidden 256, 2 layers, kv_dim 128, intermediate 512).
+# With checkpointing, one layer is recomputed at a time and its backward frees what it has used as it goes: the
+# peak holds RECOMPUTE_PEAK of that layer's saved tensors. Both fitted to peak RSS on CPU
+# (benchmarks/long_context.py at hidden 256, 2 layers, kv_dim 128, intermediate 512, 1k-32k tokens: about 70 KB
+# per token without checkpointing, 26 KB with it).
 SAVED_PER_HIDDEN = 17
 SAVED_PER_KV = 4
 SAVED_PER_INTERMEDIATE = 6
+RECOMPUTE_PEAK = 0.6
 NAIVE_LOGIT_COPIES = 3          # fp32 logits, log_softmax saved for backward, its gradient (and the GEMM output)
 TRL_TILE = (4096, 32768)        # tokens x vocabulary columns of TRL 1.16's ChunkedLogProbFunction tile
 TRL_TILE_COPIES = 3
 CUDA_CONTEXT = 600 * 2**20      # CUDA context and cuBLAS workspaces
+CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 
 
 @dataclass(frozen=True)
@@ -174,13 +178,16 @@ def plan(shape: ModelShape, job: Job) -> dict:
                  * shape.intermediate_size) * act_bytes
     around = 4 * h * 4 + h * act_bytes                # embeddings output, final norm (fp32), hidden for the loss
     if job.gradient_checkpointing:
-        activations = tokens * (shape.num_layers * h * act_bytes + per_layer + around)
+        activations = tokens * (shape.num_layers * h * act_bytes + int(RECOMPUTE_PEAK * per_layer) + around)
     else:
         activations = tokens * (shape.num_layers * per_layer + around)
     loss_bytes = _loss_buffers(job, shape, completion_tokens, act_bytes)
-    # A no-grad pass (old / reference log-probs) holds one layer's working set and the loss's forward buffers.
-    no_grad = tokens * (per_layer + around) + _loss_buffers(job, shape, completion_tokens, act_bytes,
-                                                            forward_only=True)
+    # A no-grad pass (reference log-probs with beta > 0, old log-probs for vLLM's correction) holds one layer's
+    # transient working set and the loss's forward buffers.
+    no_grad = 0
+    if job.beta > 0 or job.engine == "vllm":
+        no_grad = tokens * (int(RECOMPUTE_PEAK * per_layer) + around) + _loss_buffers(
+            job, shape, completion_tokens, act_bytes, forward_only=True)
     components = {
         "weights": params * param_bytes + (trainable * 4 if job.lora_rank else 0),
         "gradients": trainable * trainable_bytes,
@@ -190,7 +197,7 @@ def plan(shape: ModelShape, job: Job) -> dict:
         "activations": activations if activations + loss_bytes >= no_grad else 0,
         "loss_buffers": loss_bytes if activations + loss_bytes >= no_grad else 0,
         "no_grad_pass": 0 if activations + loss_bytes >= no_grad else no_grad,
-        "runtime": CUDA_CONTEXT if job.device == "cuda" else 0,
+        "runtime": CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE,
     }
     components["total"] = sum(components.values())
     return components
