@@ -498,8 +498,15 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    steps = [r["step"] for r in records]
     for ax, key in zip(axes, ("reward", "completion_len", "kl")):
-        ax.plot([r["step"] for r in records], [r[key] for r in records], marker=".")
+        values = [r[key] for r in records]
+        ax.plot(steps, values, marker=".", alpha=0.5 if len(values) > 20 else 1.0)
+        if len(values) > 20:                   # per-step values are noisy: a 20-step running mean on top
+            smooth = [sum(values[max(0, i - 19):i + 1]) / len(values[max(0, i - 19):i + 1])
+                      for i in range(len(values))]
+            ax.plot(steps, smooth, color="black", label="20-step mean")
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_title(key)
         ax.grid(alpha=0.3)
