@@ -13,6 +13,7 @@ states (no logits), so DDP's and FSDP2's hooks run on the forward the loss actua
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -103,8 +104,6 @@ def decoder_layers(model: nn.Module) -> list:
 
 def gradient_sync(wrapped: nn.Module, enabled: bool):
     """Context: gradients of this backward are (enabled) or are not yet (accumulating) reduced across ranks."""
-    import contextlib
-
     if hasattr(wrapped, "no_sync") and not enabled:                     # DDP
         return wrapped.no_sync()
     if hasattr(wrapped, "set_requires_gradient_sync"):                   # FSDP2

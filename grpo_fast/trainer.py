@@ -122,12 +122,16 @@ def compute_dtype(model, device: torch.device):
     return torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
 
 
-def micro_batches(rollout: dict, config: TrainConfig) -> list:
-    """The step's micro-batches: at most micro_batch_size sequences and micro_batch_tokens real tokens each."""
+def micro_batches(rollout: dict, config: TrainConfig, world: distributed.World = distributed.World()) -> list:
+    """The step's micro-batches, at most micro_batch_size sequences and micro_batch_tokens real tokens each, as
+    (micro-batch, counts) pairs. Every rank gets as many as the busiest one has, since each forward and backward of
+    a DDP / FSDP2 model is a collective: a rank with fewer repeats its last one with counts=False."""
     lengths = rollout["attention_mask"].sum(1).tolist()
     plan = plan_micro_batches(lengths, config.micro_batch_tokens, config.micro_batch_size)
-    return [micro_batch(rollout["input_ids"], rollout["attention_mask"], rollout["prompt_length"], rows,
-                        packed=config.packing) for rows in plan]
+    batches = [micro_batch(rollout["input_ids"], rollout["attention_mask"], rollout["prompt_length"], rows,
+                           packed=config.packing) for rows in plan]
+    steps = distributed.all_reduce_max(len(batches), world, rollout["input_ids"].device)
+    return [(batches[min(step, len(batches) - 1)], step < len(batches)) for step in range(steps)]
 
 
 @dataclass
@@ -163,14 +167,10 @@ def completion_hidden(policy: Policy, batch: MicroBatch, offload: bool = False):
 def completion_logprobs(policy: Policy, rollout: dict, config: TrainConfig,
                         world: distributed.World = distributed.World()) -> torch.Tensor:
     """(B, C) log-probs of the completions under `policy`, micro-batch by micro-batch, one GEMM pass each and no
-    logits (old and reference log-probs). With a sharded policy every rank runs as many forwards as the busiest
-    (each is a collective)."""
+    logits (old and reference log-probs)."""
     completion_ids = rollout["completion_ids"]
     logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
-    batches = micro_batches(rollout, config)
-    steps = distributed.all_reduce_max(len(batches), world, completion_ids.device)
-    for step in range(steps):
-        batch = batches[min(step, len(batches) - 1)]          # a repeat of the last one changes nothing
+    for batch, _ in micro_batches(rollout, config, world):      # a repeated batch rewrites the same values
         hidden, weight, kwargs = completion_hidden(policy, batch)
         with torch.autocast(hidden.device.type, enabled=False):
             values = gf.token_logprobs(hidden, weight, batch.completion(completion_ids),
@@ -190,11 +190,9 @@ def accumulate_gradients(policy: Policy, rollout: dict, config: TrainConfig,
     device = rollout["completion_mask"].device
     total_sequences, total_tokens = distributed.all_reduce_sum(
         [rollout["input_ids"].shape[0], float(rollout["completion_mask"].sum())], world, device)
-    batches = micro_batches(rollout, config)
-    steps = distributed.all_reduce_max(len(batches), world, device)
+    batches = micro_batches(rollout, config, world)
     summed = {"loss": 0.0}
-    for step in range(steps):
-        batch = batches[min(step, len(batches) - 1)]
+    for step, (batch, counts) in enumerate(batches):
         hidden, weight, head_kwargs = completion_hidden(policy, batch, config.offload_activations)
         mask = batch.completion(rollout["completion_mask"])
         with torch.autocast(hidden.device.type, enabled=False):
@@ -207,12 +205,12 @@ def accumulate_gradients(policy: Policy, rollout: dict, config: TrainConfig,
                 entropy_coef=loss_config.entropy_coef, max_completion_length=config.max_completion_length,
                 num_items_in_batch=total_tokens, **{**head_kwargs, "temperature": config.temperature},
             )
-        share = micro_batch_share(mask, loss_config, total_sequences, total_tokens) if step < len(batches) else 0.0
+        share = micro_batch_share(mask, loss_config, total_sequences, total_tokens) if counts else 0.0
         loss = loss * share
-        with distributed.gradient_sync(policy.forward, enabled=step == steps - 1):
+        with distributed.gradient_sync(policy.forward, enabled=step == len(batches) - 1):
             (loss * world.size).backward()          # DDP and FSDP2 average gradients over ranks
         summed["loss"] += loss.item()
-        token_share = float(mask.sum()) / max(1.0, total_tokens) if step < len(batches) else 0.0
+        token_share = float(mask.sum()) / max(1.0, total_tokens) if counts else 0.0
         for name, value in metrics.items():
             summed[name] = summed.get(name, 0.0) + value.item() * token_share
     names = sorted(summed)
