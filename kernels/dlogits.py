@@ -9,6 +9,7 @@ Grid: rows on axis 0, vocabulary tiles on axis 1; each element is read once and 
 import triton
 import triton.language as tl
 
+from grpo_fast.kernels.launch import load_width, on_device, transform_constants
 from grpo_fast.kernels.transform import transform
 from grpo_fast.kernels.tuning import DLOGITS
 
@@ -16,8 +17,8 @@ from grpo_fast.kernels.tuning import DLOGITS
 @triton.jit
 def _dlogits_kernel(
     Logits, Targets, Lse, Entropy, GradLogp, GradEntropy,
-    V, stride_row,
-    scale, inv_temperature, softcap,
+    V, V_LOAD, stride_row,
+    in_scale, out_scale, grad_scale,
     # Meta-parameters
     BLOCK_V: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -25,41 +26,54 @@ def _dlogits_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    in_vocab = cols < V
+    # Columns in [V, V_LOAD) are the row's padding (scratch): read and written as zeros, so that the mask, and
+    # with it the loads and stores, stay 16-byte vectors when V is not a multiple of 16.
+    in_row = cols < V_LOAD
     ptrs = Logits + row * stride_row + cols
-    y = tl.load(ptrs, mask=in_vocab, other=0.0).to(tl.float32)
-    z, dz_dy = transform(y, scale, inv_temperature, softcap, HAS_SOFTCAP)
+    in_vocab = cols < V
+    y = tl.where(in_vocab, tl.load(ptrs, mask=in_row, other=0.0).to(tl.float32), 0.0)
+    target = tl.load(Targets + row)
     lse = tl.load(Lse + row)
     g_logp = tl.load(GradLogp + row)
+    z, dz_dy = transform(y, in_scale, out_scale, grad_scale, HAS_SOFTCAP)
     probs = tl.exp(z - lse)
     coef = g_logp + tl.zeros_like(z)
     if HAS_GRAD_ENTROPY:
         g_entropy = tl.load(GradEntropy + row)
         entropy = tl.load(Entropy + row)
         coef += g_entropy * (z - lse + entropy)
-    target = tl.load(Targets + row)
     dz = tl.where(cols == target, g_logp, 0.0) - probs * coef
-    tl.store(ptrs, (dz * dz_dy).to(Logits.dtype.element_ty), mask=in_vocab)
+    dy = tl.where(in_vocab, dz * dz_dy, 0.0)
+    tl.store(ptrs, dy.to(Logits.dtype.element_ty), mask=in_row)
 
 
 def dlogits_(logits, targets, lse, g_logp, *, entropy=None, g_entropy=None, scale=1.0, temperature=1.0,
-             softcap=None):
-    """Overwrites logits (C, V) with dL/dlogits. targets (C,) int; lse, g_logp, entropy, g_entropy (C,) fp32."""
+             softcap=None, padded=False):
+    """Overwrites logits (C, V) with dL/dlogits, as in the module docstring.
+
+    logits: (C, V) fp32 / bf16 / fp16 with unit column stride. targets (C,) int, any stride; lse, g_logp,
+    entropy, g_entropy (C,) fp32. padded: as in `logprob_forward`; the padding columns are overwritten with 0.
+    """
     assert logits.ndim == 2 and logits.stride(1) == 1, "logits must be (C, V) with contiguous rows"
     assert (g_entropy is None) or (entropy is not None), "the entropy gradient needs the entropy"
+    assert targets.shape == logits.shape[:1] and targets.device == logits.device
     num_rows, vocab_size = logits.shape
     if num_rows == 0:
         return logits
+    width = load_width(logits, padded)
     has_grad_entropy = g_entropy is not None
-    grid = (num_rows, triton.cdiv(vocab_size, DLOGITS["BLOCK_V"]))
-    _dlogits_kernel[grid](
-        logits, targets, lse,
-        entropy if has_grad_entropy else lse, g_logp, g_entropy if has_grad_entropy else g_logp,
-        vocab_size, logits.stride(0),
-        float(scale), 1.0 / float(temperature), float(softcap or 1.0),
-        BLOCK_V=DLOGITS["BLOCK_V"],
-        HAS_SOFTCAP=softcap is not None,
-        HAS_GRAD_ENTROPY=has_grad_entropy,
-        num_warps=DLOGITS["num_warps"],
-    )
+    in_scale, out_scale, grad_scale = transform_constants(float(scale), float(temperature), softcap)
+    grid = (num_rows, triton.cdiv(width, DLOGITS["BLOCK_V"]))
+    with on_device(logits):
+        _dlogits_kernel[grid](
+            logits, targets.contiguous(), lse.contiguous(),
+            entropy.contiguous() if has_grad_entropy else lse, g_logp.contiguous(),
+            g_entropy.contiguous() if has_grad_entropy else g_logp,
+            vocab_size, width, logits.stride(0),
+            in_scale, out_scale, grad_scale,
+            BLOCK_V=DLOGITS["BLOCK_V"],
+            HAS_SOFTCAP=softcap is not None,
+            HAS_GRAD_ENTROPY=has_grad_entropy,
+            num_warps=DLOGITS["num_warps"],
+        )
     return logits

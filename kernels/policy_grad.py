@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.kernels.launch import on_device
 from grpo_fast.kernels.tuning import POLICY_GRAD
 
 CLIP, CISPO, SAPO = 0, 1, 2
@@ -74,28 +75,33 @@ def _policy_grad_kernel(
 
 
 def policy_grad(logp, terms):
-    """logp (C,) fp32 and a grpo_fast.variants.TokenTerms of C tokens -> d(loss)/d(logp), (C,) fp32."""
+    """logp (C,) fp32 and a grpo_fast.variants.TokenTerms of C tokens -> d(loss)/d(logp), (C,) fp32.
+
+    Every vector may have any stride (they are made contiguous here: O(C) copies at most).
+    """
     config = terms.config
     assert config.token_separable, "sequence-level ratios need every token of a sequence: use two phases"
-    assert logp.dtype == torch.float32 and logp.is_contiguous()
+    assert logp.dtype == torch.float32 and logp.ndim == 1
+    logp = logp.contiguous()
     n = logp.shape[0]
     grad = torch.empty_like(logp)
     if n == 0:
         return grad
     pick = lambda t: logp if t is None else t.contiguous()  # noqa: E731  (unused pointers point at logp)
-    _policy_grad_kernel[(triton.cdiv(n, POLICY_GRAD["BLOCK"]),)](
-        logp, pick(terms.old_logps), pick(terms.ref_logps), terms.advantages.contiguous(), pick(terms.is_ratio),
-        terms.weights.contiguous(), grad,
-        n,
-        float(config.epsilon_low), float(config.epsilon_high), float(config.delta or 0.0), float(config.beta),
-        float(config.sapo_temperature_pos), float(config.sapo_temperature_neg),
-        BLOCK=POLICY_GRAD["BLOCK"],
-        OBJECTIVE=OBJECTIVES[config.objective],
-        HAS_OLD=terms.old_logps is not None,
-        HAS_DELTA=config.delta is not None,
-        HAS_IS_RATIO=terms.is_ratio is not None,
-        HAS_KL=config.beta != 0.0,
-        BIAS_CORRECTION=config.use_bias_correction_kl,
-        num_warps=POLICY_GRAD["num_warps"],
-    )
+    with on_device(logp):
+        _policy_grad_kernel[(triton.cdiv(n, POLICY_GRAD["BLOCK"]),)](
+            logp, pick(terms.old_logps), pick(terms.ref_logps), terms.advantages.contiguous(), pick(terms.is_ratio),
+            terms.weights.contiguous(), grad,
+            n,
+            float(config.epsilon_low), float(config.epsilon_high), float(config.delta or 0.0), float(config.beta),
+            float(config.sapo_temperature_pos), float(config.sapo_temperature_neg),
+            BLOCK=POLICY_GRAD["BLOCK"],
+            OBJECTIVE=OBJECTIVES[config.objective],
+            HAS_OLD=terms.old_logps is not None,
+            HAS_DELTA=config.delta is not None,
+            HAS_IS_RATIO=terms.is_ratio is not None,
+            HAS_KL=config.beta != 0.0,
+            BIAS_CORRECTION=config.use_bias_correction_kl,
+            num_warps=POLICY_GRAD["num_warps"],
+        )
     return grad

@@ -7,6 +7,7 @@ import triton.language as tl
 @triton.jit
 def tanh(x):
     # tl has no tanh on every Triton release; a series below 0.05 avoids the cancellation of 1 - 2 / (e^2x + 1).
+    # One exponential and one division per element.
     ax = tl.abs(x)
     big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
     x2 = ax * ax
@@ -16,14 +17,17 @@ def tanh(x):
 
 
 @triton.jit
-def transform(y, scale, inv_temperature, softcap, HAS_SOFTCAP: tl.constexpr):
-    """Returns (z, dz/dy) for fp32 y."""
-    x = y * scale
+def transform(y, in_scale, out_scale, grad_scale, HAS_SOFTCAP: tl.constexpr):
+    """Returns (z, dz/dy) for fp32 y; the constants come from launch.transform_constants (no divisions here).
+
+    Without a soft-cap: z = y * in_scale, in_scale = scale / T. With one: z = tanh(y * in_scale) * out_scale,
+    in_scale = scale / softcap, out_scale = softcap / T. Either way dz/dy = grad_scale * (1 - tanh^2).
+    """
     if HAS_SOFTCAP:
-        t = tanh(x / softcap)
-        z = softcap * t * inv_temperature
-        dz_dy = (1.0 - t * t) * scale * inv_temperature
+        t = tanh(y * in_scale)
+        z = t * out_scale
+        dz_dy = (1.0 - t * t) * grad_scale
     else:
-        z = x * inv_temperature
-        dz_dy = scale * inv_temperature + tl.zeros_like(y)
+        z = y * in_scale
+        dz_dy = grad_scale + tl.zeros_like(y)
     return z, dz_dy

@@ -1,57 +1,142 @@
-"""Compile every Triton kernel ahead of time for sm_90 and sm_80 on a machine without a GPU.
+"""Compile the Triton kernels ahead of time for sm_90 and sm_80 exactly as the JIT would specialize them at run time.
 
-python tests/aot_compile.py   prints one JSON line per (kernel, variant, arch): registers, spills, shared memory.
-Run without TRITON_INTERPRET (the interpreter replaces the kernels with Python functions).
+python tests/aot_compile.py     prints one JSON line per (kernel, variant, arch): registers, spills, shared memory
+                                and facts read off the PTX (vector widths of global loads and stores, barriers
+                                inside loops, cp.async, special-function instructions).
+
+Each variant calls the kernel's public launcher on CPU tensors of the real vocabulary size with the launch
+intercepted: the arguments the launcher passes go through Triton's own binder for a CUDA target, so the
+divisibility attributes (16-byte aligned pointers, integers divisible by 16) are those a GPU run gets. Run it
+without TRITON_INTERPRET (the interpreter replaces the kernels with Python functions).
 """
 
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-from grpo_fast.kernels.dlogits import _dlogits_kernel
-from grpo_fast.kernels.logprob_forward import _logprob_forward_kernel
-from grpo_fast.kernels.policy_grad import OBJECTIVES, _policy_grad_kernel
-from grpo_fast.kernels.tuning import DLOGITS, LOGPROB_FORWARD, POLICY_GRAD
+from grpo_fast.variants import LossConfig, TokenTerms
 
-# Shared memory per block available to a kernel without opt-in, and with it, per architecture.
+# The kernel modules (the package re-exports their launchers under the same names).
+dlogits = importlib.import_module("grpo_fast.kernels.dlogits")
+logprob_forward = importlib.import_module("grpo_fast.kernels.logprob_forward")
+policy_grad = importlib.import_module("grpo_fast.kernels.policy_grad")
+
+# Shared memory per block available to a kernel, per architecture.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+ARCHS = (90, 80)
+
+
+@contextmanager
+def captured(kernel):
+    """Within the block, `kernel[grid](...)` records (args, kwargs) instead of launching."""
+    calls = []
+    kernel.run = lambda *args, grid, warmup, **kwargs: calls.append((args, kwargs))
+    try:
+        yield calls
+    finally:
+        del kernel.run
+
+
+def compile_like_jit(kernel, args, kwargs, arch):
+    """The kernel compiled for sm_<arch> with the signature, constants and attributes the JIT derives."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    return compiled, attrs
+
+
+def _buffer(rows, vocab, dtype, padded):
+    """A (rows, vocab) logits view; padded: rows 16-element aligned as grpo_fast.chunked allocates them."""
+    width = -(-vocab // 16) * 16 if padded else vocab
+    return torch.randn(rows, width).to(dtype)[:, :vocab]
 
 
 def variants():
-    for name, ptr in DTYPES.items():
-        for softcap in (False, True):
-            yield ("logprob_forward", f"{name}/softcap={softcap}", _logprob_forward_kernel, {
-                "Logits": ptr, "Targets": "*i64", "Lse": "*fp32", "Logp": "*fp32", "Entropy": "*fp32",
-                "V": "i32", "stride_row": "i64", "scale": "fp32", "inv_temperature": "fp32", "softcap": "fp32",
-                "BLOCK_V": "constexpr", "HAS_SOFTCAP": "constexpr", "COMPUTE_ENTROPY": "constexpr",
-            }, {"BLOCK_V": LOGPROB_FORWARD["BLOCK_V"], "HAS_SOFTCAP": softcap, "COMPUTE_ENTROPY": True},
-                LOGPROB_FORWARD["num_warps"])
-            yield ("dlogits", f"{name}/softcap={softcap}", _dlogits_kernel, {
-                "Logits": ptr, "Targets": "*i64", "Lse": "*fp32", "Entropy": "*fp32", "GradLogp": "*fp32",
-                "GradEntropy": "*fp32", "V": "i32", "stride_row": "i64", "scale": "fp32",
-                "inv_temperature": "fp32", "softcap": "fp32",
-                "BLOCK_V": "constexpr", "HAS_SOFTCAP": "constexpr", "HAS_GRAD_ENTROPY": "constexpr",
-            }, {"BLOCK_V": DLOGITS["BLOCK_V"], "HAS_SOFTCAP": softcap, "HAS_GRAD_ENTROPY": True},
-                DLOGITS["num_warps"])
+    """(kernel name, variant label, kernel, launch) with launch() calling the public launcher once."""
+    for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for vocab, padded in ((151936, False), (50257, False), (50257, True)):
+            for softcap in (None, 30.0):
+                label = f"{dtype_name}/V={vocab}{'/padded' if padded else ''}/softcap={softcap is not None}"
+                targets = torch.randint(0, vocab, (4,))
+
+                def stats(vocab=vocab, padded=padded, softcap=softcap, targets=targets, dtype=dtype):
+                    logprob_forward.logprob_forward(_buffer(4, vocab, dtype, padded), targets, softcap=softcap,
+                                                    temperature=0.7, padded=padded)
+
+                def grad(vocab=vocab, padded=padded, softcap=softcap, targets=targets, dtype=dtype):
+                    vectors = torch.rand(4, 4)
+                    dlogits.dlogits_(_buffer(4, vocab, dtype, padded), targets, vectors[0], vectors[1],
+                                     entropy=vectors[2], g_entropy=vectors[3], softcap=softcap, temperature=0.7,
+                                     padded=padded)
+
+                yield "logprob_forward", label, logprob_forward._logprob_forward_kernel, stats
+                yield "dlogits", label, dlogits._dlogits_kernel, grad
+    for objective in policy_grad.OBJECTIVES:
+        def epilogue(objective=objective):
+            n = 3000
+            v = torch.rand(5, n)
+            config = LossConfig(loss_type={"clip": "dapo", "cispo": "cispo", "sapo": "sapo"}[objective],
+                                delta=1.5, beta=0.04, use_bias_correction_kl=True)
+            terms = TokenTerms(config, advantages=v[0], weights=v[1], old_logps=-v[2], ref_logps=-v[3],
+                               is_ratio=v[4])
+            policy_grad.policy_grad(-v[2].clone(), terms)
+
+        yield "policy_grad", f"{objective}/all-terms", policy_grad._policy_grad_kernel, epilogue
 
 
-    for objective, code in OBJECTIVES.items():
-        yield ("policy_grad", f"{objective}/all-terms", _policy_grad_kernel, {
-            "Logp": "*fp32", "Old": "*fp32", "Ref": "*fp32", "Adv": "*fp32", "IsRatio": "*fp32", "Weights": "*fp32",
-            "GradLogp": "*fp32", "n": "i32", "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32", "beta": "fp32",
-            "sapo_temperature_pos": "fp32", "sapo_temperature_neg": "fp32", "BLOCK": "constexpr",
-            "OBJECTIVE": "constexpr", "HAS_OLD": "constexpr", "HAS_DELTA": "constexpr", "HAS_IS_RATIO": "constexpr",
-            "HAS_KL": "constexpr", "BIAS_CORRECTION": "constexpr",
-        }, {"BLOCK": POLICY_GRAD["BLOCK"], "OBJECTIVE": code, "HAS_OLD": True, "HAS_DELTA": True,
-            "HAS_IS_RATIO": True, "HAS_KL": True, "BIAS_CORRECTION": True}, POLICY_GRAD["num_warps"])
+def loop_bodies(ptx: str):
+    """The PTX lines of each loop: from a label to a later branch back to it."""
+    lines = ptx.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        match = re.match(r"^\s*(\$L__\w+):", line)
+        if match:
+            labels[match.group(1)] = i
+    bodies = []
+    for i, line in enumerate(lines):
+        match = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if match and match.group(1) in labels and labels[match.group(1)] < i:
+            bodies.append(lines[labels[match.group(1)]:i + 1])
+    return bodies
+
+
+def ptx_facts(ptx: str) -> dict:
+    """Counts of the instructions that decide whether a streaming kernel runs at memory bandwidth."""
+    def access_bytes(op):                 # ld.global.v4.b32 -> 16, ld.global.L1::evict_last.b16 -> 2
+        lanes = re.search(r"\.v(\d)\b", op)
+        return int(lanes.group(1) if lanes else 1) * int(re.search(r"(\d+)$", op).group(1)) // 8
+
+    loads = [access_bytes(op) for op in re.findall(r"\bld\.global[\w.:]*", ptx)]
+    stores = [access_bytes(op) for op in re.findall(r"\bst\.global[\w.:]*", ptx)]
+    loops = loop_bodies(ptx)
+    return {
+        "load_bytes": sorted(set(loads)),
+        "store_bytes": sorted(set(stores)),
+        "global_loads": len(loads),
+        "cp_async_bytes": sorted({int(size, 0) for size in re.findall(
+            r"\bcp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)", ptx)}),
+        "loops": len(loops),
+        "barriers_in_loops": max((sum("bar.sync" in l or "barrier.sync" in l for l in body) for body in loops),
+                                 default=0),
+        "shuffles_in_loops": max((sum("shfl.sync" in l for l in body) for body in loops), default=0),
+        "ex2": len(re.findall(r"\bex2\.approx", ptx)),
+        "div": len(re.findall(r"\bdiv\.(?:full|rn|approx)\.f32", ptx)),
+    }
 
 
 def ptxas_report(ptx: str, arch: int) -> dict:
@@ -73,13 +158,19 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET to compile", file=sys.stderr)
         return 2
-    for kernel_name, variant, fn, signature, constexprs, num_warps in variants():
-        for arch in (90, 80):
-            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                      target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    for kernel_name, variant, kernel, launch in variants():
+        with captured(kernel) as calls:
+            launch()
+        (args, kwargs), = calls
+        for arch in ARCHS:
+            compiled, attrs = compile_like_jit(kernel, args, kwargs, arch)
+            divisible = sorted(kernel.arg_names[path[0]] for path, values in attrs.items()
+                               if ["tt.divisibility", 16] in values)
             report = {"kernel": kernel_name, "variant": variant, "arch": f"sm_{arch}",
+                      "divisible_by_16": divisible, "num_warps": compiled.metadata.num_warps,
                       "shared_bytes": compiled.metadata.shared, "shared_limit": SHARED_LIMIT[arch],
-                      "cubin_bytes": len(compiled.asm["cubin"]), **ptxas_report(compiled.asm["ptx"], arch)}
+                      "cubin_bytes": len(compiled.asm["cubin"]), **ptxas_report(compiled.asm["ptx"], arch),
+                      **ptx_facts(compiled.asm["ptx"])}
             print(json.dumps(report), flush=True)
     return 0
 

@@ -89,3 +89,58 @@ def test_policy_grad_kernel_matches_autograd(options, on_policy, with_is_ratio):
         k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in vars(terms).items()}))
     actual = policy_grad(logp, terms)
     assert_close(actual, expected, 1e-5, atol=1e-9, name="dloss/dlogp")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_padded_rows_match_unpadded_and_keep_the_padding_out(dtype, softcap):
+    """Rows padded to 16 elements (as chunked_pass allocates them) holding NaN in their padding: same results as a
+    contiguous buffer, the padding overwritten with zeros, nothing outside the rows touched."""
+    from grpo_fast.kernels.launch import has_padding, padded_width
+
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 5, 4096 + 77
+    width = padded_width(vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(DEVICE, dtype)
+    storage = torch.full((rows + 1, width), float("nan"), dtype=dtype, device=DEVICE)
+    padded = storage[:rows, :vocab]
+    padded.copy_(logits)
+    assert has_padding(padded) and not has_padding(logits)
+    targets = torch.randint(0, vocab, (rows, 2), generator=gen).to(DEVICE)[:, 1]
+    kw = dict(temperature=0.8, softcap=softcap)
+    expected = logprob_forward(logits, targets.contiguous(), **kw)
+    actual = logprob_forward(padded, targets, padded=True, **kw)
+    for name, a, e in zip(("lse", "logp", "entropy"), actual, expected):
+        assert torch.equal(a, e), name
+    lse, _, entropy = expected
+    g_logp, g_entropy = torch.randn(2, rows, generator=gen).to(DEVICE)
+    dlogits_(logits, targets.contiguous(), lse, g_logp, entropy=entropy, g_entropy=g_entropy, **kw)
+    dlogits_(padded, targets, lse, g_logp, entropy=entropy, g_entropy=g_entropy, padded=True, **kw)
+    assert torch.equal(padded, logits)
+    assert torch.all(storage[:rows, vocab:] == 0)
+    assert torch.isnan(storage[rows]).all()                       # the row after the buffer is untouched
+
+
+def test_launchers_run_on_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: every launcher makes it the logits' own."""
+    import importlib
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from grpo_fast.kernels import launch, policy_grad
+    from grpo_fast.variants import LossConfig, TokenTerms
+
+    guard = launch.on_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+    seen = []
+    for name in ("logprob_forward", "dlogits", "policy_grad"):
+        module = importlib.import_module(f"grpo_fast.kernels.{name}")
+        monkeypatch.setattr(module, "on_device", lambda t: seen.append(t) or nullcontext())
+    logits = torch.randn(3, 40).to(DEVICE)
+    targets = torch.tensor([1, 2, 3]).to(DEVICE)
+    lse, logp, _ = logprob_forward(logits, targets)
+    dlogits_(logits, targets, lse, logp)
+    terms = TokenTerms(LossConfig(), advantages=torch.ones(3).to(DEVICE), weights=torch.ones(3).to(DEVICE))
+    policy_grad(logp, terms)
+    assert [t is logits for t in seen[:2]] == [True, True] and seen[2] is not None and len(seen) == 3

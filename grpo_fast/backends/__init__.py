@@ -3,7 +3,9 @@
 A backend module provides `bytes_per_logit(dtype)`, `stats_(buffer, targets, transform, need_entropy)`,
 `policy_grad(logp, terms)` (d(loss)/d(logp) of token-level variants, see `grpo_fast.variants.TokenTerms`) and
 `dlogits_(buffer, state, targets, g_logp, g_entropy, transform)`. `stats_` may rewrite the buffer in a form only
-its own `dlogits_` reads, so the two are always called as a pair on the same buffer.
+its own `dlogits_` reads, so the two are always called as a pair on the same buffer. The buffer is a (C, V) view
+of rows `buffer.stride(0)` elements apart; columns past V up to that stride are scratch a backend may overwrite
+(grpo_fast.chunked pads rows to 16 elements so that the Triton kernels move 16-byte vectors).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from grpo_fast.kernels import dlogits_ as _dlogits_kernel
 from grpo_fast.kernels import logprob_forward
 from grpo_fast.kernels import policy_grad as _policy_grad_kernel
+from grpo_fast.kernels.launch import has_padding
 
 
 @dataclass
@@ -23,23 +24,25 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8   # both passes work in place on the GEMM buffer
 
 
+# chunked_pass pads the row stride of its buffer to 16 elements and those columns are scratch (see backends):
+# `has_padding` tells the kernels they may read and write them, so that their loads and stores stay vectors.
 def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
     if buffer.dtype == torch.float64:
         raise TypeError("backend='triton' takes fp32, bf16 or fp16 inputs, got float64 (use backend='torch')")
     lse, logp, entropy = logprob_forward(
         buffer, targets, scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
-        compute_entropy=need_entropy,
+        compute_entropy=need_entropy, padded=has_padding(buffer),
     )
     return ChunkState(lse, logp, entropy)
 
 
 def policy_grad(logp, terms):
-    return _policy_grad_kernel(logp.contiguous(), terms)
+    return _policy_grad_kernel(logp, terms)
 
 
 def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
     _dlogits_kernel(
-        buffer, targets, state.lse, g_logp.contiguous(),
-        entropy=state.entropy, g_entropy=None if g_entropy is None else g_entropy.contiguous(),
+        buffer, targets, state.lse, g_logp, entropy=state.entropy, g_entropy=g_entropy,
         scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
+        padded=has_padding(buffer),
     )

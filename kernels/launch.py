@@ -1,0 +1,46 @@
+"""Host-side helpers shared by the launchers: the device a launch runs on and the logit transform's constants."""
+
+from contextlib import nullcontext
+
+import torch
+
+# Rows of a logits buffer start on a 16-element boundary when the buffer's row stride is padded to it: the JIT
+# then proves 16-byte alignment and issues vector loads and stores (grpo_fast.chunked allocates buffers so).
+ROW_ALIGN = 16
+
+
+def padded_width(vocab_size: int) -> int:
+    """The row stride, in elements, of a padded (C, V) buffer: V rounded up to ROW_ALIGN."""
+    return -(-vocab_size // ROW_ALIGN) * ROW_ALIGN
+
+
+def has_padding(logits: torch.Tensor) -> bool:
+    """Whether every row of a (C, V) view is followed by its padding columns (up to `padded_width(V)`) in memory."""
+    num_rows, vocab_size = logits.shape
+    width = padded_width(vocab_size)
+    if num_rows == 0 or width == vocab_size:
+        return True
+    end = logits.storage_offset() + (num_rows - 1) * logits.stride(0) + width
+    return (num_rows == 1 or logits.stride(0) >= width) and logits.untyped_storage().nbytes() >= (
+        end * logits.element_size())
+
+
+def load_width(logits: torch.Tensor, padded: bool) -> int:
+    """How many columns of each row a kernel may read and write: V, or the padded width when the caller owns the
+    padding columns (scratch between V and the next row)."""
+    if not padded:
+        return logits.shape[1]
+    assert has_padding(logits), "padded=True needs each row followed by its padding columns"
+    return padded_width(logits.shape[1])
+
+
+def on_device(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's own for the launch."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
+
+
+def transform_constants(scale: float, temperature: float, softcap):
+    """(in_scale, out_scale, grad_scale) of `grpo_fast.kernels.transform.transform`, divisions done once here."""
+    if softcap is None:
+        return scale / temperature, 1.0, scale / temperature
+    return scale / softcap, softcap / temperature, scale / temperature
