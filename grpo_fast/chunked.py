@@ -11,13 +11,19 @@ exist: the buffer is bounded by `chunk_bytes`.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 DEFAULT_CHUNK_BYTES_CPU = 256 * 2**20
-DEFAULT_CHUNK_BYTES_CUDA = 1024 * 2**20
+# On CUDA the budget follows the memory free on the device: a fraction of it, within bounds. Fewer, larger chunks
+# mean fewer read-modify-writes of the fp32 d(weight) accumulator (none at all when one chunk holds every token).
+CUDA_CHUNK_FRACTION = 1 / 8
+CUDA_CHUNK_BYTES_MIN = 1024 * 2**20
+CUDA_CHUNK_BYTES_MAX = 8 * 2**30
+ROW_ALIGN = 16                     # buffer rows padded to 16 elements: 16-byte vectors in the Triton kernels
 
 
 @dataclass(frozen=True)
@@ -44,32 +50,105 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_chunk_bytes(device: torch.device) -> int:
-    return DEFAULT_CHUNK_BYTES_CUDA if device.type == "cuda" else DEFAULT_CHUNK_BYTES_CPU
+    """256 MiB on CPU; on CUDA 1/8 of the memory free on the device (the caching allocator's unused blocks
+    included), clamped to [1 GiB, 8 GiB]."""
+    if device.type != "cuda":
+        return DEFAULT_CHUNK_BYTES_CPU
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(min(max(free * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
 
 
 def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops) -> int:
     """How many tokens one chunk holds so that the backend's working set stays within chunk_bytes."""
-    bytes_per_row = vocab_size * ops.bytes_per_logit(dtype)
+    bytes_per_row = _padded(vocab_size) * ops.bytes_per_logit(dtype)
     return max(1, chunk_bytes // bytes_per_row)
 
 
-_HAS_FP32_OUT_GEMM = [True]
+def _padded(vocab_size: int) -> int:
+    return -(-vocab_size // ROW_ALIGN) * ROW_ALIGN
 
 
-def _accumulate_weight_grad(grad_weight_fp32, dlogits, hidden_chunk):
-    """grad_weight_fp32 += dlogits^T @ hidden_chunk, accumulated in fp32 whatever the input dtype."""
-    if dlogits.dtype == grad_weight_fp32.dtype:
-        grad_weight_fp32.addmm_(dlogits.t(), hidden_chunk)
-        return
-    if dlogits.is_cuda and _HAS_FP32_OUT_GEMM[0]:
-        try:
-            torch.addmm(grad_weight_fp32, dlogits.t(), hidden_chunk, out_dtype=torch.float32, out=grad_weight_fp32)
-            return
-        except (RuntimeError, TypeError) as error:   # torch builds without the out_dtype form of addmm
-            _HAS_FP32_OUT_GEMM[0] = False
-            warnings.warn(f"fp32-output addmm unavailable ({error}); upcasting each chunk for d(weight) instead")
-    # CPU GEMMs have no fp32-output form for half inputs: upcast the chunk.
-    grad_weight_fp32.addmm_(dlogits.t().float(), hidden_chunk.float())
+# How d(weight) = sum over chunks of dlogits^T @ h was computed, counted per chunked pass (see weight_grad_paths).
+_WEIGHT_GRAD_PATHS: Counter = Counter()
+_FP32_OUT_GEMM = {"available": True}
+
+
+def weight_grad_paths() -> dict:
+    """How many chunked passes in this process computed d(weight) by each path:
+
+    - "direct": one chunk held every token, its GEMM wrote d(weight) in the weight's dtype (fp32 accumulation
+      inside the GEMM, no accumulator);
+    - "fp32": fp32 (or fp64) inputs, the first chunk's GEMM writes the accumulator, later ones add in place;
+    - "fp32-out-gemm": half inputs on CUDA, GEMMs with an fp32 output accumulate in place (no upcast);
+    - "half-gemm+fp32-add": half inputs where torch lacks the fp32-output GEMM: each chunk's product in the input
+      dtype (tensor cores) into a temporary, added to the fp32 accumulator;
+    - "upcast": half inputs on CPU: each chunk upcast to fp32 for the GEMM.
+    """
+    return dict(_WEIGHT_GRAD_PATHS)
+
+
+def reset_weight_grad_paths() -> None:
+    _WEIGHT_GRAD_PATHS.clear()
+
+
+class WeightGrad:
+    """d(weight) = sum over chunks of dlogits^T @ hidden_chunk, accumulated in fp32 without a zero-fill: the first
+    chunk's GEMM writes the accumulator, later chunks add to it, and a pass of one chunk writes the result in
+    the weight's dtype directly."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device, single_chunk: bool):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.acc_dtype = accumulation_dtype(dtype)
+        self.single_chunk = single_chunk
+        self.value: Optional[torch.Tensor] = None
+        if single_chunk:
+            self.path = "direct"
+        elif dtype == self.acc_dtype:
+            self.path = "fp32"
+        elif device.type == "cuda":
+            self.path = "fp32-out-gemm" if _FP32_OUT_GEMM["available"] else "half-gemm+fp32-add"
+        else:
+            self.path = "upcast"
+
+    def add(self, dlogits: torch.Tensor, hidden_chunk: torch.Tensor) -> None:
+        a, b = dlogits.t(), hidden_chunk
+        first = self.value is None
+        if self.path in ("direct", "fp32"):
+            if first:
+                self.value = torch.mm(a, b)
+            else:
+                self.value.addmm_(a, b)
+        elif self.path == "fp32-out-gemm":
+            try:
+                if first:
+                    self.value = torch.mm(a, b, out_dtype=self.acc_dtype)
+                else:
+                    torch.addmm(self.value, a, b, out_dtype=self.acc_dtype, out=self.value)
+            except (RuntimeError, TypeError) as error:   # torch builds without the out_dtype GEMMs
+                _FP32_OUT_GEMM["available"] = False
+                warnings.warn(f"fp32-output GEMM unavailable ({error}); d(weight) adds half-precision chunk "
+                              "products to an fp32 accumulator instead")
+                self.path = "half-gemm+fp32-add"
+                self.add(dlogits, hidden_chunk)
+        elif self.path == "half-gemm+fp32-add":
+            product = torch.mm(a, b)
+            if first:
+                self.value = product.to(self.acc_dtype)
+            else:
+                self.value.add_(product)
+        else:                                             # CPU GEMMs have no fp32-output form for half inputs
+            if first:
+                self.value = torch.mm(a.float(), b.float())
+            else:
+                self.value.addmm_(a.float(), b.float())
+
+    def result(self) -> torch.Tensor:
+        """(V, H) in the weight's dtype; zeros when no chunk was added."""
+        _WEIGHT_GRAD_PATHS[self.path] += 1
+        if self.value is None:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.value.to(self.dtype)
 
 
 def chunked_pass(
@@ -100,16 +179,17 @@ def chunked_pass(
     entropy = torch.empty(num_tokens, dtype=stat_dtype, device=device) if need_entropy else None
     want_grads = token_grads is not None
     d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if want_grads and grad_hidden else None
+    rows = min(rows, max(num_tokens, 1))
     d_weight = (
-        torch.zeros(vocab_size, hidden_size, dtype=stat_dtype, device=device)
+        WeightGrad((vocab_size, hidden_size), weight.dtype, device, single_chunk=rows >= num_tokens)
         if want_grads and grad_weight else None
     )
     d_bias = (
         torch.zeros(vocab_size, dtype=stat_dtype, device=device)
         if want_grads and grad_bias and bias is not None else None
     )
-    rows = min(rows, max(num_tokens, 1))
-    buffer = torch.empty(rows, vocab_size, dtype=hidden.dtype, device=device)
+    # Rows padded to 16 elements: aligned vector loads in the kernels and an aligned leading dimension for cuBLAS.
+    buffer = torch.empty(rows, _padded(vocab_size), dtype=hidden.dtype, device=device)[:, :vocab_size]
     weight_t = weight.t()
     for start in range(0, num_tokens, rows):
         end = min(start + rows, num_tokens)
@@ -132,7 +212,7 @@ def chunked_pass(
         if d_hidden is not None:
             torch.mm(y, weight, out=d_hidden[start:end])        # GEMM 2: d(hidden)
         if d_weight is not None:
-            _accumulate_weight_grad(d_weight, y, h)             # GEMM 3: d(weight)
+            d_weight.add(y, h)                                  # GEMM 3: d(weight)
         if d_bias is not None:
             d_bias += y.sum(0, dtype=stat_dtype)
     if d_hidden is not None and hasattr(ops, "all_reduce_grad_hidden"):
@@ -141,6 +221,6 @@ def chunked_pass(
         logp=logp,
         entropy=entropy,
         grad_hidden=d_hidden,
-        grad_weight=None if d_weight is None else d_weight.to(weight.dtype),
+        grad_weight=None if d_weight is None else d_weight.result(),
         grad_bias=None if d_bias is None else d_bias.to(bias.dtype),
     )

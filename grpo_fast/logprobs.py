@@ -86,7 +86,8 @@ def token_logprobs(
         bias: optional (V,) LM-head bias.
         temperature, logit_scale, logit_softcap: the logit transform above (softcap as in Gemma 2).
         return_entropy: also return the entropy of each position's distribution (differentiable too).
-        chunk_bytes: memory budget of one chunk's working set (default 256 MiB on CPU, 1 GiB on CUDA).
+        chunk_bytes: memory budget of one chunk's working set (default 256 MiB on CPU; on CUDA 1/8 of the memory
+            free on the device, within [1 GiB, 8 GiB]: fewer chunks mean less d(weight) accumulator traffic).
         backend: "auto" (Triton on CUDA when importable, else torch), "torch" or "triton".
         process_group: weight (and bias) are this rank's rows of a vocabulary-parallel head; every rank passes
             the same hidden and targets and gets the full log-probs (see `grpo_loss`).

@@ -211,6 +211,8 @@ def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, forw
     if job.loss == "trl":
         tile = min(tokens, TRL_TILE[0]) * min(v, TRL_TILE[1]) * 4 * TRL_TILE_COPIES
         return tile + gradients
+    # On CUDA the loss's default budget is 1/8 of the memory free when it runs, at least 1 GiB: the plan counts the
+    # 1 GiB floor (more is only taken from memory that is free at that moment, so it cannot break a plan's fit).
     chunk_bytes = job.chunk_bytes or (2**30 if job.device == "cuda" else 256 * 2**20)
     # the chunk's working set per logit: Triton works in place on the GEMM buffer; the PyTorch path (CPU) keeps
     # the buffer, an fp32 copy when it is not fp32, the probabilities and one temporary

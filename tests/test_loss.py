@@ -127,8 +127,9 @@ def test_chunking_does_not_change_results(backend):
     one, _, one_grads = run(gf.grpo_loss, inputs, dict(options, chunk_bytes=2**30))
     many, _, many_grads = run(gf.grpo_loss, inputs, dict(options, chunk_bytes=1))   # one token per chunk
     assert_close(many, one, 1e-6)
+    # one GEMM against per-token products: the same sums in other orders, each within ~6e-7 of float64
     for key in one_grads:
-        assert_close(many_grads[key], one_grads[key], 1e-6)
+        assert_close(many_grads[key], one_grads[key], 3e-6, name=f"d{key}")
 
 
 def test_frozen_weight_gets_no_grad(backend):

@@ -1,0 +1,117 @@
+"""The chunk loop's d(weight) accumulation (paths, no zero-fill, one chunk written directly) and its budget."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import grpo_fast as gf
+from grpo_fast import chunked, reference
+from conftest import assert_close
+
+N, H, V = 48, 16, 200
+
+
+def inputs(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) * 0.3).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=gen)
+    return hidden, weight, targets
+
+
+def weight_grad(dtype, chunk_bytes):
+    hidden, weight, targets = inputs(dtype)
+    chunked.reset_weight_grad_paths()
+    loss, _ = gf.grpo_loss(hidden, weight, targets, torch.tensor(1.0), torch.ones(N, dtype=torch.bool),
+                           chunk_bytes=chunk_bytes, backend="torch")
+    grad = torch.autograd.grad(loss, weight)[0]
+    exact_weight = weight.detach().double().requires_grad_()
+    ref_loss, _ = reference.grpo_loss(hidden.detach().double(), exact_weight, targets, torch.tensor(1.0),
+                                      torch.ones(N, dtype=torch.bool))
+    return grad, torch.autograd.grad(ref_loss, exact_weight)[0], chunked.weight_grad_paths()
+
+
+@pytest.mark.parametrize("dtype,chunk_bytes,path,rtol", [
+    (torch.float32, None, "direct", 1e-5),
+    (torch.float32, 4000, "fp32", 1e-5),
+    (torch.bfloat16, None, "direct", 2e-2),
+    (torch.bfloat16, 4000, "upcast", 2e-2),
+])
+def test_weight_grad_paths_on_cpu(dtype, chunk_bytes, path, rtol):
+    grad, exact, paths = weight_grad(dtype, chunk_bytes)
+    assert paths == {path: 1}
+    assert grad.dtype == dtype
+    assert_close(grad, exact, rtol, name="dweight")
+
+
+def chunks(dtype, count=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [((torch.randn(12, V, generator=gen) * 0.1).to(dtype), torch.randn(12, H, generator=gen).to(dtype))
+            for _ in range(count)]
+
+
+def exact_sum(parts):
+    return sum(d.double().t() @ h.double() for d, h in parts)
+
+
+def test_half_gemm_fallback_accumulates_in_fp32():
+    parts = chunks(torch.bfloat16)
+    grad = chunked.WeightGrad((V, H), torch.bfloat16, torch.device("cpu"), single_chunk=False)
+    grad.path = "half-gemm+fp32-add"                     # the CUDA fallback, run here on CPU GEMMs
+    for d, h in parts:
+        grad.add(d, h)
+    assert grad.value.dtype == torch.float32
+    assert_close(grad.result(), exact_sum(parts), 1e-2, name="dweight")
+
+
+def test_missing_fp32_output_gemm_falls_back_with_one_warning(monkeypatch):
+    # CPU builds have no out_dtype GEMM: the path that CUDA takes first fails here exactly as on a build without it.
+    monkeypatch.setitem(chunked._FP32_OUT_GEMM, "available", True)
+    parts = chunks(torch.bfloat16)
+    grad = chunked.WeightGrad((V, H), torch.bfloat16, torch.device("cpu"), single_chunk=False)
+    grad.path = "fp32-out-gemm"
+    with pytest.warns(UserWarning, match="fp32-output GEMM unavailable") as caught:
+        for d, h in parts:
+            grad.add(d, h)
+    assert len(caught) == 1 and grad.path == "half-gemm+fp32-add"
+    assert chunked._FP32_OUT_GEMM["available"] is False
+    assert_close(grad.result(), exact_sum(parts), 1e-2, name="dweight")
+
+
+class FullSizeWrites(TorchDispatchMode):
+    """Records every op that writes a (V, H)-sized tensor other than a GEMM."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if isinstance(out, torch.Tensor) and out.numel() == V * H and name not in ("mm", "addmm", "addmm_", "t",
+                                                                                     "detach", "view"):
+            self.ops.append(name)
+        return out
+
+
+@pytest.mark.parametrize("dtype,chunk_bytes,expected", [
+    (torch.float32, None, []),                    # one chunk: the GEMM writes d(weight)
+    (torch.float32, 4000, []),                    # chunks: the first GEMM writes, the others add in place
+    (torch.bfloat16, None, []),                   # one chunk: written in bf16 by the GEMM
+    (torch.bfloat16, 4000, ["_to_copy"]),         # chunks: fp32 accumulator, one cast to bf16 at the end
+])
+def test_no_zero_fill_and_no_copy_of_the_weight_gradient(dtype, chunk_bytes, expected):
+    hidden, weight, targets = inputs(dtype)
+    with FullSizeWrites() as writes:
+        loss, _ = gf.grpo_loss(hidden, weight, targets, torch.tensor(1.0), torch.ones(N, dtype=torch.bool),
+                               chunk_bytes=chunk_bytes, backend="torch")
+    assert writes.ops == expected                 # no zeros / fill_ / zero_ before the first GEMM
+
+
+@pytest.mark.parametrize("free_gib,expected_gib", [(2, 1), (32, 4), (200, 8)])
+def test_cuda_chunk_budget_follows_free_memory(monkeypatch, free_gib, expected_gib):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * 2**30 - 2**29, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**29)   # 512 MiB cached, unused
+    assert chunked.default_chunk_bytes(torch.device("cuda", 0)) == expected_gib * 2**30
+    assert chunked.default_chunk_bytes(torch.device("cpu")) == chunked.DEFAULT_CHUNK_BYTES_CPU
