@@ -1,122 +1,455 @@
-"""One GPU, one command: the Triton path checked in bf16 against the float64 reference, then the GPU sweep.
+"""One GPU, one command, about five minutes: the machine, whether the fused loss is right, and where its time goes.
 
-python -m grpo_fast.benchmarks.gpu_check OUT_DIR [--wheels DIR] [--budget 480]
+python -m grpo_fast.benchmarks.gpu_check OUT_DIR [--wheels DIR] [--budget 280]
+python -m grpo_fast.benchmarks.gpu_check OUT_DIR --device cpu --backend torch --quick     # CPU smoke run
 
-Everything lands in OUT_DIR: gpu_check.md / .json (correctness), bench.md / .json and the plots (the sweep of
-`grpo_fast.benchmarks.harness` over the GPU shapes). It runs where torch and Triton are installed but TRL and
-liger-kernel may not be: wheel files in --wheels are installed first (without dependencies); peers that still
-cannot be imported get rows that say so. The sweep skips the rows left when the time budget is spent.
-CPU smoke run: --device cpu --dtype float32 --backend torch --shapes 256x32x2000.
+In order: (1) the environment: GPU, versions, measured copy bandwidth and GEMM TFLOP/s, the d(weight) GEMM path;
+(2) correctness against the float64 reference on the same rounded inputs (every loss family, V in VOCABS, 3+
+chunks with a ragged last one, old log-probs near the clip band, strided targets), and on GPU one chunk buffer of
+more than 2^31 elements; (3) the time of each pass of one chunk at the headline shape; (4) forward + backward end
+to end against the 3-GEMM floor, headline shape first, beside the naive, TRL and Liger implementations (wheels in
+--wheels are installed first, without dependencies). Rows left when --budget is spent are skipped and say so.
+OUT_DIR gets gpu_check.json (everything) and SUMMARY.md, the at most 30 lines printed last. Exit status 1 when a
+correctness row fails. The kernel tests then run on the same GPU with KERNEL_TESTS (from a source checkout).
 """
 
 import argparse
 import glob
+import importlib
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
 import grpo_fast as gf
-from grpo_fast import reference
-from grpo_fast.benchmarks import harness
+from grpo_fast import backends, chunked, reference
+from grpo_fast.benchmarks.harness import Shape, relative_error
+from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch
 from grpo_fast.profiling import machine_name
+from grpo_fast.variants import LossConfig, TokenTerms
 
-CHECKS = [
-    dict(loss_type="dapo", beta=0.04),
-    dict(loss_type="grpo", epsilon_high=0.28, delta=1.5, entropy_coef=0.01),
-    dict(loss_type="cispo", epsilon_high=5.0, temperature=0.7),
-    dict(loss_type="sapo", logit_softcap=30.0),
-    dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.04),
-]
+CONFIGS = {
+    "dapo+kl": dict(loss_type="dapo", beta=0.04),
+    "grpo+delta+entropy": dict(loss_type="grpo", epsilon_high=0.28, delta=1.5, entropy_coef=0.01),
+    "cispo/T0.7": dict(loss_type="cispo", epsilon_high=5.0, temperature=0.7),
+    "sapo+softcap": dict(loss_type="sapo", logit_softcap=30.0),
+    "luspo(seq)": dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.04),
+    "token_logprobs": dict(temperature=1.3, logit_softcap=30.0),    # log-probs and entropies, both differentiated
+}
+VOCABS = (5000, 32768, 50257, 151936)
+FP32_TOL = 1e-5                                 # max error / max |reference|, every output
+# Half precision: the full-logits loss in the same dtype rounds the same logits and dlogits at the same points, so
+# a correct fused loss has its error up to rounding flips of single elements, which move a max-wise error by a
+# whole ulp but a norm-wise one by nothing: norm-wise, correct passes sit at 1.00x the naive error, a sign flip of
+# the entropy gradient at 1.6-2.3x (V >= 5000), dlogits x 1.01 at 1.3-3.9x, fp32 -> bf16 by truncation up to 1.5x.
+# The fp32 rows (1e-5) are the sharp check of the math; these catch what only half precision does.
+HALF_RATIO, HALF_FLOOR, HALF_CAP = 1.25, 1e-3, 2e-2
+HEADLINE = Shape(16384, 3584, 151936)                              # Qwen2.5-7B head, 16k completion tokens
+SHAPES = [HEADLINE, Shape(4096, 3584, 151936), Shape(65536, 3584, 151936), Shape(16384, 896, 151936),
+          Shape(16384, 2304, 256000)]
+PEERS = ["naive", "trl", "liger"]
+KERNEL_TESTS = "python -m pytest tests/test_kernels.py tests/test_logprobs.py tests/test_loss.py -q"
+SUMMARY_LINES = 30
 
 
 def install_wheels(folder, log=print) -> None:
     wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
     if not wheels:
-        log(f"no wheels in {folder}")
-        return
+        return log(f"no wheels in {folder}")
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", *wheels],
                           capture_output=True, text=True)
-    log(f"installed {len(wheels)} wheels (exit {done.returncode}){': ' + done.stderr[-300:] if done.returncode else ''}")
+    importlib.invalidate_caches()          # so that the availability checks below see what was just installed
+    tail = done.stderr[-300:] if done.returncode else ""
+    log(f"installed {len(wheels)} wheels: pip exit status {done.returncode} {tail}")
 
 
-def grads_of(fn, hidden, weight, data, options):
-    hidden = hidden.detach().requires_grad_()
-    weight = weight.detach().requires_grad_()
-    loss, _ = fn(hidden, weight, **data, **options)
-    return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+def median_seconds(fn, device, repeats, warmup=True) -> float:
+    """Median time of fn() over `repeats` calls (CUDA events on GPU), after an untimed one."""
+    if warmup:
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
-def check(dtype, device, backend, log=print) -> list:
-    """Errors of grpo_fast and of the same-dtype full-logits loss, both against the float64 reference.
+def chunk_bytes_for(rows, vocab, dtype, ops) -> int:
+    """The smallest chunk budget that gives `rows` tokens per chunk, whatever row padding the chunk loop adds."""
+    budget = rows * vocab * ops.bytes_per_logit(dtype)
+    while chunked.chunk_rows(vocab, dtype, budget, ops) < rows:
+        budget += rows * ops.bytes_per_logit(dtype)
+    return budget
 
-    Clipping is discontinuous: rounding the logits to bf16 moves some ratios across a clip boundary, so in half
-    precision a row passes when its error is within 2e-2 or at most twice the same-dtype reference's.
-    """
+
+def weight_grad_paths() -> str:
+    """The d(weight) GEMM paths the chunked passes took since the last reset, e.g. "fp32-out-gemm"."""
+    counts = getattr(chunked, "weight_grad_paths", lambda: {"unknown": 1})()
+    return "+".join(name for name, count in counts.items() if count) or "none"
+
+
+def reset_weight_grad_paths() -> None:
+    getattr(chunked, "reset_weight_grad_paths", lambda: None)()
+
+
+def device_batch(shape: Shape, dtype, device, seed=0, sequences=8) -> Batch:
+    """The benchmark inputs (those of harness.make_batch) drawn on the device itself: nothing crosses PCIe."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seq = max(shape.tokens // sequences, 1)
+    rows = max(shape.tokens // seq, 1)
+    normal = lambda *size, dtype=torch.float32: torch.randn(*size, generator=gen, device=device, dtype=dtype)  # noqa
+    uniform = -math.log(shape.vocab)
+    return Batch(hidden=normal(rows, seq, shape.hidden, dtype=dtype).requires_grad_(),
+                 weight=normal(shape.vocab, shape.hidden, dtype=dtype).mul_(2 / shape.hidden**0.5).requires_grad_(),
+                 targets=torch.randint(0, shape.vocab, (rows, seq), generator=gen, device=device),
+                 mask=torch.ones(rows, seq, dtype=torch.bool, device=device), advantages=normal(rows),
+                 old_logps=uniform + 0.2 * normal(rows, seq), ref_logps=uniform + 0.2 * normal(rows, seq))
+
+
+def environment(device, dtype, backend) -> dict:
+    """Machine, versions, the two ceilings the passes are measured against, and the d(weight) path of a loss in
+    two chunks here."""
+    found = {}
+    for package in ("torch", "triton", "transformers", "trl", "liger-kernel"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    cuda = device.startswith("cuda")
+    source = torch.empty(2**28 if cuda else 2**22, device=device)               # 1 GiB on GPU
+    target = torch.empty_like(source)
+    copy_s = median_seconds(lambda: target.copy_(source), device, 10)
+    m = 8192 if cuda else 512
+    a, b, out = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(3))
+    gemm_s = median_seconds(lambda: torch.mm(a, b, out=out), device, 10)
+    batch = device_batch(Shape(64, 64, 1000), dtype, device, seed=9)
+    reset_weight_grad_paths()
+    gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask, old_logps=batch.old_logps,
+                 ref_logps=batch.ref_logps, backend=backend, **LOSS,
+                 chunk_bytes=chunk_bytes_for(32, 1000, dtype, backends.resolve(backend, torch.device(device))))
+    return {"machine": machine_name(device), "dtype": str(dtype).split(".")[-1], "versions": found,
+            "copy_gbs": 2 * source.numel() * 4 / copy_s / 1e9, "gemm_size": m, "gemm_tflops": 2 * m**3 / gemm_s / 1e12,
+            "weight_grad_path": weight_grad_paths()}
+
+
+def header_lines(env) -> list:
+    return [f"gpu_check on {env['machine']}: " + ", ".join(f"{k} {v or '-'}" for k, v in env["versions"].items()),
+            f"ceilings: copy {env['copy_gbs']:.0f} GB/s, {env['dtype']} GEMM {env['gemm_tflops']:.1f} TFLOP/s "
+            f"({env['gemm_size']}^3); d(weight) path of a multi-chunk loss: {env['weight_grad_path']}"]
+
+
+def correctness_inputs(sequences, length, hidden_size, vocab, dtype, device, seed, sample=True) -> dict:
+    """Inputs drawn on the device: targets sampled from the model (uniform without `sample`), 10% of positions
+    masked (target -100 there), targets passed as strided columns of one (B, T, 2) id tensor."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(sequences, length, hidden_size, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=gen, device=device) * (2 / hidden_size**0.5)).to(dtype)
+    ids = torch.randint(0, vocab, (sequences, length, 2), generator=gen, device=device)
+    if sample:
+        probs = torch.softmax(reference.logits(hidden.double(), weight.double()).view(-1, vocab), -1)
+        ids[..., 1] = torch.multinomial(probs, 1, generator=gen).view(sequences, length)
+    mask = torch.rand(sequences, length, generator=gen, device=device) > 0.1
+    ids[..., 0] = torch.where(mask, ids[..., 1], -100)
+    return dict(hidden=hidden, weight=weight, targets=ids[..., 0], sampled=ids[..., 1], mask=mask,
+                advantages=0.5 + torch.randn(sequences, generator=gen, device=device),   # a loss far from 0
+                noise=0.1 * torch.randn(2, sequences, length, generator=gen, device=device),
+                cotangents=torch.randn(2, sequences, length, generator=gen, device=device))
+
+
+def case_outputs(name, inputs, hidden, weight, old=None, ref=None, fused=None) -> dict:
+    """The outputs of one case and the gradients of hidden and weight: grpo_fast with `fused` options, else the
+    full-logits reference (float64 for float64 hidden and weight)."""
+    options = CONFIGS[name] if name in CONFIGS else {}
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    if name in ("token_logprobs", "buffer > 2^31"):
+        fn = gf.token_logprobs if fused else reference.token_logprobs
+        logp, entropy = fn(hidden, weight, inputs["sampled"], return_entropy=True, **options, **(fused or {}))
+        u, v = inputs["cotangents"]
+        values, objective = {"logp": logp, "entropy": entropy}, (logp * u + entropy * v).sum()
+    else:
+        fn = gf.grpo_loss if fused else reference.grpo_loss
+        objective, _ = fn(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"], old_logps=old,
+                          ref_logps=ref, **options, **(fused or {}))
+        values = {"loss": objective}
+    d_hidden, d_weight = torch.autograd.grad(objective, (hidden, weight))
+    return {**{k: v.detach() for k, v in values.items()}, "dhidden": d_hidden, "dweight": d_weight}
+
+
+def norm_error(actual, expected) -> float:
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+def check_case(name, inputs, dtype, backend, ops) -> dict:
+    """Errors of grpo_fast (forced to 3+ chunks, the last ragged) and of the same-dtype full-logits loss against
+    float64 on the same rounded inputs; fp32 max-wise within FP32_TOL, half precision norm-wise (HALF_*)."""
+    hidden, weight, vocab = inputs["hidden"], inputs["weight"], inputs["weight"].shape[0]
+    transform = {k: v for k, v in CONFIGS[name].items() if k in ("temperature", "logit_softcap")}
+    exact_logp = reference.token_logprobs(hidden.double(), weight.double(), inputs["sampled"], **transform)
+    old, ref = ((exact_logp + noise).float() for noise in inputs["noise"])       # ratios near the clip band
+    tokens = inputs["sampled"].numel() if name == "token_logprobs" else int(inputs["mask"].sum())
+    rows = max(4, (tokens - 1) // 3)
+    chunks = -(-tokens // rows)
+    fused = dict(chunk_bytes=chunk_bytes_for(rows, vocab, dtype, ops), backend=backend)
+    ours = case_outputs(name, inputs, hidden, weight, old, ref, fused)
+    naive = case_outputs(name, inputs, hidden, weight, old, ref)
+    exact = case_outputs(name, inputs, hidden.double(), weight.double(), old, ref)
+    metric = relative_error if dtype == torch.float32 else norm_error
+    errors = {}
+    for output, value in exact.items():
+        error, naive_error = metric(ours[output], value), metric(naive[output], value)
+        tol = FP32_TOL if dtype == torch.float32 else min(HALF_CAP, max(HALF_FLOOR, HALF_RATIO * naive_error))
+        errors[output] = {"error": error, "naive": naive_error, "tol": tol}
+    return {"case": name, "dtype": str(dtype).split(".")[-1], "vocab": vocab, "errors": errors,
+            "metric": "max" if dtype == torch.float32 else "norm",
+            "chunks": f"{chunks} x {rows} rows, last {tokens - (chunks - 1) * rows}",
+            "ok": all(e["error"] <= e["tol"] for e in errors.values())}
+
+
+def correctness(device, backend, dtypes, vocabs, sequences=8, length=128, hidden_size=256, cases=tuple(CONFIGS),
+                log=print) -> list:
+    """One row per (dtype, V, case), see check_case. fp32 GEMMs stay fp32: TF32 would test cuBLAS, not us.
+    Triton's CPU interpreter rounds fp32 to bf16 toward zero (GPUs round to nearest): there, check fp32 only."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ops = backends.resolve(backend, torch.device(device))
     rows = []
-    for options in CHECKS:
-        batch = harness.make_batch(harness.Shape(1024, 128, 5000), dtype, device, seed=len(rows))
-        data = dict(targets=batch.targets, advantages=batch.advantages, mask=batch.mask,
-                    old_logps=batch.old_logps, ref_logps=batch.ref_logps)
-        hidden, weight = batch.hidden, batch.weight
-        ours = grads_of(lambda *a, **k: gf.grpo_loss(*a, **k, backend=backend), hidden, weight, data, options)
-        exact = grads_of(reference.grpo_loss, hidden.double(), weight.double(), data, options)
-        naive = grads_of(reference.grpo_loss, hidden, weight, data, options)
-        row = {"options": options}
-        for name, a, b, e in zip(("loss", "dhidden", "dweight"), ours, naive, exact):
-            row[f"{name}_error"] = harness.relative_error(a, e)
-            row[f"{name}_naive_error"] = harness.relative_error(b, e)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        row["ok"] = all(row[f"{n}_error"] <= max(tol, 2 * row[f"{n}_naive_error"])
-                        for n in ("loss", "dhidden", "dweight"))
-        rows.append(row)
-        log(json.dumps(row))
+    for dtype in dtypes:
+        for vocab in vocabs:
+            inputs = correctness_inputs(sequences, length, hidden_size, vocab, dtype, device, seed=vocab)
+            for name in cases:
+                try:
+                    rows.append(check_case(name, inputs, dtype, backend, ops))
+                except Exception as error:          # a crash is a failed row; the other rows still run
+                    rows.append({"case": name, "dtype": str(dtype).split(".")[-1], "vocab": vocab, "ok": False,
+                                 "error": f"{type(error).__name__}: {str(error)[:120]}"})
+                log(row_line(rows[-1]))
     return rows
 
 
-def write_check(checks, out_dir, machine, dtype_name, backend) -> None:
-    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-        json.dump({"machine": machine, "torch": torch.__version__, "dtype": dtype_name, "backend": backend,
-                   "checks": checks}, f, indent=1)
-    lines = [f"# grpo_fast correctness on {machine} ({dtype_name}, backend {backend}, torch {torch.__version__})",
-             "", "Error against the float64 reference (max error / max |reference|); in brackets the full-logits "
-             f"loss in {dtype_name}:", "", "| options | loss | d(hidden) | d(weight) | ok |", "|---|---|---|---|---|"]
-    lines += [f"| {c['options']} | " + " | ".join(
-        f"{c[n + '_error']:.1e} ({c[n + '_naive_error']:.1e})" for n in ("loss", "dhidden", "dweight"))
-        + f" | {c['ok']} |" for c in checks]
-    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+def row_line(row) -> str:
+    where = f"{row['dtype']:8} V={row['vocab']:<6} {row['case']:18}" if "vocab" in row else row["case"]
+    if "errors" not in row:
+        return f"FAIL {where} {row['error']}"
+    errors = " ".join(f"{k} {e['error']:.1e}/{e['tol']:.1e}" for k, e in row["errors"].items())
+    return f"{'ok  ' if row['ok'] else 'FAIL'} {where} {row['metric']} error/tol: {errors} ({row['chunks']})"
+
+
+def big_buffer(device, backend, tokens=16384, hidden_size=256, vocab=151936, dtype=torch.bfloat16) -> dict:
+    """token_logprobs through one (16384, 151936) chunk buffer, > 2^31 elements, against float64 in row slices."""
+    inputs = correctness_inputs(1, tokens, hidden_size, vocab, dtype, device, seed=31, sample=False)
+    ops = backends.resolve(backend, torch.device(device))
+    fused = dict(chunk_bytes=chunk_bytes_for(tokens, vocab, dtype, ops), backend=backend)
+    ours = case_outputs("buffer > 2^31", inputs, inputs["hidden"], inputs["weight"], fused=fused)
+    parts = []
+    for s in range(0, tokens, 2048):
+        piece = {"sampled": inputs["sampled"][:, s:s + 2048], "cotangents": inputs["cotangents"][:, :, s:s + 2048]}
+        parts.append(case_outputs("buffer > 2^31", piece, inputs["hidden"][:, s:s + 2048].double(),
+                                  inputs["weight"].double()))
+    exact = {k: torch.cat([p[k] for p in parts], 1) for k in ("logp", "entropy", "dhidden")}
+    exact["dweight"] = sum(p["dweight"] for p in parts)
+    errors = {k: {"error": norm_error(ours[k], exact[k]), "tol": HALF_CAP} for k in exact}
+    return {"case": "buffer > 2^31", "metric": "norm", "chunks": f"1 x {tokens} x {vocab} = {tokens * vocab:.2e}",
+            "errors": errors, "ok": all(e["error"] <= e["tol"] for e in errors.values())}
+
+
+def big_buffer_in_subprocess(device, backend, timeout) -> dict:
+    """big_buffer in a fresh process: an out-of-bounds access there cannot take this process's CUDA context."""
+    code = ("import json; from grpo_fast.benchmarks.gpu_check import big_buffer; "
+            f"print(json.dumps(big_buffer({device!r}, {backend!r})))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"case": "buffer > 2^31", "ok": False, "error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"case": "buffer > 2^31", "ok": False, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:160]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def pass_times(shape, dtype, device, backend, env, repeats=5) -> list:
+    """Each pass of one chunk of `shape`, as large as the loss makes it here, run in the loss's order."""
+    ops = backends.resolve(backend, torch.device(device))
+    batch = device_batch(shape, dtype, device, seed=5, sequences=1)
+    hidden, weight = batch.hidden.detach()[0], batch.weight.detach()
+    rows = min(shape.tokens, chunked.chunk_rows(shape.vocab, dtype, chunked.default_chunk_bytes(hidden.device), ops))
+    align = getattr(chunked, "ROW_ALIGN", 1)                      # the chunk loop's buffer: rows padded
+    buffer = torch.empty(rows, -(-shape.vocab // align) * align, dtype=dtype, device=device)[:, :shape.vocab]
+    h, targets, d_hidden = hidden[:rows], batch.targets[0, :rows], torch.empty_like(hidden[:rows])
+    terms = TokenTerms(LossConfig(**LOSS), advantages=batch.advantages.expand(rows).contiguous(),
+                       weights=torch.full((rows,), 1 / shape.tokens, device=device),
+                       old_logps=batch.old_logps[0, :rows], ref_logps=batch.ref_logps[0, :rows])
+    transform, state = chunked.LogitTransform(), {}
+    weight_grad = getattr(chunked, "WeightGrad", None)
+    if weight_grad is None:
+        gemm3 = lambda: torch.mm(buffer.t(), h)  # noqa: E731
+    elif rows >= shape.tokens:                                    # one chunk: its GEMM writes d(weight) directly
+        gemm3 = lambda: weight_grad(weight.shape, dtype, weight.device, True).add(buffer, h)  # noqa: E731
+    else:                                                         # a later chunk: adds into the fp32 accumulator
+        accumulator = weight_grad(weight.shape, dtype, weight.device, False)
+        accumulator.add(buffer, h)
+        gemm3 = lambda: accumulator.add(buffer, h)  # noqa: E731
+    flops, logit_bytes = 2 * rows * shape.hidden * shape.vocab, rows * shape.vocab * buffer.element_size()
+    passes = [  # name, step, FLOPs (> 0) or bytes moved (< 0)
+        ("GEMM 1 (logits)", lambda: torch.mm(h, weight.t(), out=buffer), flops),
+        ("stats", lambda: state.update(s=ops.stats_(buffer, targets, transform, True)), -logit_bytes),
+        ("policy_grad", lambda: state.update(g=ops.policy_grad(state["s"].logp, terms)), -rows * 4 * 8),
+        ("dlogits", lambda: ops.dlogits_(buffer, state["s"], targets, state["g"], None, transform), -2 * logit_bytes),
+        ("GEMM 2 (d hidden)", lambda: torch.mm(buffer, weight, out=d_hidden), flops),
+        ("GEMM 3 (d weight)", gemm3, flops)]
+    times = {name: [] for name, *_ in passes}
+    for _ in range(repeats + 1):                   # the whole sequence again each time: GEMM 1 refills the buffer
+        for name, step, _ in passes:
+            times[name].append(median_seconds(step, device, 1, warmup=False))
+    result = []
+    for name, _, amount in passes:
+        seconds = statistics.median(times[name][1:])
+        rate = abs(amount) / seconds / (1e12 if amount > 0 else 1e9)
+        result.append({"pass": name, "shape": shape.label, "chunk_rows": rows, "ms": seconds * 1e3, "rate": rate,
+                       "unit": "TFLOP/s" if amount > 0 else "GB/s",
+                       "share": rate / (env["gemm_tflops"] if amount > 0 else env["copy_gbs"])})
+    return result
+
+
+def measure(name, batch, device, repeats) -> dict:
+    """Peak memory above the inputs (first step) and median time of the next `repeats` steps of one method."""
+    step, cuda = IMPLEMENTATIONS[name].step, device.startswith("cuda")
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        reset_weight_grad_paths()
+        step(batch)
+        peak = torch.cuda.max_memory_allocated() - base if cuda else None
+        paths = weight_grad_paths() if name.startswith("grpo_fast") else None
+        return {"time_s": median_seconds(lambda: step(batch), device, repeats, warmup=False), "peak_bytes": peak,
+                "dweight_path": paths}
+    except (torch.OutOfMemoryError, MemoryError) as error:
+        return {"error": "out of memory: " + (str(error).splitlines() or [""])[0][:100]}
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0][:140]}
+
+
+def end_to_end(shapes, names, dtype, device, repeats, deadline, log=print) -> list:
+    """Forward + backward of every method on one batch per shape, made on the device; time as a ratio to the floor."""
+    rows = []
+    for shape in shapes:
+        batch, floor = None, None
+        for name in names:
+            row = {"shape": shape.label, "impl": name}
+            reason = IMPLEMENTATIONS[name].unavailable(device)
+            if reason or time.monotonic() > deadline:
+                row["error"] = reason or "skipped: time budget spent"
+            else:
+                try:
+                    batch = batch or device_batch(shape, dtype, device)
+                    row.update(measure(name, batch, device, repeats))
+                except torch.OutOfMemoryError:
+                    row["error"] = "out of memory making the inputs"
+            if name == "floor" and "time_s" in row:
+                floor = row["time_s"]
+                row["tflops"] = 6 * shape.tokens * shape.hidden * shape.vocab / floor / 1e12
+            if floor and "time_s" in row:
+                row["x_floor"] = row["time_s"] / floor
+            rows.append(row)
+            log(json.dumps(row))
+        del batch
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def summary(env, checks, passes, e2e, notes=()) -> list:
+    """At most SUMMARY_LINES lines: the verdict first, then where the time goes."""
+    failed = [c for c in checks if not c["ok"]]
+    lines = [f"SUMMARY: {'FAIL' if failed else 'PASS'}, {len(checks) - len(failed)}/{len(checks)} correctness rows ok",
+             *header_lines(env)]
+    for dtype in dict.fromkeys(c["dtype"] for c in checks if "dtype" in c):
+        group = [c for c in checks if c.get("dtype") == dtype]
+        ratio, output, c = max(((e["error"] / e["tol"], k, c) for c in group for k, e in c.get("errors", {}).items()),
+                               key=lambda worst: worst[0], default=(math.nan, "-", {"case": "-", "vocab": "-"}))
+        lines.append(f"correctness {dtype} ({'max' if dtype == 'float32' else 'norm'}-wise): "
+                     f"{sum(c['ok'] for c in group)}/{len(group)} ok, worst {output} at {ratio:.2f} of tol "
+                     f"({c['case']}, V={c['vocab']})")
+    lines += [row_line(c)[:150] for c in failed if "vocab" in c][:4]
+    lines += [f"... {len(failed) - 4} more failures in gpu_check.json"] if len(failed) > 4 else []
+    lines += [row_line(c)[:150] for c in checks if "vocab" not in c] + list(notes)
+    if passes:
+        lines.append(f"passes of one chunk of {passes[0]['chunk_rows']} tokens of {passes[0]['shape']}:")
+        lines += [f"  {p['pass']:18} {p['ms']:8.3f} ms {p['rate']:7.1f} {p['unit']:7} {p['share']:4.0%} of ceiling"
+                  for p in passes]
+    for i, shape in enumerate(dict.fromkeys(r["shape"] for r in e2e)):
+        rows = [r for r in e2e if r["shape"] == shape]
+        if i == 0:
+            lines.append(f"end to end, forward + backward, {shape}:")
+            lines += [f"  {r['impl']:18} " + (r["error"][:80] if "error" in r else
+                      f"{r['time_s'] * 1e3:9.1f} ms {r['x_floor']:5.2f}x floor" + (
+                          f" {r['peak_bytes'] / 2**30:6.2f} GiB peak" if r["peak_bytes"] is not None else "")
+                      + (f", {r['tflops']:.0f} TFLOP/s" if "tflops" in r else "")) for r in rows]
+        else:
+            lines.append(f"  {shape}: " + ", ".join(
+                f"{r['impl']} " + (f"{r['x_floor']:.2f}x" if "x_floor" in r else r["error"][:24]) for r in rows))
+    return lines[:SUMMARY_LINES - 1] + [f"kernel tests on this GPU next: {KERNEL_TESTS}"]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo_fast.benchmarks.gpu_check")
     parser.add_argument("out_dir")
     parser.add_argument("--wheels", help="folder of wheel files to install first (trl, liger-kernel, ...)")
-    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole script (default 480)")
+    parser.add_argument("--budget", type=float, default=280, help="seconds for the whole script (default 280)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--shapes", nargs="+", type=harness.Shape.parse, help="NxHxV (default: the GPU sweep)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="of the timed rows and of the half-precision correctness rows")
+    parser.add_argument("--backend", default="auto", choices=backends.BACKENDS)
+    parser.add_argument("--shapes", nargs="+", type=Shape.parse, help="NxHxV ..., the first one the headline")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run (seconds on CPU)")
     args = parser.parse_args(argv)
-    started = time.monotonic()
+    deadline = time.monotonic() + args.budget
     os.makedirs(args.out_dir, exist_ok=True)
     if args.wheels:
         install_wheels(args.wheels)
-    machine = machine_name(args.device)
-    print(f"{machine}: torch {torch.__version__}", flush=True)
-    dtype = getattr(torch, args.dtype)
-    checks = check(dtype, args.device, args.backend)
-    write_check(checks, args.out_dir, machine, args.dtype, args.backend)
-    shapes = args.shapes or harness.default_shapes(args.device, quick=False)
-    names = harness.default_impls(args.device, quick=False)
-    remaining = args.budget - (time.monotonic() - started)
+    cuda, dtype = args.device.startswith("cuda"), getattr(torch, args.dtype)
+    env = environment(args.device, dtype, args.backend)
+    print("\n".join(header_lines(env)), flush=True)
+    dtypes = [torch.float32] + ([dtype] if dtype != torch.float32 else [])
+    sizes = dict(vocabs=(500, 3000), sequences=2, length=48, hidden_size=32) if args.quick else dict(vocabs=VOCABS)
+    checks = correctness(args.device, args.backend, dtypes, **sizes)
+    notes = []
+    if cuda and not args.quick:
+        checks.append(big_buffer_in_subprocess(args.device, args.backend, max(60, deadline - time.monotonic())))
+        print(row_line(checks[-1]), flush=True)
+    else:
+        notes.append("buffer > 2^31 elements: a GPU check, not run here")
+    shapes = args.shapes or ([Shape(256, 64, 4096)] if args.quick else SHAPES)
+    try:
+        passes = pass_times(shapes[0], dtype, args.device, args.backend, env) if time.monotonic() < deadline else []
+    except Exception as error:                       # the end-to-end rows still run
+        passes, notes = [], notes + [f"pass times failed: {type(error).__name__}: {str(error)[:100]}"]
+    fused = "grpo_fast[triton]" if args.backend == "triton" or (args.backend == "auto" and cuda) else "grpo_fast"
+    e2e = end_to_end(shapes, ["floor", fused, *PEERS], dtype, args.device, args.repeats, deadline)
+    lines = summary(env, checks, passes, e2e, notes)
     command = "python -m grpo_fast.benchmarks.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
-    harness.run(shapes, names, args.dtype, args.device, args.repeats, args.out_dir, time_budget=remaining,
-                command=command)
+    with open(os.path.join(args.out_dir, "gpu_check.json"), "w") as f:
+        json.dump({"command": command, "environment": env, "checks": checks, "passes": passes, "end_to_end": e2e,
+                   "summary": lines}, f, indent=1)
+    with open(os.path.join(args.out_dir, "SUMMARY.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
     return 0 if all(c["ok"] for c in checks) else 1
 
 
