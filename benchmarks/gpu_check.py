@@ -99,12 +99,7 @@ def chunk_bytes_for(rows, vocab, dtype, ops) -> int:
 
 def weight_grad_paths() -> str:
     """The d(weight) GEMM paths the chunked passes took since the last reset, e.g. "fp32-out-gemm"."""
-    counts = getattr(chunked, "weight_grad_paths", lambda: {"unknown": 1})()
-    return "+".join(name for name, count in counts.items() if count) or "none"
-
-
-def reset_weight_grad_paths() -> None:
-    getattr(chunked, "reset_weight_grad_paths", lambda: None)()
+    return "+".join(name for name, count in chunked.weight_grad_paths().items() if count) or "none"
 
 
 def device_batch(shape: Shape, dtype, device, seed=0, sequences=8) -> Batch:
@@ -138,7 +133,7 @@ def environment(device, dtype, backend) -> dict:
     a, b, out = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(3))
     gemm_s = median_seconds(lambda: torch.mm(a, b, out=out), device, 10)
     batch = device_batch(Shape(64, 64, 1000), dtype, device, seed=9)
-    reset_weight_grad_paths()
+    chunked.reset_weight_grad_paths()
     gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask, old_logps=batch.old_logps,
                  ref_logps=batch.ref_logps, backend=backend, **LOSS,
                  chunk_bytes=chunk_bytes_for(32, 1000, dtype, backends.resolve(backend, torch.device(device))))
@@ -286,20 +281,17 @@ def pass_times(shape, dtype, device, backend, env, repeats=5) -> list:
     batch = device_batch(shape, dtype, device, seed=5, sequences=1)
     hidden, weight = batch.hidden.detach()[0], batch.weight.detach()
     rows = min(shape.tokens, chunked.chunk_rows(shape.vocab, dtype, chunked.default_chunk_bytes(hidden.device), ops))
-    align = getattr(chunked, "ROW_ALIGN", 1)                      # the chunk loop's buffer: rows padded
-    buffer = torch.empty(rows, -(-shape.vocab // align) * align, dtype=dtype, device=device)[:, :shape.vocab]
+    # the chunk loop's buffer, rows padded
+    buffer = torch.empty(rows, chunked.padded_width(shape.vocab), dtype=dtype, device=device)[:, :shape.vocab]
     h, targets, d_hidden = hidden[:rows], batch.targets[0, :rows], torch.empty_like(hidden[:rows])
     terms = TokenTerms(LossConfig(**LOSS), advantages=batch.advantages.expand(rows).contiguous(),
                        weights=torch.full((rows,), 1 / shape.tokens, device=device),
                        old_logps=batch.old_logps[0, :rows], ref_logps=batch.ref_logps[0, :rows])
     transform, state = chunked.LogitTransform(), {}
-    weight_grad = getattr(chunked, "WeightGrad", None)
-    if weight_grad is None:
-        gemm3 = lambda: torch.mm(buffer.t(), h)  # noqa: E731
-    elif rows >= shape.tokens:                                    # one chunk: its GEMM writes d(weight) directly
-        gemm3 = lambda: weight_grad(weight.shape, dtype, weight.device, True).add(buffer, h)  # noqa: E731
+    if rows >= shape.tokens:                                      # one chunk: its GEMM writes d(weight) directly
+        gemm3 = lambda: chunked.WeightGrad(weight.shape, dtype, weight.device, True).add(buffer, h)  # noqa: E731
     else:                                                         # a later chunk: adds into the fp32 accumulator
-        accumulator = weight_grad(weight.shape, dtype, weight.device, False)
+        accumulator = chunked.WeightGrad(weight.shape, dtype, weight.device, False)
         accumulator.add(buffer, h)
         gemm3 = lambda: accumulator.add(buffer, h)  # noqa: E731
     flops, logit_bytes = 2 * rows * shape.hidden * shape.vocab, rows * shape.vocab * buffer.element_size()
@@ -332,7 +324,7 @@ def measure(name, batch, device, repeats) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else 0
-        reset_weight_grad_paths()
+        chunked.reset_weight_grad_paths()
         step(batch)
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
         paths = weight_grad_paths() if name.startswith("grpo_fast") else None

@@ -61,11 +61,13 @@ def default_chunk_bytes(device: torch.device) -> int:
 
 def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops) -> int:
     """How many tokens one chunk holds so that the backend's working set stays within chunk_bytes."""
-    bytes_per_row = _padded(vocab_size) * ops.bytes_per_logit(dtype)
+    bytes_per_row = padded_width(vocab_size) * ops.bytes_per_logit(dtype)
     return max(1, chunk_bytes // bytes_per_row)
 
 
-def _padded(vocab_size: int) -> int:
+def padded_width(vocab_size: int) -> int:
+    """The row stride of a chunk buffer: V rounded up to ROW_ALIGN elements (grpo_fast.kernels.launch keeps the
+    same rule for the kernels, which cannot import this module's layer)."""
     return -(-vocab_size // ROW_ALIGN) * ROW_ALIGN
 
 
@@ -100,7 +102,6 @@ class WeightGrad:
     def __init__(self, shape, dtype: torch.dtype, device: torch.device, single_chunk: bool):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.acc_dtype = accumulation_dtype(dtype)
-        self.single_chunk = single_chunk
         self.value: Optional[torch.Tensor] = None
         if single_chunk:
             self.path = "direct"
@@ -189,7 +190,7 @@ def chunked_pass(
         if want_grads and grad_bias and bias is not None else None
     )
     # Rows padded to 16 elements: aligned vector loads in the kernels and an aligned leading dimension for cuBLAS.
-    buffer = torch.empty(rows, _padded(vocab_size), dtype=hidden.dtype, device=device)[:, :vocab_size]
+    buffer = torch.empty(rows, padded_width(vocab_size), dtype=hidden.dtype, device=device)[:, :vocab_size]
     weight_t = weight.t()
     for start in range(0, num_tokens, rows):
         end = min(start + rows, num_tokens)

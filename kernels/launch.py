@@ -5,7 +5,8 @@ from contextlib import nullcontext
 import torch
 
 # Rows of a logits buffer start on a 16-element boundary when the buffer's row stride is padded to it: the JIT
-# then proves 16-byte alignment and issues vector loads and stores (grpo_fast.chunked allocates buffers so).
+# then proves 16-byte alignment and issues vector loads and stores (grpo_fast.chunked.padded_width allocates
+# buffers by the same rule; the kernels keep their own copy so as not to import the layer that calls them).
 ROW_ALIGN = 16
 
 
