@@ -1,9 +1,13 @@
-"""Benchmarks of grpo_fast against its peers (installed as `grpo_fast.benchmarks`; `grpo-fast bench` runs them).
+"""Benchmarks of grpo_fast against its peers (installed as `grpo_fast.benchmarks`; `grpo-fast bench` and
+`grpo-fast demo` run them).
 
 - implementations: every method measured, behind one interface (naive, TRL 1.16, Liger, grpo_fast, floor).
-- harness: shapes, timing, peak memory, GEMM passes, accuracy, and the table / JSON / plots.
+- harness: shapes, timing, peak memory, GEMM passes, accuracy, and the table / JSON / plots (`grpo-fast bench`).
+- demo: a two-row run of the harness, the full-logits loss against grpo_fast's (`grpo-fast demo`).
 - gpu_check: the one-GPU script: correctness against float64 that fails on a wrong kernel, per-pass times at the
   headline shape, end to end against the floor and the peers, a SUMMARY printed last, within a time budget.
-- bench_kernel_passes: pytest-benchmark microbenchmarks of the chunk passes.
-- bench_engines, long_context: rollout-engine throughput; peak memory and step time per completion length.
+- long_context: peak memory and step time of the trainer's update per completion length, against the planner.
+- bench_engines: rollout-engine throughput (Hugging Face generate and vLLM).
+
+The pytest-benchmark microbenchmarks of the chunk passes are in tests/kernels/bench_kernel_passes.py.
 """

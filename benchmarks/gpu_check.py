@@ -54,7 +54,7 @@ HEADLINE = Shape(16384, 3584, 151936)                              # Qwen2.5-7B 
 SHAPES = [HEADLINE, Shape(4096, 3584, 151936), Shape(65536, 3584, 151936), Shape(16384, 896, 151936),
           Shape(16384, 2304, 256000)]
 PEERS = ["naive", "trl", "liger"]
-KERNEL_TESTS = "python -m pytest tests/test_kernels.py tests/test_logprobs.py tests/test_loss.py -q"
+KERNEL_TESTS = "python -m pytest tests/kernels/test_kernels.py tests/loss/test_logprobs.py tests/loss/test_loss.py -q"
 SUMMARY_LINES = 30
 
 

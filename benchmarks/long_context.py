@@ -1,12 +1,12 @@
 """Long completions: peak memory and step time of the trainer's policy update against completion length, with
-grpo_fast's loss and the full-logits (naive) loss, next to what `grpo_fast.memory.plan` predicts.
+grpo_fast's loss and the full-logits (naive) loss, next to what `grpo_fast.train.plan.plan` predicts.
 
 python -m grpo_fast.benchmarks.long_context [--lengths 4096 8192 16384 32768] [--losses grpo_fast naive]
                                             [--vocab 32768] [--hidden 256] [--group-size 2] [--out DIR]
 
 Each (loss, length) runs in a fresh process: a tiny Qwen2-style model (random weights, the given vocabulary),
 a rollout of group_size random completions of that length after a 32-token prompt, and `steps` optimizer steps of
-`grpo_fast.trainer.policy_update` (AdamW, one sequence per micro-batch, gradient checkpointing on or off, a
+`grpo_fast.train.loop.policy_update` (AdamW, one sequence per micro-batch, gradient checkpointing on or off, a
 reference model with beta > 0). Memory is the peak RSS above the process's RSS before the model was built (on
 CUDA the allocator's peak); time is the median step. A run the planner predicts past --max-gib is not started.
 Writes long_context.md / .json and memory / time plots to --out (--replan: only recompute the plan's columns of
@@ -28,7 +28,7 @@ PROMPT = 32
 
 
 def job_for(args, length: int, loss: str):
-    from grpo_fast.memory import Job
+    from grpo_fast.train.plan import Job
 
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     return Job(prompt_length=PROMPT, completion_length=length, group_size=args.group_size, prompts_per_step=1,
@@ -38,7 +38,7 @@ def job_for(args, length: int, loss: str):
 
 
 def shape_for(args):
-    from grpo_fast.memory import ModelShape
+    from grpo_fast.train.plan import ModelShape
 
     return ModelShape(args.hidden, 2 * args.hidden, args.layers, args.hidden // 64, max(1, args.hidden // 128),
                       args.vocab, tie_word_embeddings=True, attention_bias=True)
@@ -46,10 +46,10 @@ def shape_for(args):
 
 def worker(args) -> dict:
     """One (loss, length) measurement in this process."""
-    from grpo_fast.config import TrainConfig
+    from grpo_fast.train.config import TrainConfig
     from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
-    from grpo_fast.tiny import tiny_qwen2
-    from grpo_fast.trainer import Policy, completion_logprobs, policy_update
+    from grpo_fast.train.tiny import tiny_qwen2
+    from grpo_fast.train.loop import Policy, completion_logprobs, policy_update
 
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
 
 def replan(rows: list, args) -> None:
     """The planner's prediction for each measured row, in place (the measurements are kept)."""
-    from grpo_fast.memory import plan
+    from grpo_fast.train.plan import plan
 
     for row in rows:
         predicted = plan(shape_for(args), job_for(args, row["length"], row["loss"]))

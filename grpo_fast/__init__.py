@@ -1,18 +1,27 @@
-"""grpo_fast: the GRPO-family policy loss straight from hidden states, without the (tokens x vocab) logits."""
+"""grpo_fast: the GRPO-family policy loss straight from hidden states, without the (tokens x vocab) logits.
 
-import os as _os
+The loss library (this package's top level; it imports nothing from the two below):
+    variants      the registry of loss types (`LOSS_TYPES`), `LossConfig`, the per-token math and reductions
+    logprobs      `token_logprobs`: per-token log-probs and entropies in chunks of the vocabulary
+    loss          `grpo_loss` / `GRPOLoss`: the policy loss, fused (3 GEMM passes) or two-phase
+    chunked       the chunk loop shared by both, and the d(weight) accumulation
+    backends/     how a chunk is processed: PyTorch, the Triton kernels (`grpo_fast.kernels`), a vocabulary-
+                  parallel head
+    inputs        argument checks: every error names the argument, the expected and the actual value
+    reference     the same loss from the full logits: the test oracle and the benchmark baseline
+    models        final hidden states and LM-head parameters of Hugging Face causal LMs
+    profiling     GEMM counting, peak memory and the machine's name
+    integrations/ drop-ins for TRL's GRPOTrainer and Liger's fused linear GRPO loss
 
-# From a source tree without an install, find the Triton kernels (kernels/ at the top level, installed as
-# grpo_fast.kernels) the way the installed package lays them out.
-_here = _os.path.dirname(__file__)
-if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(
-    _os.path.join(_here, _os.pardir, "kernels", "__init__.py")
-):
-    __path__.append(_os.path.join(_here, _os.pardir))  # noqa: F821
+Built on it:
+    train/        the trainer (`grpo_fast.train.train`, `TrainConfig`, `load_config`) and the memory planner
+    benchmarks    the harness behind `grpo-fast bench` / `demo` and the GPU check (from benchmarks/)
+    cli           the `grpo-fast` command: train, plan, bench, demo
+"""
 
-from grpo_fast.logprobs import token_logprobs  # noqa: E402
-from grpo_fast.loss import GRPOLoss, grpo_loss  # noqa: E402
-from grpo_fast.variants import LOSS_TYPES, LossConfig  # noqa: E402
+from grpo_fast.logprobs import token_logprobs
+from grpo_fast.loss import GRPOLoss, grpo_loss
+from grpo_fast.variants import LOSS_TYPES, LossConfig
 
 __version__ = "0.1.0"
 __all__ = ["token_logprobs", "grpo_loss", "GRPOLoss", "LossConfig", "LOSS_TYPES"]

@@ -1,4 +1,5 @@
-"""The `grpo-fast` command."""
+"""The `grpo-fast` command: each subcommand imports what it runs (the trainer, the planner, the harness) when
+it runs, so `import grpo_fast` loads the loss library alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-fast", description="The GRPO-family loss without the logits.")
     commands = parser.add_subparsers(dest="command", required=True)
-    from grpo_fast import demo
+    from grpo_fast.benchmarks import demo
 
     demo_parser = commands.add_parser("demo", help="memory and time of the full-logits loss vs grpo_fast")
     demo.add_arguments(demo_parser)
@@ -19,13 +20,13 @@ def main(argv=None) -> int:
 
     harness.add_arguments(bench_parser)
     plan_parser = commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component")
-    from grpo_fast import memory
+    from grpo_fast.train import plan as memory
 
     memory.add_arguments(plan_parser)
     train_parser = commands.add_parser(
         "train", help="GRPO training (default: a tiny model on the arithmetic task, on CPU)",
         usage="grpo-fast train [CONFIG.yaml] [--output-dir DIR] [--max-steps N] [--resume] [--key value ...]",
-        description="Keys are the fields of grpo_fast.config.TrainConfig (dashes or underscores).")
+        description="Keys are the fields of grpo_fast.train.config.TrainConfig (dashes or underscores).")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
         return _train(argv[1:])                 # free-form --key value pairs: parsed by the config itself
@@ -42,8 +43,8 @@ def main(argv=None) -> int:
 
 
 def _train(arguments: list) -> int:
-    from grpo_fast.config import load_config, parse_overrides
-    from grpo_fast.trainer import train
+    from grpo_fast.train.config import load_config, parse_overrides
+    from grpo_fast.train.loop import train
 
     arguments = list(arguments)
     config_path = arguments.pop(0) if arguments and not arguments[0].startswith("--") else None

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from grpo_fast import backends
-from grpo_fast._inputs import check_chunk_bytes, check_lm_head, check_target_range, check_transform
+from grpo_fast.inputs import check_chunk_bytes, check_lm_head, check_target_range, check_transform
 from grpo_fast.chunked import LogitTransform, accumulation_dtype, chunk_rows, chunked_pass, default_chunk_bytes
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from grpo_fast import backends
-from grpo_fast._inputs import (
+from grpo_fast.inputs import (
     PolicyBatch, check_chunk_bytes, check_lm_head, check_target_range, check_transform, policy_batch,
 )
 from grpo_fast.chunked import LogitTransform, chunk_rows, chunked_pass, default_chunk_bytes

@@ -122,7 +122,7 @@ def final_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
     """(B, L, H) final normed hidden states, computed by the decoder alone: no logits are formed.
 
     Wrappers are looked through (the decoder is called directly), so DDP's and FSDP's forward hooks do not run
-    here: for data-parallel training wrap `grpo_fast.distributed.HiddenStates(model)` instead, whose forward is
+    here: for data-parallel training wrap `grpo_fast.train.distributed.HiddenStates(model)` instead, whose forward is
     this function.
     """
     outputs = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast._inputs import check_lm_head, check_transform, policy_batch
+from grpo_fast.inputs import check_lm_head, check_transform, policy_batch
 from grpo_fast.variants import LossConfig, policy_loss
 
 

@@ -31,7 +31,7 @@ def test_wheel_layout_and_import(tmp_path):
 
 
 def test_demo_runs_both_implementations_and_agrees(capsys):
-    from grpo_fast.demo import run
+    from grpo_fast.benchmarks.demo import run
 
     rows = run(256, 32, 3000, "float32", "cpu", "torch", 1)
     assert all("error" not in r for r in rows), rows

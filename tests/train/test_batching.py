@@ -5,11 +5,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.batching import micro_batch, plan_micro_batches  # noqa: E402
-from grpo_fast.config import TrainConfig  # noqa: E402
-from grpo_fast.engines import pack  # noqa: E402
-from grpo_fast.tiny import tiny_qwen2  # noqa: E402
-from grpo_fast.trainer import Policy, accumulate_gradients, completion_logprobs  # noqa: E402
+from grpo_fast.train.batching import micro_batch, plan_micro_batches  # noqa: E402
+from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.train.engines import pack  # noqa: E402
+from grpo_fast.train.tiny import tiny_qwen2  # noqa: E402
+from grpo_fast.train.loop import Policy, accumulate_gradients, completion_logprobs  # noqa: E402
 
 
 def test_plan_micro_batches():

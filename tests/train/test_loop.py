@@ -8,13 +8,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-import trainer_helpers  # noqa: E402
-from grpo_fast import trainer as T  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
+from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.cli import main as cli  # noqa: E402
-from grpo_fast.config import TrainConfig, load_config, parse_overrides  # noqa: E402
+from grpo_fast.train.config import TrainConfig, load_config, parse_overrides  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
-            rewards=["trainer_helpers:counting_reward"])
+            rewards=["tests.helpers:counting_reward"])
 
 
 def test_config_overrides_and_errors(tmp_path):
@@ -48,13 +49,13 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
         return original(output_dir, step, state)
 
     monkeypatch.setattr(T, "save_checkpoint", keep_model)
-    trainer_helpers.CALLS.update(n=0, interrupt_at=None)
+    helpers.CALLS.update(n=0, interrupt_at=None)
     straight = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
-    trainer_helpers.CALLS.update(n=0, interrupt_at=3)          # Ctrl-C while scoring step 3
+    helpers.CALLS.update(n=0, interrupt_at=3)          # Ctrl-C while scoring step 3
     with pytest.raises(KeyboardInterrupt):
         T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "resumed")), log=lambda *_: None)
     assert os.path.isdir(tmp_path / "resumed" / "checkpoint-2")
-    trainer_helpers.CALLS.update(interrupt_at=None)
+    helpers.CALLS.update(interrupt_at=None)
     resumed = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "resumed")), resume=True, log=lambda *_: None)
     assert [r["step"] for r in resumed] == [3, 4]
     a, b = weights(captured[str(tmp_path / "straight")]), weights(captured[str(tmp_path / "resumed")])
@@ -68,7 +69,7 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
 
 def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
     config = TrainConfig(**{**FAST, "max_steps": 2}, output_dir=str(tmp_path))
-    trainer_helpers.CALLS.update(n=0, interrupt_at=None)
+    helpers.CALLS.update(n=0, interrupt_at=None)
     T.train(config, log=lambda *_: None)
     good = tmp_path / "checkpoint-2" / "state.pt"
     before = good.read_bytes()
@@ -84,7 +85,7 @@ def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
 
 
 def test_a_failing_reward_names_the_step(tmp_path):
-    config = TrainConfig(**{**FAST, "rewards": ["trainer_helpers:broken_reward"]}, output_dir=str(tmp_path))
+    config = TrainConfig(**{**FAST, "rewards": ["tests.helpers:broken_reward"]}, output_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="step 0: reward broken_reward failed on a batch of 16 completions"):
         T.train(config, log=lambda *_: None)
 
@@ -100,11 +101,10 @@ def test_default_run_learns(tmp_path):
     assert {"step", "reward", "loss", "kl", "completion_len", "tokens_per_s"} <= set(record)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(os.path.dirname(__file__), "..",
-                                                                          "examples")) if n.endswith(".yaml")))
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "examples")) if n.endswith(".yaml")))
 def test_example_configs_are_valid(name):
     """Every example config loads: no unknown keys, no bad values (the GPU ones are not run here)."""
-    config = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", name))
+    config = load_config(os.path.join(ROOT, "examples", name))
     assert config.max_steps > 0
 
 
@@ -112,7 +112,7 @@ def test_resume_keeps_the_kl_reference(tmp_path):
     """With beta > 0 the reference is the policy as GRPO started, also after --resume (saved in the checkpoint)."""
     config = TrainConfig(**{**FAST, "max_steps": 2, "beta": 0.1, "learning_rate": 0.05},
                          output_dir=str(tmp_path))
-    trainer_helpers.CALLS.update(n=0, interrupt_at=None)
+    helpers.CALLS.update(n=0, interrupt_at=None)
     T.train(config, log=lambda *_: None)
     state = torch.load(tmp_path / "checkpoint-2" / "state.pt", weights_only=False)
     moved = max((state["model"][k] - state["ref_model"][k]).abs().max().item() for k in state["model"])
@@ -126,7 +126,7 @@ def test_resume_keeps_the_kl_reference(tmp_path):
 
 
 def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
-    from grpo_fast import engines
+    from grpo_fast.train import engines
 
     def crash(self, prompt_ids, seed):
         raise MemoryError("out of KV cache")
@@ -139,8 +139,8 @@ def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
 
 def test_a_local_model_directory_trains(tmp_path):
     """model: a Hugging Face model directory (here the tiny model saved to disk) loads, samples and updates."""
-    from grpo_fast import tasks
-    from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+    from grpo_fast.train import tasks
+    from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 
     samples = tasks.arithmetic_task(64, seed=0, max_operand=9)
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
@@ -150,7 +150,7 @@ def test_a_local_model_directory_trains(tmp_path):
     tokenizer.save_pretrained(tmp_path / "model")
     config = TrainConfig(**{**FAST, "sft_steps": 0, "max_steps": 1, "prompt_format": "chat",
                             "system_prompt": "Add or subtract.",
-                            "rewards": ["trainer_helpers:text_length_reward"]},
+                            "rewards": ["tests.helpers:text_length_reward"]},
                          model=str(tmp_path / "model"), output_dir=str(tmp_path / "run"))
     history = T.train(config, log=lambda *_: None)
     assert history[0]["grad_norm"] > 0

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grpo_fast import tasks
-from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+from grpo_fast.train import tasks
+from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -59,7 +59,7 @@ def test_load_jsonl(tmp_path):
 
 
 def test_gsm8k_subset():
-    from grpo_fast.rewards import accuracy_reward
+    from grpo_fast.train.rewards import accuracy_reward
 
     samples = tasks.gsm8k()
     assert len(samples) == 200 and samples[0]["solution"] == "18"

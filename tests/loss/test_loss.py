@@ -5,7 +5,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from conftest import DEVICE, as_float64, assert_close, make_batch
+from tests.helpers import DEVICE, as_float64, assert_close, make_batch
 
 CASES = {
     "dapo_on_policy": dict(old_logps=None),

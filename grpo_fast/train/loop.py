@@ -3,12 +3,12 @@
     grpo-fast train                                     # the built-in default: tiny model, arithmetic, CPU
     grpo-fast train examples/tiny_cpu.yaml --max-steps 20 --output-dir runs/try
 
-Each step: sample prompts_per_step prompts, generate group_size completions each (grpo_fast.engines: HF or
+Each step: sample prompts_per_step prompts, generate group_size completions each (grpo_fast.train.engines: HF or
 vLLM), score them, turn rewards into group-normalized advantages, then update the policy with
 grpo_fast.grpo_loss on the final hidden states (no logits), in micro-batches sized by sequences and tokens
-(grpo_fast.batching), num_iterations times. The output folder gets metrics.jsonl (one line per step),
+(grpo_fast.train.batching), num_iterations times. The output folder gets metrics.jsonl (one line per step),
 completions.jsonl, curves.png and checkpoints written atomically; `resume=True` continues from the latest.
-Under torchrun each rank does this for its share of the prompts (grpo_fast.distributed).
+Under torchrun each rank does this for its share of the prompts (grpo_fast.train.distributed).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 import torch
 
 import grpo_fast as gf
-from grpo_fast import distributed, reference, tasks
-from grpo_fast.advantages import group_advantages
-from grpo_fast.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
-from grpo_fast.config import TrainConfig
+from grpo_fast import reference
+from grpo_fast.train import distributed, tasks
+from grpo_fast.train.advantages import group_advantages
+from grpo_fast.train.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
+from grpo_fast.train.config import TrainConfig
 from grpo_fast.models import final_hidden_states, lm_head
-from grpo_fast.rewards import load_reward, weighted_rewards
+from grpo_fast.train.rewards import load_reward, weighted_rewards
 from grpo_fast.variants import masked_mean, micro_batch_share
 
 
@@ -50,7 +51,7 @@ def load_samples(config: TrainConfig) -> list:
 def load_model(config: TrainConfig, samples: list):
     """(model, tokenizer): the tiny model with a tokenizer trained on the task, or a local HF directory."""
     if config.model == "tiny":
-        from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+        from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 
         tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
         model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
@@ -319,7 +320,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
 
     from tqdm.auto import tqdm
 
-    from grpo_fast.engines import importance_weights, make_engine
+    from grpo_fast.train.engines import importance_weights, make_engine
 
     world = distributed.init(config.device)
     if config.prompts_per_step % world.size:

@@ -15,11 +15,12 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
-from grpo_fast import distributed  # noqa: E402
-from grpo_fast.config import TrainConfig  # noqa: E402
-from grpo_fast.trainer import Policy, accumulate_gradients, policy_update  # noqa: E402
+from grpo_fast.train import distributed  # noqa: E402
+from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.train.loop import Policy, accumulate_gradients, policy_update  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def free_port() -> int:
@@ -29,9 +30,9 @@ def free_port() -> int:
 
 
 def model_and_rollout():
-    from test_batching import rollout
+    from tests.train.test_batching import rollout
 
-    from grpo_fast.tiny import tiny_qwen2
+    from grpo_fast.train.tiny import tiny_qwen2
 
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=0).double()
     return model, rollout(rows=6)
@@ -91,7 +92,7 @@ def step_worker(rank, world_size, port, strategy, loss_type, result_file):
 @pytest.mark.parametrize("strategy,world_size,loss_type", [("ddp", 2, "dapo"), ("fsdp2", 2, "grpo"),
                                                            ("ddp", 3, "bnpo"), ("fsdp2", 3, "dr_grpo")])
 def test_data_parallel_step_equals_one_process(strategy, world_size, loss_type, tmp_path):
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)      # the spawned processes import this module as tests.train.test_distributed
     mp.spawn(step_worker, args=(world_size, free_port(), strategy, loss_type, str(tmp_path / "r.json")),
              nprocs=world_size, join=True)
     assert json.loads((tmp_path / "r.json").read_text())["loss"] != 0

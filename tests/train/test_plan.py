@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from grpo_fast.memory import GIB, PRESETS, Job, ModelShape, load_shape, plan
+from grpo_fast.train.plan import GIB, PRESETS, Job, ModelShape, load_shape, plan
 
 
 def test_parameter_count_matches_transformers(tmp_path):

@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_fast as gf
 from grpo_fast import chunked, reference
-from conftest import assert_close
+from tests.helpers import assert_close
 
 N, H, V = 48, 16, 200
 

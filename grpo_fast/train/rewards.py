@@ -3,7 +3,7 @@
 Every reward is `fn(completions, **columns) -> list[float | None]`, like TRL's reward functions: completions are
 strings or chat messages (the last message's content is scored); extra dataset columns come as keyword lists
 (`solution` for accuracy). None means "skip this sample" (e.g. a gold answer that cannot be parsed): it becomes
-NaN, which `grpo_fast.advantages` leaves out.
+NaN, which `grpo_fast.train.advantages` leaves out.
 """
 
 from __future__ import annotations

