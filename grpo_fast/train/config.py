@@ -121,6 +121,14 @@ class TrainConfig:
                              f"got {self.reward_weights}")
         self.loss_config()                     # loss options are checked where the loss defines them
 
+    def check_world(self, world_size: int) -> None:
+        """The checks that need the number of processes, run once before anything is loaded."""
+        if self.prompts_per_step % world_size:
+            raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({world_size}) so "
+                             f"that each rank scores whole groups, got {self.prompts_per_step}")
+        if self.scale_rewards == "batch" and world_size > 1:
+            raise ValueError("scale_rewards='batch' needs the rewards of all ranks; use 'group' or 'none'")
+
     def loss_config(self) -> LossConfig:
         return LossConfig(loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
                           beta=self.beta, entropy_coef=self.entropy_coef,

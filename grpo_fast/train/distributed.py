@@ -23,9 +23,6 @@ from torch import nn
 
 from grpo_fast.models import final_hidden_states, unwrap
 
-STRATEGIES = ("none", "ddp", "fsdp2")
-
-
 @dataclass(frozen=True)
 class World:
     rank: int = 0
@@ -53,6 +50,17 @@ def init(device_name: str) -> World:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo")
     return World(rank, size, local_rank)
+
+
+def resolve_device(name: str, world: World = World()) -> torch.device:
+    """The device of this rank: "auto" is CUDA (the rank's local GPU) when available."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but torch sees no CUDA device")
+    if name == "cuda" and world.size > 1:
+        return torch.device("cuda", world.local_rank)
+    return torch.device(name)
 
 
 class HiddenStates(nn.Module):
@@ -111,13 +119,14 @@ def gradient_sync(wrapped: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
-def all_reduce_sum(values: list, world: World, device) -> list:
-    """Floats summed over ranks (one collective)."""
+def sum_over_ranks(values: dict, world: World, device) -> dict:
+    """{name: number} summed over ranks by name (one collective); with one process the values as they are."""
     if world.size == 1:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        return dict(values)
+    names = sorted(values)                 # the same order on every rank
+    tensor = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
-    return tensor.tolist()
+    return dict(zip(names, tensor.tolist()))
 
 
 def all_reduce_max(value: int, world: World, device) -> int:
@@ -135,16 +144,6 @@ def full_state_dict(model: nn.Module) -> dict:
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}
-
-
-def load_full_state_dict(model: nn.Module, state: dict) -> None:
-    """Loads a full state dict into a plain or FSDP2-sharded model (each rank keeps its shard)."""
-    if any(hasattr(p, "device_mesh") for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-        return
-    model.load_state_dict(state)
 
 
 def barrier(world: World) -> None:

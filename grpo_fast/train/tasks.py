@@ -1,4 +1,5 @@
-"""Prompt sources: a built-in arithmetic task generated in code, and JSONL files of prompts with solutions.
+"""Prompt sources (a built-in arithmetic task generated in code, the vendored GSM8K subset, JSONL files of
+prompts with solutions) and the prompts of each training step.
 
 A sample is a dict with "prompt" (text) and "solution" (the gold answer, a string math-verify can parse).
 """
@@ -12,9 +13,6 @@ import re
 
 GSM8K_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_test_200.jsonl")
 GSM8K_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")
-
-NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def arithmetic_task(num_samples: int, *, seed: int = 0, max_operand: int = 20, operations: str = "+-") -> list:
@@ -31,15 +29,6 @@ def arithmetic_task(num_samples: int, *, seed: int = 0, max_operand: int = 20, o
         value = a + b if op == "+" else a - b if op == "-" else a * b
         samples.append({"prompt": f"{a}{op}{b}=", "solution": str(value)})
     return samples
-
-
-def extract_answer(text: str):
-    """The answer in a completion: the <answer> block if present, else the last number; None if neither."""
-    match = ANSWER_RE.search(text)
-    if match:
-        return match.group(1).strip()
-    numbers = NUMBER_RE.findall(text)
-    return numbers[-1] if numbers else None
 
 
 def load_jsonl(path: str, *, prompt_key: str = "prompt", solution_key: str = "solution") -> list:
@@ -72,3 +61,41 @@ def gsm8k(num_samples=None) -> list:
             answer = GSM8K_ANSWER_RE.search(record["answer"]).group(1).replace(",", "")
             samples.append({"prompt": record["question"], "solution": answer})
     return samples if num_samples is None else samples[:num_samples]
+
+
+def load_samples(config) -> list:
+    """The samples of `config.task` (a TrainConfig): "arithmetic", "gsm8k" or a JSONL path."""
+    if config.task == "arithmetic":
+        return arithmetic_task(config.num_prompts, seed=config.seed, max_operand=config.max_operand)
+    if config.task == "gsm8k":
+        return gsm8k()
+    return load_jsonl(config.task)
+
+
+def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:
+    """The step's samples: a fixed shuffle per epoch, so a resumed run sees exactly the same ones."""
+    order = []
+    epoch = (step * count) // len(samples)
+    while len(order) < (step * count) % len(samples) + count:
+        permutation = list(range(len(samples)))
+        random.Random(seed * 100_003 + epoch).shuffle(permutation)
+        order.extend(permutation)
+        epoch += 1
+    start = (step * count) % len(samples)
+    return [samples[i] for i in order[start:start + count]]
+
+
+def prompt_text(sample: dict, tokenizer, config) -> str:
+    """The text the policy is prompted with: the chat template (prompt_format "chat") or the plain prompt, with
+    config.system_prompt as the system turn or a line before it."""
+    if config.prompt_format == "chat":
+        system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+        return tokenizer.apply_chat_template(system + [{"role": "user", "content": sample["prompt"]}],
+                                             tokenize=False, add_generation_prompt=True)
+    if config.system_prompt:
+        return config.system_prompt + "\n" + sample["prompt"]
+    return sample["prompt"]
+
+
+def prompt_ids(texts: list, tokenizer) -> list:
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]

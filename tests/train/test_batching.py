@@ -9,7 +9,7 @@ from grpo_fast.train.batching import micro_batch, plan_micro_batches  # noqa: E4
 from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.engines import pack  # noqa: E402
 from grpo_fast.train.tiny import tiny_qwen2  # noqa: E402
-from grpo_fast.train.loop import Policy, accumulate_gradients, completion_logprobs  # noqa: E402
+from grpo_fast.train.update import Policy, Rollout, accumulate_gradients, completion_logprobs  # noqa: E402
 
 
 def test_plan_micro_batches():
@@ -38,11 +38,11 @@ def rollout(seed=0, rows=6, vocab=64):
     completions = [torch.randint(1, vocab, (int(n),), generator=generator).tolist() for n in [7, 2, 9, 1, 5, 8][:rows]]
     generation = pack(prompts, completions, [n == 9 for n in map(len, completions)], pad_token_id=0)
     mask = generation.completion_mask
-    return dict(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
-                prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
-                completion_mask=mask, advantages=torch.randn(rows, generator=generator, dtype=torch.float64),
-                old_logps=(-4 * torch.rand(mask.shape, generator=generator, dtype=torch.float64) - 0.5) * mask,
-                ref_logps=(-4 * torch.rand(mask.shape, generator=generator, dtype=torch.float64) - 0.5) * mask)
+    return Rollout(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
+                   prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
+                   loss_mask=mask, advantages=torch.randn(rows, generator=generator, dtype=torch.float64),
+                   old_logps=(-4 * torch.rand(mask.shape, generator=generator, dtype=torch.float64) - 0.5) * mask,
+                   ref_logps=(-4 * torch.rand(mask.shape, generator=generator, dtype=torch.float64) - 0.5) * mask)
 
 
 def gradients(model, batch, config):
@@ -80,4 +80,4 @@ def test_packed_logprobs_match_padded(cut):
     expected = completion_logprobs(Policy.of(model), batch, TrainConfig(packing=False, micro_batch_size=32))
     got = completion_logprobs(Policy.of(model), batch, TrainConfig(**CUTS[cut]))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    assert (expected[~batch["completion_mask"]] == 0).all() and (expected[batch["completion_mask"]] < 0).all()
+    assert (expected[~batch.loss_mask] == 0).all() and (expected[batch.loss_mask] < 0).all()

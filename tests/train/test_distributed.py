@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train import distributed  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.loop import Policy, accumulate_gradients, policy_update  # noqa: E402
+from grpo_fast.train.update import Policy, Rollout, accumulate_gradients, policy_update  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -39,7 +39,7 @@ def model_and_rollout():
 
 
 def rows_of(batch, rows):
-    return {k: v if k == "prompt_length" else v[rows] for k, v in batch.items()}
+    return Rollout(**{k: v if k == "prompt_length" or v is None else v[rows] for k, v in vars(batch).items()})
 
 
 def full(tensor):

@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from tests import helpers  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
+from grpo_fast.train import checkpoint  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train.config import TrainConfig, load_config, parse_overrides  # noqa: E402
@@ -42,13 +43,13 @@ def weights(state):
 
 def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
     captured = {}
-    original = T.save_checkpoint
+    original = checkpoint.save_checkpoint
 
     def keep_model(output_dir, step, state):
         captured[output_dir] = state["model"]
         return original(output_dir, step, state)
 
-    monkeypatch.setattr(T, "save_checkpoint", keep_model)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
     helpers.CALLS.update(n=0, interrupt_at=None)
     straight = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
     helpers.CALLS.update(n=0, interrupt_at=3)          # Ctrl-C while scoring step 3
@@ -79,7 +80,7 @@ def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        T.save_checkpoint(str(tmp_path), 3, {"model": torch.nn.Linear(2, 2).state_dict()})
+        checkpoint.save_checkpoint(str(tmp_path), 3, {"model": torch.nn.Linear(2, 2).state_dict()})
     assert good.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "curves.png", "metrics.jsonl"]
 

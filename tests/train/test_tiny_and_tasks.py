@@ -42,12 +42,6 @@ def test_arithmetic_task_is_reproducible_and_correct():
         tasks.arithmetic_task(3, operations="/")
 
 
-def test_extract_answer():
-    assert tasks.extract_answer("<think>x</think><answer> 42 </answer>") == "42"
-    assert tasks.extract_answer("so it is 3, then -7") == "-7"
-    assert tasks.extract_answer("no digits") is None
-
-
 def test_load_jsonl(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"question": "1+1=", "answer": 2}\n\n{"question": "2+2=", "answer": "4"}\n')

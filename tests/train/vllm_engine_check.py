@@ -13,13 +13,15 @@ from grpo_fast.train import tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import make_engine
 from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
-from grpo_fast.train.loop import Policy, completion_logprobs, prompt_ids, train
+from grpo_fast.train.loop import train
+from grpo_fast.train.tasks import prompt_ids
+from grpo_fast.train.update import Policy, Rollout, completion_logprobs
 
 
 def trainer_logprobs(model, generation, config):
-    rollout = dict(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
-                   prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
-                   completion_mask=generation.completion_mask)
+    rollout = Rollout(generation.input_ids, generation.attention_mask, generation.prompt_length,
+                      generation.completion_ids, loss_mask=generation.completion_mask,
+                      advantages=torch.zeros(generation.input_ids.shape[0]))
     return completion_logprobs(Policy.of(model), rollout, config)
 
 
