@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from grpo_fast import backends
+
 DEFAULT_CHUNK_BYTES_CPU = 256 * 2**20
 # On CUDA the budget follows the memory free on the device: a fraction of it, within bounds. Fewer, larger chunks
 # mean fewer read-modify-writes of the fp32 d(weight) accumulator (none at all when one chunk holds every token).
@@ -59,10 +61,20 @@ def default_chunk_bytes(device: torch.device) -> int:
     return int(min(max(free * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
 
 
-def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops) -> int:
+def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops: backends.ChunkOps) -> int:
     """How many tokens one chunk holds so that the backend's working set stays within chunk_bytes."""
     bytes_per_row = padded_width(vocab_size) * ops.bytes_per_logit(dtype)
     return max(1, chunk_bytes // bytes_per_row)
+
+
+def chunk_plan(hidden, weight, chunk_bytes, backend, ops=None) -> tuple[backends.ChunkOps, int, int]:
+    """(ops, chunk_bytes, rows) of a chunked pass of hidden (N, H) against weight (V, H): the backend `backend` on
+    hidden's device unless `ops` is given, the default budget when chunk_bytes is None, the tokens per chunk."""
+    if ops is None:
+        ops = backends.resolve(backend, hidden.device)
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(hidden.device)
+    return ops, chunk_bytes, chunk_rows(ops.chunk_vocab(weight.shape[0]), hidden.dtype, chunk_bytes, ops)
 
 
 def padded_width(vocab_size: int) -> int:
@@ -158,7 +170,7 @@ def chunked_pass(
     bias: Optional[torch.Tensor],
     targets: torch.Tensor,
     transform: LogitTransform,
-    ops,
+    ops: backends.ChunkOps,
     rows: int,
     *,
     need_entropy: bool,
@@ -216,7 +228,7 @@ def chunked_pass(
             d_weight.add(y, h)                                  # GEMM 3: d(weight)
         if d_bias is not None:
             d_bias += y.sum(0, dtype=stat_dtype)
-    if d_hidden is not None and hasattr(ops, "all_reduce_grad_hidden"):
+    if d_hidden is not None:
         ops.all_reduce_grad_hidden(d_hidden)                    # vocabulary-parallel: sum over the slices
     return PassResult(
         logp=logp,

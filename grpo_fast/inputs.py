@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.chunked import LogitTransform
+from grpo_fast.chunked import LogitTransform, accumulation_dtype
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -127,7 +127,7 @@ def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_rat
             raise ValueError(f"{name} must be on {hidden.device} like hidden, got {value.device}")
         return value.to(dtype)
 
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(hidden.dtype)
     old_logps = per_token("old_logps", old_logps)
     ref_logps = per_token("ref_logps", ref_logps)
     is_ratio = per_token("is_ratio", is_ratio)

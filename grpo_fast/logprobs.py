@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from grpo_fast import backends
+from grpo_fast.chunked import LogitTransform, accumulation_dtype, chunk_plan, chunked_pass
 from grpo_fast.inputs import check_chunk_bytes, check_lm_head, check_target_range, check_transform
-from grpo_fast.chunked import LogitTransform, accumulation_dtype, chunk_rows, chunked_pass, default_chunk_bytes
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -49,10 +49,7 @@ def flat_token_logprobs(hidden, weight, bias, targets, transform: LogitTransform
                         backend, ops=None):
     """token_logprobs on checked (N, H) inputs; returns logp or (logp, entropy), (N,) fp32. ops: the resolved
     backend (default: `backend` on hidden's device)."""
-    ops = ops or backends.resolve(backend, hidden.device)
-    if chunk_bytes is None:
-        chunk_bytes = default_chunk_bytes(hidden.device)
-    rows = chunk_rows(getattr(ops, "chunk_vocab", weight.shape[0]), hidden.dtype, chunk_bytes, ops)
+    ops, _, rows = chunk_plan(hidden, weight, chunk_bytes, backend, ops)
     return _TokenLogprobs.apply(hidden, weight, bias, targets, transform, ops, rows, return_entropy)
 
 

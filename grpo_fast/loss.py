@@ -8,12 +8,17 @@ import torch
 from torch import nn
 
 from grpo_fast import backends
+from grpo_fast.chunked import LogitTransform, chunk_plan, chunked_pass
 from grpo_fast.inputs import (
-    PolicyBatch, check_chunk_bytes, check_lm_head, check_target_range, check_transform, policy_batch,
+    PolicyBatch,
+    check_chunk_bytes,
+    check_lm_head,
+    check_target_range,
+    check_transform,
+    policy_batch,
 )
-from grpo_fast.chunked import LogitTransform, chunk_rows, chunked_pass, default_chunk_bytes
 from grpo_fast.logprobs import flat_token_logprobs
-from grpo_fast.variants import LossConfig, TokenTerms, entropy_weights, policy_loss, token_weights
+from grpo_fast.variants import LossConfig, TokenTerms, entropy_weights, loss_config, policy_loss, token_weights
 
 
 class _FusedPolicyLoss(torch.autograd.Function):
@@ -55,10 +60,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     """
     hidden, mask = batch.hidden, batch.mask
     shape = tuple(mask.shape)
-    ops = ops or backends.resolve(backend, hidden.device)
-    if chunk_bytes is None:
-        chunk_bytes = default_chunk_bytes(hidden.device)
-    rows = chunk_rows(getattr(ops, "chunk_vocab", weight.shape[0]), hidden.dtype, chunk_bytes, ops)
+    ops, chunk_bytes, rows = chunk_plan(hidden, weight, chunk_bytes, backend, ops)
 
     # Compact the masked positions away: prompt and padding tokens cost no GEMM work.
     index = mask.reshape(-1).nonzero().squeeze(1)
@@ -123,6 +125,7 @@ def grpo_loss(
     old_logps: Optional[torch.Tensor] = None,
     ref_logps: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
+    config: Optional[LossConfig] = None,
     loss_type: str = "dapo",
     importance_sampling_level: str = "token",
     epsilon_low: float = 0.2,
@@ -166,6 +169,8 @@ def grpo_loss(
         old_logps: log-probs of the policy that sampled; None means on-policy (ratio 1, gradient still flows).
         ref_logps: reference-policy log-probs, required when beta > 0.
         is_ratio: optional per-token rollout importance-sampling correction (e.g. vLLM), a constant factor.
+        config: the loss options as one `LossConfig`, whose fields are the keywords of the same names below;
+            when it is given, those keywords must keep their defaults.
         loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo (see `grpo_fast.variants.LOSS_TYPES`).
         importance_sampling_level: "token" or "sequence" (GSPO). luspo needs "sequence".
         epsilon_low, epsilon_high, delta: clipping (epsilon_high defaults to epsilon_low; delta caps r).
@@ -185,20 +190,26 @@ def grpo_loss(
         "entropy", "kl" (beta > 0), "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"
         (clipped objectives) or "cispo_clip_ratio" (cispo).
     """
-    config = LossConfig(
-        loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+    config = loss_config(
+        config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
         epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
         entropy_coef=entropy_coef, max_completion_length=max_completion_length,
     )
     transform = check_transform(temperature, logit_scale, logit_softcap)
-    return _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
-                         num_items_in_batch, config, transform, chunk_bytes, backend, process_group=process_group)
+    return checked_policy_loss(
+        hidden, weight, targets, advantages, mask, config=config, transform=transform, old_logps=old_logps,
+        ref_logps=ref_logps, bias=bias, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
+        chunk_bytes=chunk_bytes, backend=backend, process_group=process_group,
+    )
 
 
-def _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
-                  num_items_in_batch, config, transform, chunk_bytes, backend, token_stats=None,
-                  process_group=None):
+def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: LossConfig, transform: LogitTransform,
+                        old_logps=None, ref_logps=None, bias=None, is_ratio=None, num_items_in_batch=None,
+                        chunk_bytes=None, backend="auto", token_stats=None, process_group=None):
+    """`grpo_loss` with its options already taken into a LossConfig and a LogitTransform: checks the tensors,
+    resolves the backend and runs `fused_policy_loss` (token_stats: see there). The entry of GRPOLoss and the
+    TRL integration."""
     check_lm_head(hidden, weight, bias, targets)
     check_chunk_bytes(chunk_bytes)
     if config.beta != 0.0 and ref_logps is None:
@@ -217,17 +228,17 @@ class GRPOLoss(nn.Module):
 
     loss, metrics = GRPOLoss(loss_type="dapo", beta=0.04)(hidden, weight, targets, advantages, mask,
                                                           old_logps=..., ref_logps=...)
-    Constructor arguments: every keyword of `grpo_loss` that configures the loss (loss_type through backend,
-    except the per-batch num_items_in_batch); forward takes the tensors and num_items_in_batch.
+    Constructor arguments: every keyword of `grpo_loss` that configures the loss (config, loss_type through
+    backend), except the per-batch num_items_in_batch; forward takes the tensors and num_items_in_batch.
     """
 
     def __init__(self, loss_type="dapo", importance_sampling_level="token", epsilon_low=0.2, epsilon_high=None,
                  delta=None, beta=0.0, use_bias_correction_kl=False, temperature=1.0, logit_scale=1.0,
                  logit_softcap=None, max_completion_length=None, entropy_coef=0.0, sapo_temperature_pos=1.0,
-                 sapo_temperature_neg=1.05, chunk_bytes=None, backend="auto"):
+                 sapo_temperature_neg=1.05, chunk_bytes=None, backend="auto", config: Optional[LossConfig] = None):
         super().__init__()
-        self.config = LossConfig(
-            loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+        self.config = loss_config(
+            config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
             epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
             sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
             entropy_coef=entropy_coef, max_completion_length=max_completion_length,
@@ -239,9 +250,12 @@ class GRPOLoss(nn.Module):
 
     def forward(self, hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
                 is_ratio=None, num_items_in_batch=None, process_group=None):
-        return _checked_loss(hidden, weight, targets, advantages, mask, old_logps, ref_logps, bias, is_ratio,
-                             num_items_in_batch, self.config, self.transform, self.chunk_bytes, self.backend,
-                             process_group=process_group)
+        return checked_policy_loss(
+            hidden, weight, targets, advantages, mask, config=self.config, transform=self.transform,
+            old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=is_ratio,
+            num_items_in_batch=num_items_in_batch, chunk_bytes=self.chunk_bytes, backend=self.backend,
+            process_group=process_group,
+        )
 
     def extra_repr(self) -> str:
         return f"{self.config}, {self.transform}, backend={self.backend!r}"

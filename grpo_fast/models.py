@@ -99,13 +99,21 @@ def gathered_lm_head(model: nn.Module):
     A fused loss reads the head's weight directly rather than through lm_head.forward, so ZeRO-3's gather hook
     never fires: wrap `lm_head(model)` and the loss in this context, as TRL does for its own fused head.
     """
-    head = unwrap(model).get_output_embeddings()
-    params = [p for p in (getattr(head, "weight", None), getattr(head, "bias", None)) if p is not None]
-    if not any(hasattr(p, "ds_id") for p in params):
+    if not zero3_partitioned(model):
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return deepspeed.zero.GatheredParameters(_head_parameters(model), modifier_rank=None)
+
+
+def zero3_partitioned(model: nn.Module) -> bool:
+    """Whether the LM head's parameters are DeepSpeed ZeRO-3 partitions (DeepSpeed marks them with ds_id)."""
+    return any(hasattr(p, "ds_id") for p in _head_parameters(model))
+
+
+def _head_parameters(model: nn.Module) -> list:
+    head = unwrap(model).get_output_embeddings()
+    return [p for p in (getattr(head, "weight", None), getattr(head, "bias", None)) if p is not None]
 
 
 def backbone(model: nn.Module) -> nn.Module:

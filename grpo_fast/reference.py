@@ -10,8 +10,9 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.chunked import accumulation_dtype
 from grpo_fast.inputs import check_lm_head, check_transform, policy_batch
-from grpo_fast.variants import LossConfig, policy_loss
+from grpo_fast.variants import LossConfig, loss_config, policy_loss
 
 
 def logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, logit_softcap=None):
@@ -19,7 +20,7 @@ def logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, logit
     z = hidden @ weight.t()
     if bias is not None:
         z = z + bias
-    z = z.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32) * logit_scale
+    z = z.to(accumulation_dtype(hidden.dtype)) * logit_scale
     if logit_softcap is not None:
         z = logit_softcap * torch.tanh(z / logit_softcap)
     return z / temperature
@@ -41,15 +42,15 @@ def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit
 
 def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
               temperature=1.0, logit_scale=1.0, logit_softcap=None, num_items_in_batch=None,
-              is_ratio: Optional[torch.Tensor] = None, **config):
+              is_ratio: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None, **options):
     """The same loss as `grpo_fast.grpo_loss` (same keywords) from the full logits; returns (loss, metrics)."""
-    config.pop("chunk_bytes", None)
-    config.pop("backend", None)
-    config = LossConfig(**config)
+    options.pop("chunk_bytes", None)
+    options.pop("backend", None)
+    config = loss_config(config, **options)
     check_lm_head(hidden, weight, bias, targets)
     check_transform(temperature, logit_scale, logit_softcap)
     batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(hidden.dtype)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     logp, entropy = token_logprobs(
         batch.hidden, weight, batch.targets, bias=bias, temperature=temperature, logit_scale=logit_scale,

@@ -11,7 +11,7 @@ gradient-accumulation steps (divide the returned loss yourself if you accumulate
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -110,6 +110,25 @@ class LossConfig:
         return self.importance_sampling_level == "token"
 
 
+def loss_config(config: Optional[LossConfig] = None, **options) -> LossConfig:
+    """`config if config is not None else LossConfig(**options)`: how every entry takes its loss options.
+
+    The entries pass all their loss keywords; beside a config each must keep its LossConfig default, since two
+    sources of one option would leave it unclear which one holds.
+    """
+    if config is None:
+        return LossConfig(**options)
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a grpo_fast.LossConfig or None, got {type(config).__name__}")
+    defaults = {field.name: field.default for field in fields(LossConfig)}
+    for name, value in options.items():
+        if name not in defaults:
+            raise TypeError(f"loss options must be LossConfig fields {sorted(defaults)}, got {name!r}")
+        if value != defaults[name]:
+            raise ValueError(f"pass loss options either in config or as keywords, got config and {name}={value!r}")
+    return config
+
+
 def token_weights(mask: torch.Tensor, config: LossConfig, num_items_in_batch=None) -> torch.Tensor:
     """Per-token weights w such that the policy loss equals (per_token_loss * w).sum(), mask (B, T) float.
 
@@ -182,11 +201,32 @@ def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, conf
         loss = loss * is_ratio
     kl = None
     if config.beta != 0.0:
-        kl = torch.exp(ref_logps - logp) - (ref_logps - logp) - 1
+        kl = k3_kl(ref_logps, logp)
         if config.use_bias_correction_kl:
             kl = kl * ratio
         loss = loss + config.beta * kl
     return loss, kl
+
+
+def k3_kl(ref_logps, logp) -> torch.Tensor:
+    """`torch.exp(ref_logps - logp) - (ref_logps - logp) - 1`: the per-token k3 estimate of KL(policy || ref)."""
+    return torch.exp(ref_logps - logp) - (ref_logps - logp) - 1
+
+
+def clip_flags(ratio, advantages, config: LossConfig) -> dict:
+    """Where the objective clipped, as bool tensors keyed by metric name; for "clip", with r = ratio, A = advantages::
+
+        low = (r < 1 - epsilon_low) & (A < 0);  high = (r > 1 + epsilon_high) & (A > 0);  region = low | high
+
+    for "cispo" (r > epsilon_high) & (A > 0); none for "sapo" (it does not clip).
+    """
+    if config.objective == "clip":
+        low = (ratio < 1 - config.epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + config.epsilon_high) & (advantages > 0)
+        return {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+    if config.objective == "cispo":
+        return {"cispo_clip_ratio": (ratio > config.epsilon_high) & (advantages > 0)}
+    return {}
 
 
 @dataclass
@@ -277,13 +317,6 @@ def loss_metrics(ratio, kl, entropy, advantages, mask, config: LossConfig) -> di
         metrics["kl"] = masked_mean(kl, mask)
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy, mask)
-    if config.objective == "clip":
-        low = ((ratio < 1 - config.epsilon_low) & (advantages < 0)).to(mask.dtype)
-        high = ((ratio > 1 + config.epsilon_high) & (advantages > 0)).to(mask.dtype)
-        metrics["clip_ratio/low_mean"] = masked_mean(low, mask)
-        metrics["clip_ratio/high_mean"] = masked_mean(high, mask)
-        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), mask)
-    elif config.objective == "cispo":
-        clipped = ((ratio > config.epsilon_high) & (advantages > 0)).to(mask.dtype)
-        metrics["cispo_clip_ratio"] = masked_mean(clipped, mask)
+    for name, flag in clip_flags(ratio, advantages, config).items():
+        metrics[name] = masked_mean(flag.to(mask.dtype), mask)
     return {name: value.detach() for name, value in metrics.items()}

@@ -1,20 +1,51 @@
-"""The two executions of the chunk passes: `torch` (any device) and `triton` (CUDA, or the CPU interpreter).
+"""The executions of the chunk passes: `torch` (any device), `triton` (CUDA, or the CPU interpreter) and a
+vocabulary-parallel head (`vocab_parallel`, PyTorch math on one rank's slice).
 
-A backend module provides `bytes_per_logit(dtype)`, `stats_(buffer, targets, transform, need_entropy)`,
-`policy_grad(logp, terms)` (d(loss)/d(logp) of token-level variants, see `grpo_fast.variants.TokenTerms`) and
-`dlogits_(buffer, state, targets, g_logp, g_entropy, transform)`. `stats_` may rewrite the buffer in a form only
-its own `dlogits_` reads, so the two are always called as a pair on the same buffer. The buffer is a (C, V) view
-of rows `buffer.stride(0)` elements apart; columns past V up to that stride are scratch a backend may overwrite
-(grpo_fast.chunked pads rows to 16 elements so that the Triton kernels move 16-byte vectors).
+Every backend is a `ChunkOps` and declares what the chunk loop (`grpo_fast.chunked`) uses:
+    bytes_per_logit(dtype)      working-set bytes per logit, which sizes the chunks
+    chunk_vocab(vocab_rows)     the vocabulary size chunks are sized by (the head's rows; the largest slice when
+                                the head is split, so that every rank takes the same steps)
+    stats_(buffer, targets, transform, need_entropy) -> state with .logp, .entropy (and its own fields)
+    policy_grad(logp, terms)    d(loss)/d(logp) of token-level variants, see `grpo_fast.variants.TokenTerms`
+    dlogits_(buffer, state, targets, g_logp, g_entropy, transform)    buffer <- d(loss)/d(logits)
+    all_reduce_grad_hidden(grad_hidden)   sums d(hidden) over the devices that share the head (single device:
+                                nothing to do)
+`stats_` may rewrite the buffer in a form only its own `dlogits_` reads, so the two are always called as a pair on
+the same buffer. The buffer is a (C, V) view of rows `buffer.stride(0)` elements apart; columns past V up to that
+stride are scratch a backend may overwrite (grpo_fast.chunked pads rows to 16 elements so that the Triton kernels
+move 16-byte vectors). `resolve` returns one shared instance per backend.
 """
 
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
+
+
+class ChunkOps(ABC):
+    """What a backend provides (see the module docstring); the defaults are those of a single-device head."""
+
+    @abstractmethod
+    def bytes_per_logit(self, dtype: torch.dtype) -> int: ...
+
+    @abstractmethod
+    def stats_(self, buffer, targets, transform, need_entropy): ...
+
+    @abstractmethod
+    def policy_grad(self, logp, terms) -> torch.Tensor: ...
+
+    @abstractmethod
+    def dlogits_(self, buffer, state, targets, g_logp, g_entropy, transform) -> None: ...
+
+    def chunk_vocab(self, vocab_rows: int) -> int:
+        return vocab_rows
+
+    def all_reduce_grad_hidden(self, grad_hidden: torch.Tensor) -> None:
+        pass                  # one device holds the whole head, so d(hidden) is already complete
 
 
 def triton_available() -> bool:
@@ -34,8 +65,8 @@ def check_name(backend) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def resolve(backend: str, device: torch.device):
-    """The backend module for `backend` on `device`, with a clear error when it cannot run there."""
+def resolve(backend: str, device: torch.device) -> ChunkOps:
+    """The backend for `backend` on `device`, with a clear error when it cannot run there."""
     check_name(backend)
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and triton_available() else "torch"
@@ -47,15 +78,20 @@ def resolve(backend: str, device: torch.device):
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
                 f"got tensors on {device}"
             )
-        from grpo_fast.backends import triton_ops
-
-        return triton_ops
+        try:
+            from grpo_fast.backends import triton_ops
+        except ModuleNotFoundError as error:      # a source tree on sys.path without an install
+            if error.name != "grpo_fast.kernels":
+                raise
+            raise ImportError("backend='triton' needs grpo_fast.kernels (the repository's kernels/ folder), which is "
+                              "importable only from an install: run `pip install -e .` in the repository") from None
+        return triton_ops.OPS
     from grpo_fast.backends import torch_ops
 
-    return torch_ops
+    return torch_ops.OPS
 
 
-def resolve_head(backend: str, device: torch.device, vocab_rows: int, process_group=None):
+def resolve_head(backend: str, device: torch.device, vocab_rows: int, process_group=None) -> tuple[ChunkOps, int]:
     """(ops, full vocabulary size) for an LM head of vocab_rows rows here: the whole head, or with a
     process_group this rank's slice of a vocabulary-parallel head (see grpo_fast.backends.vocab_parallel)."""
     if process_group is None:

@@ -1,4 +1,6 @@
-"""The chunk passes in plain PyTorch: the CPU path and the readable statement of what the kernels compute."""
+"""The chunk passes in plain PyTorch: the CPU path and the readable statement of what the kernels compute.
+
+The passes are module functions (the kernel tests compare against them); `OPS` is the backend built from them."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.backends import ChunkOps
+from grpo_fast.chunked import accumulation_dtype
 from grpo_fast.variants import token_loss_grad
 
 
@@ -28,7 +32,8 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
 
 def transformed_(buffer, transform) -> torch.Tensor:
     """z = softcap(y * scale) / temperature, in place when the buffer is fp32 / fp64 (else an fp32 copy)."""
-    z = buffer if buffer.dtype in (torch.float32, torch.float64) else buffer.float()
+    dtype = accumulation_dtype(buffer.dtype)
+    z = buffer if buffer.dtype == dtype else buffer.to(dtype)
     if transform.scale != 1.0:
         z.mul_(transform.scale)
     if transform.softcap is not None:
@@ -73,3 +78,15 @@ def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, onehot=None) 
 def policy_grad(logp, terms):
     """d(loss)/d(logp) per token: autograd over the loss math of grpo_fast.variants."""
     return token_loss_grad(logp, terms)
+
+
+class TorchOps(ChunkOps):
+    """The passes above as a single-device backend."""
+
+    bytes_per_logit = staticmethod(bytes_per_logit)
+    stats_ = staticmethod(stats_)
+    policy_grad = staticmethod(policy_grad)
+    dlogits_ = staticmethod(dlogits_)
+
+
+OPS = TorchOps()

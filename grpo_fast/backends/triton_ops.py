@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.backends import ChunkOps
 from grpo_fast.kernels import dlogits_ as _dlogits_kernel
 from grpo_fast.kernels import logprob_forward
 from grpo_fast.kernels import policy_grad as _policy_grad_kernel
@@ -46,3 +47,15 @@ def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
         scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
         padded=has_padding(buffer),
     )
+
+
+class TritonOps(ChunkOps):
+    """The passes above as a single-device backend."""
+
+    bytes_per_logit = staticmethod(bytes_per_logit)
+    stats_ = staticmethod(stats_)
+    policy_grad = staticmethod(policy_grad)
+    dlogits_ = staticmethod(dlogits_)
+
+
+OPS = TritonOps()

@@ -15,11 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from grpo_fast.backends import torch_ops
+from grpo_fast.backends import ChunkOps, torch_ops
 from grpo_fast.backends.torch_ops import ChunkState
-
-bytes_per_logit = torch_ops.bytes_per_logit
-policy_grad = torch_ops.policy_grad
 
 
 @dataclass(frozen=True)
@@ -42,15 +39,17 @@ class VocabShard:
         return cls(group, sum(sizes[:rank]), local_rows, sum(sizes), max(sizes))
 
 
-class VocabParallelOps:
+class VocabParallelOps(ChunkOps):
     """A backend (see grpo_fast.backends) for one rank's vocabulary slice."""
 
-    bytes_per_logit = staticmethod(bytes_per_logit)
-    policy_grad = staticmethod(policy_grad)
+    bytes_per_logit = staticmethod(torch_ops.bytes_per_logit)
+    policy_grad = staticmethod(torch_ops.policy_grad)
 
     def __init__(self, shard: VocabShard):
         self.shard = shard
-        self.chunk_vocab = shard.largest        # chunk rows follow the largest slice (collectives per chunk)
+
+    def chunk_vocab(self, vocab_rows: int) -> int:
+        return self.shard.largest               # chunk rows follow the largest slice (collectives per chunk)
 
     def _local(self, targets):
         local = targets - self.shard.start

@@ -15,6 +15,7 @@ with one warning.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import warnings
@@ -23,9 +24,9 @@ import torch
 
 from grpo_fast.chunked import LogitTransform
 from grpo_fast.logprobs import token_logprobs
-from grpo_fast.loss import _checked_loss
-from grpo_fast.models import backbone, lm_head
-from grpo_fast.variants import LOSS_TYPES, LossConfig, masked_mean
+from grpo_fast.loss import checked_policy_loss
+from grpo_fast.models import backbone, lm_head, unwrap, zero3_partitioned
+from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, k3_kl, masked_mean
 
 try:
     from trl import GRPOTrainer
@@ -37,13 +38,8 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "i
                     "image_position_ids", "token_type_ids", "mm_token_type_ids")
 
 
-def _zero3_head(model) -> bool:
-    head = model.get_output_embeddings()
-    return any(hasattr(p, "ds_id") for p in (getattr(head, "weight", None), getattr(head, "bias", None)))
-
-
 def _unsupported(model, kwargs) -> str | None:
-    if _zero3_head(model):     # partitioned parameters: TRL's head gathers them around its own autograd function
+    if zero3_partitioned(model):     # partitioned parameters: TRL's head gathers them around its own autograd function
         return "DeepSpeed ZeRO-3 LM heads"
     if any(kwargs.get(key) is not None for key in _MULTIMODAL_KEYS):
         return "vision-language inputs"
@@ -108,18 +104,14 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
     return model
 
 
-def _target(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def patch_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
     """Route an existing GRPOTrainer's log-prob and entropy computations through grpo_fast."""
     if getattr(trainer, "_grpo_fast_patched", False):
         return trainer
     cast = trainer.args.cast_lm_head_to_fp32
-    add_grpo_fast_lm_head(_target(trainer.model), trainer.temperature, cast)
+    add_grpo_fast_lm_head(unwrap(trainer.model), trainer.temperature, cast)
     if trainer.ref_model is not None:
-        add_grpo_fast_lm_head(_target(trainer.ref_model), trainer.temperature, cast)
+        add_grpo_fast_lm_head(unwrap(trainer.ref_model), trainer.temperature, cast)
     trainer._grpo_fast_patched = True
     return trainer
 
@@ -154,7 +146,7 @@ class FastGRPOTrainer(GRPOTrainer):
             return "MoE aux loss"
         if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
             return "vision-language inputs"
-        if _zero3_head(_target(self.accelerator.unwrap_model(self.model))):
+        if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
             return "DeepSpeed ZeRO-3 LM head"
         return None
 
@@ -167,9 +159,15 @@ class FastGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
+        config = LossConfig(
+            loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            delta=self.args.delta, beta=self.beta, use_bias_correction_kl=self.args.use_bias_correction_kl,
+            sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
+            max_completion_length=self.max_completion_length,
+        )
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        per_token_normalized = self.loss_type in ("dapo", "cispo")
+        per_token_normalized = config.reduction == "num_items"
         num_items = None
         if per_token_normalized:        # TRL: the generation batch's token count, per process and window
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -178,34 +176,31 @@ class FastGRPOTrainer(GRPOTrainer):
         entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
         if per_token_normalized:        # TRL divides the bonus, not the dapo / cispo term, by accumulation
             entropy_coef = entropy_coef / accumulation
+        config = dataclasses.replace(config, entropy_coef=entropy_coef)      # this step's share of the bonus
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"].expand(mask.shape)
-        config = LossConfig(
-            loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-            delta=self.args.delta, beta=self.beta, use_bias_correction_kl=self.args.use_bias_correction_kl,
-            sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
-            entropy_coef=entropy_coef, max_completion_length=self.max_completion_length,
-        )
         old_logps, ref_logps = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps")
         stats = {}
 
         def loss_on_hidden(hidden, weight, bias, head):
             transform = LogitTransform(head.logit_scale, head.logit_softcap, self.temperature)
-            return _checked_loss(hidden[:, -completion_ids.size(1):], weight, completion_ids, inputs["advantages"],
-                                 mask, old_logps, ref_logps, bias, is_ratio, num_items, config, transform, None,
-                                 "auto", token_stats=stats)
+            return checked_policy_loss(
+                hidden[:, -completion_ids.size(1):], weight, completion_ids, inputs["advantages"], mask,
+                config=config, transform=transform, old_logps=old_logps, ref_logps=ref_logps, bias=bias,
+                is_ratio=is_ratio, num_items_in_batch=num_items, token_stats=stats,
+            )
 
         loss, _ = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
                         grpo_fast_loss=loss_on_hidden)
         policy_loss = loss.detach()
         if not per_token_normalized:
             loss = loss / accumulation
-        self._log_metrics(mode, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
+        self._log_metrics(mode, config, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
                           policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
         return loss
 
-    def _log_metrics(self, mode, logp, entropy, mask, inputs, old_logps, ref_logps, policy_loss):
+    def _log_metrics(self, mode, config, logp, entropy, mask, inputs, old_logps, ref_logps, policy_loss):
         """The metrics TRL's `_compute_loss` logs, from the detached per-token values of the fused loss."""
         mask = mask.float()
         gather, metrics = self.accelerator.gather, self._metrics[mode]
@@ -217,24 +212,19 @@ class FastGRPOTrainer(GRPOTrainer):
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         ratio = torch.exp(logp - (logp if old_logps is None else old_logps))
-        if self.beta != 0.0:
-            kl = torch.exp(ref_logps - logp) - (ref_logps - logp) - 1
-            metrics["kl"].append(global_masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
+        if config.beta != 0.0:
+            kl = k3_kl(ref_logps, logp)
+            metrics["kl"].append(global_masked_mean(kl * ratio if config.use_bias_correction_kl else kl))
         metrics["entropy"].append(global_masked_mean(entropy))
-        if self.loss_type == "cispo":
-            clipped = (ratio > self.epsilon_high) & (advantages > 0)
-            metrics["cispo_clip_ratio"].append(global_masked_mean(clipped.float()))
-        elif self.loss_type != "sapo":
-            if self.args.delta is not None:          # TRL flags clipping on the delta-capped ratio
-                ratio = torch.clamp(ratio, max=self.args.delta)
-            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
-            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
-            metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
-            metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
-            metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        if config.objective == "clip" and config.delta is not None:
+            ratio = torch.clamp(ratio, max=config.delta)     # TRL flags clipping on the delta-capped ratio
+        flags = {name: flag.float() for name, flag in clip_flags(ratio, advantages, config).items()}
+        for name, flag in flags.items():
+            metrics[name].append(global_masked_mean(flag))
+        if config.objective == "clip":
             per_sequence = lambda x: (x * mask).sum(-1) / mask.sum(-1)  # noqa: E731  (NaN for empty rows)
-            metrics["clip_ratio/low_min"].append(nanmin(gather(per_sequence(low))).item())
-            metrics["clip_ratio/high_max"].append(nanmax(gather(per_sequence(high))).item())
+            metrics["clip_ratio/low_min"].append(nanmin(gather(per_sequence(flags["clip_ratio/low_mean"]))).item())
+            metrics["clip_ratio/high_max"].append(nanmax(gather(per_sequence(flags["clip_ratio/high_mean"]))).item())
         if self._entropy_bonus_enabled:
             metrics["policy_loss"].append(gather(policy_loss).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:

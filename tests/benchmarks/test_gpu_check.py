@@ -1,6 +1,6 @@
 """gpu_check can fail: its correctness rows pass on the real chunk passes and fail on injected bugs.
 
-The bugs go in through the backend module the loss resolves (`grpo_fast.backends.torch_ops` / `triton_ops`), so
+The bugs go in through the backend the loss resolves (`grpo_fast.backends.resolve`: one instance per backend), so
 the rows see exactly what the loss computes. Tiny shapes; the Triton backend runs under TRITON_INTERPRET=1 on CPU.
 """
 

@@ -45,7 +45,7 @@ def calls(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(dropin, "token_logprobs", counting("logprobs", dropin.token_logprobs))
-    monkeypatch.setattr(dropin, "_checked_loss", counting("fused_loss", dropin._checked_loss))
+    monkeypatch.setattr(dropin, "checked_policy_loss", counting("fused_loss", dropin.checked_policy_loss))
     return count
 
 

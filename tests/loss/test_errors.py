@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import grpo_fast as gf
+from grpo_fast import reference
 from tests.helpers import make_batch
 
 
@@ -94,3 +95,26 @@ def test_tensors_on_different_devices():
     inputs = make_batch()
     with pytest.raises(ValueError, match="old_logps must be on .* like hidden, got meta"):
         call(old_logps=inputs["old_logps"].to("meta"))
+
+
+@pytest.mark.parametrize("fn", [gf.grpo_loss, reference.grpo_loss], ids=["grpo_loss", "reference"])
+def test_config_or_loss_keywords_not_both(fn):
+    inputs = make_batch()
+    del inputs["is_ratio"], inputs["bias"]
+    config = gf.LossConfig(loss_type="grpo")
+    with pytest.raises(ValueError) as info:
+        fn(**inputs, config=config, loss_type="grpo")
+    assert "pass loss options either in config or as keywords, got config and loss_type='grpo'" in str(info.value)
+    with pytest.raises(ValueError, match="got config and epsilon_high=0.2"):
+        fn(**inputs, config=config, epsilon_high=0.2)       # its default is None, not epsilon_low's value
+    with pytest.raises(TypeError, match="config must be a grpo_fast.LossConfig or None, got dict"):
+        fn(**inputs, config={"loss_type": "grpo"})
+    loss, _ = fn(**inputs, config=config, loss_type="dapo", beta=0.0, temperature=0.9)  # defaults, a transform
+    assert torch.equal(loss, fn(**inputs, loss_type="grpo", temperature=0.9)[0])
+
+
+def test_module_config_or_loss_keywords_not_both():
+    config = gf.LossConfig(loss_type="cispo", epsilon_high=5.0)
+    with pytest.raises(ValueError, match="got config and beta=0.04"):
+        gf.GRPOLoss(beta=0.04, config=config)
+    assert gf.GRPOLoss(loss_type="dapo", config=config).config is config

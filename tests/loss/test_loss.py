@@ -1,11 +1,14 @@
 """grpo_loss against the full-logits reference evaluated in float64: loss, metrics and gradients."""
 
+import dataclasses
+import inspect
+
 import pytest
 import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import DEVICE, as_float64, assert_close, make_batch
+from tests.helpers import as_float64, assert_close, make_batch
 
 CASES = {
     "dapo_on_policy": dict(old_logps=None),
@@ -167,3 +170,56 @@ def test_module_equals_function(backend):
     assert torch.equal(loss_m, loss_f)
     assert metrics_m.keys() == metrics_f.keys()
     assert "cispo" in repr(module)
+
+
+CONFIG_OPTIONS = dict(loss_type="grpo", epsilon_high=0.28, delta=1.5, beta=0.04, use_bias_correction_kl=True,
+                      entropy_coef=0.01)
+TRANSFORM = dict(logit_scale=1.2, logit_softcap=4.0, temperature=0.9)
+
+
+def trainer_call(fn, inputs, **options):
+    """fn called as the trainer calls its loss implementations; returns (loss, metrics, d(hidden, weight, bias))."""
+    hidden, weight, bias = (inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    loss, metrics = fn(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
+                       old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], is_ratio=inputs["is_ratio"],
+                       num_items_in_batch=20, bias=bias, **TRANSFORM, **options)
+    return loss, metrics, torch.autograd.grad(loss, (hidden, weight, bias))
+
+
+def assert_same(actual, expected):
+    (loss, metrics, grads), (ref_loss, ref_metrics, ref_grads) = actual, expected
+    assert torch.equal(loss, ref_loss)
+    assert metrics.keys() == ref_metrics.keys() and all(torch.equal(metrics[k], ref_metrics[k]) for k in metrics)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("fn", [gf.grpo_loss, reference.grpo_loss], ids=["grpo_loss", "reference"])
+def test_config_equals_keywords(fn):
+    """config=LossConfig(...) gives what the same options as keywords give (torch backend)."""
+    inputs = make_batch(seed=10, bias=True)
+    config = gf.LossConfig(**CONFIG_OPTIONS)
+    assert_same(trainer_call(fn, inputs, config=config, backend="torch"),
+                trainer_call(fn, inputs, **CONFIG_OPTIONS, backend="torch"))
+
+
+def test_module_config_equals_keywords():
+    inputs = make_batch(seed=11, bias=True)
+    config = gf.LossConfig(**CONFIG_OPTIONS)
+    module = gf.GRPOLoss(config=config, **TRANSFORM, backend="torch")
+    assert module.config is config
+    modules = [module, gf.GRPOLoss(**CONFIG_OPTIONS, **TRANSFORM, backend="torch")]
+    results = []
+    for module in modules:
+        hidden, weight, bias = (inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+        loss, metrics = module(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
+                               old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], bias=bias,
+                               is_ratio=inputs["is_ratio"], num_items_in_batch=20)
+        results.append((loss, metrics, torch.autograd.grad(loss, (hidden, weight, bias))))
+    assert_same(*results)
+
+
+def test_loss_keyword_defaults_are_the_config_defaults():
+    defaults = {field.name: field.default for field in dataclasses.fields(gf.LossConfig)}
+    for entry in (gf.grpo_loss, gf.GRPOLoss):
+        parameters = inspect.signature(entry).parameters
+        assert {name: parameters[name].default for name in defaults} == defaults, entry.__name__
