@@ -134,10 +134,7 @@ def accumulate_gradients(policy: Policy, rollout: Rollout, config: TrainConfig,
                 hidden, weight, micro.completion(rollout.completion_ids), rollout.advantages[micro.rows], mask,
                 old_logps=micro.completion(rollout.old_logps), ref_logps=micro.completion(rollout.ref_logps),
                 is_ratio=micro.completion(rollout.is_ratio), num_items_in_batch=totals["tokens"],
-                loss_type=loss_config.loss_type, epsilon_low=loss_config.epsilon_low,
-                epsilon_high=loss_config.epsilon_high, beta=loss_config.beta, entropy_coef=loss_config.entropy_coef,
-                max_completion_length=loss_config.max_completion_length,
-                **{**head_kwargs, "temperature": config.temperature},
+                config=loss_config, **{**head_kwargs, "temperature": config.temperature},
             )
         share = micro_batch_share(mask, loss_config, totals["sequences"], totals["tokens"]) if counts else 0.0
         loss = loss * share
