@@ -16,10 +16,10 @@ import time
 
 import torch
 
+from grpo_fast.profiling import machine_name
 from grpo_fast.train import tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import make_engine
-from grpo_fast.profiling import machine_name
 from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -46,12 +46,12 @@ def shape_for(args):
 
 def worker(args) -> dict:
     """One (loss, length) measurement in this process."""
-    from grpo_fast.train.config import TrainConfig
+    from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
+
     from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.tiny import tiny_qwen2
     from grpo_fast.train.update import Policy, Rollout, completion_logprobs, policy_update
-
-    from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
     length, loss = args.worker_length, args.worker_loss
     device = torch.device(args.device)

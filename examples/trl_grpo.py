@@ -38,8 +38,8 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = train_tokenizer([], vocab_size=259)      # bytes and special tokens, no merges
-    config = Qwen2Config(vocab_size=args.vocab or len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    config = Qwen2Config(vocab_size=args.vocab or len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     with tempfile.TemporaryDirectory() as workdir:
         model_dir = os.path.join(workdir, "tiny-qwen2")
@@ -48,8 +48,8 @@ def main():
         prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
         training = GRPOConfig(
             output_dir=os.path.join(workdir, "out"), max_steps=args.steps, per_device_train_batch_size=8,
-            num_generations=8, max_completion_length=args.completion_length, learning_rate=1e-2, beta=0.02, logging_steps=5,
-            report_to="none", bf16=False, use_cpu=True, save_strategy="no", seed=0,
+            num_generations=8, max_completion_length=args.completion_length, learning_rate=1e-2, beta=0.02,
+            logging_steps=5, report_to="none", bf16=False, use_cpu=True, save_strategy="no", seed=0,
         )
         trainer_cls = GRPOTrainer if args.plain else FastGRPOTrainer
         trainer = trainer_cls(model=model_dir, reward_funcs=short_answer_reward, args=training,

@@ -1,5 +1,5 @@
-"""The `grpo-fast` command: each subcommand imports what it runs (the trainer, the planner, the harness) when
-it runs, so `import grpo_fast` loads the loss library alone."""
+"""The `grpo-fast` command: train, plan, bench, demo. The loss library never imports this module; it imports
+the trainer, the planner and the benchmark harness (`grpo_fast.benchmarks`, installed from benchmarks/)."""
 
 from __future__ import annotations
 
@@ -7,39 +7,45 @@ import argparse
 import os
 import sys
 
+NOT_INSTALLED = ("grpo-fast {command}: the benchmark harness (grpo_fast.benchmarks, from the repository's benchmarks/ "
+                 "folder) is importable only from an install: run `pip install -e .` in the repository")
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="grpo-fast", description="The GRPO-family loss without the logits.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    from grpo_fast.benchmarks import demo
-
-    demo_parser = commands.add_parser("demo", help="memory and time of the full-logits loss vs grpo_fast")
-    demo.add_arguments(demo_parser)
-    bench_parser = commands.add_parser("bench", help="time, memory and GEMM passes against naive, TRL and Liger")
-    from grpo_fast.benchmarks import harness
-
-    harness.add_arguments(bench_parser)
-    plan_parser = commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component")
-    from grpo_fast.train import plan as memory
-
-    memory.add_arguments(plan_parser)
-    train_parser = commands.add_parser(
-        "train", help="GRPO training (default: a tiny model on the arithmetic task, on CPU)",
-        usage="grpo-fast train [CONFIG.yaml] [--output-dir DIR] [--max-steps N] [--resume] [--key value ...]",
-        description="Keys are the fields of grpo_fast.train.config.TrainConfig (dashes or underscores).")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
         return _train(argv[1:])                 # free-form --key value pairs: parsed by the config itself
-    args = parser.parse_args(argv)
+    from grpo_fast.train import plan
+
+    try:
+        from grpo_fast.benchmarks import demo, harness
+    except ModuleNotFoundError as error:       # a source tree on sys.path without an install
+        if not (error.name or "").startswith("grpo_fast.benchmarks"):
+            raise
+        demo = harness = None
+    parser = argparse.ArgumentParser(prog="grpo-fast", description="The GRPO-family loss without the logits.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo_parser = commands.add_parser("demo", help="memory and time of the full-logits loss vs grpo_fast")
+    bench_parser = commands.add_parser("bench", help="time, memory and GEMM passes against naive, TRL and Liger")
+    if harness is not None:
+        demo.add_arguments(demo_parser)
+        harness.add_arguments(bench_parser)
+    plan.add_arguments(commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component"))
+    commands.add_parser(
+        "train", help="GRPO training (default: a tiny model on the arithmetic task, on CPU)",
+        usage="grpo-fast train [CONFIG.yaml] [--output-dir DIR] [--max-steps N] [--resume] [--key value ...]",
+        description="Keys are the fields of grpo_fast.train.config.TrainConfig (dashes or underscores).")
+    # without the harness its commands' options are unknown here: parse what is known, then say how to install
+    args = parser.parse_args(argv) if harness is not None else parser.parse_known_args(argv)[0]
     if args.command == "plan":
-        return memory.main(args)
+        return plan.main(args)
+    if harness is None:
+        print(NOT_INSTALLED.format(command=args.command), file=sys.stderr)
+        return 2
     if args.command == "bench":
         return harness.main(args)
-    if args.command == "demo":
-        rows = demo.run(args.tokens, args.hidden, args.vocab, args.dtype, args.device, args.backend, args.repeats)
-        return 0 if all("error" not in r for r in rows) else 1
-    return 2
-
+    rows = demo.run(args.tokens, args.hidden, args.vocab, args.dtype, args.device, args.backend, args.repeats)
+    return 0 if all("error" not in r for r in rows) else 1
 
 
 def _train(arguments: list) -> int:

@@ -1,4 +1,5 @@
-"""The wheel installs the kernels as grpo_fast.kernels (never a top-level `kernels`), and the CLI runs."""
+"""Packaging: the wheel installs the kernels as grpo_fast.kernels (never a top-level `kernels`) and carries runtime
+code only; the loss library imports nothing built on it; the CLI runs; the code passes the linter."""
 
 import json
 import os
@@ -16,8 +17,10 @@ def test_wheel_layout_and_import(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "grpo_fast/kernels/logprob_forward.py" in names and "grpo_fast/kernels/dlogits.py" in names
     assert "grpo_fast/integrations/liger.py" in names and "grpo_fast/benchmarks/harness.py" in names
-    assert "grpo_fast/data/gsm8k_test_200.jsonl" in names and "grpo_fast/data/LICENSE-gsm8k" in names
+    assert "grpo_fast/train/data/gsm8k_test_200.jsonl" in names and "grpo_fast/train/data/LICENSE-gsm8k" in names
+    assert "grpo_fast/train/loop.py" in names and "grpo_fast/benchmarks/demo.py" in names
     assert not any(name.startswith(("kernels/", "tests/", "benchmarks/")) for name in names)
+    assert not any("bench_kernel_passes" in name or "/test_" in name for name in names)   # pytest-only code
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
@@ -46,3 +49,69 @@ def test_cli_rejects_unknown_command():
     done = subprocess.run([sys.executable, "-m", "grpo_fast.cli", "nonsense"], capture_output=True, text=True)
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
+
+
+def library_modules() -> list:
+    """Every module of the loss library: grpo_fast/ without the trainer (train/) and the command line (cli)."""
+    modules = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "grpo_fast")):
+        relative = os.path.relpath(folder, ROOT)
+        if relative.split(os.sep)[:2] == ["grpo_fast", "train"] or "__pycache__" in relative:
+            continue
+        for name in sorted(files):
+            if name.endswith(".py") and name != "cli.py":
+                module = relative.replace(os.sep, ".") + ("" if name == "__init__.py" else "." + name[:-3])
+                modules.append(module)
+    return modules
+
+
+def test_the_loss_library_imports_nothing_built_on_it():
+    """The layers: no library module loads the trainer, the benchmark harness or the command line."""
+    modules = library_modules()
+    assert {"grpo_fast", "grpo_fast.loss", "grpo_fast.integrations.trl", "grpo_fast.backends"} <= set(modules)
+    probe = ("import importlib, json, sys\n"
+             f"for name in {modules!r}: importlib.import_module(name)\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[:2] in "
+             "(['grpo_fast', 'train'], ['grpo_fast', 'benchmarks'], ['grpo_fast', 'cli']))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def test_code_passes_the_linter():
+    """ruff, configured in pyproject.toml (line length, pyflakes, pycodestyle, import order)."""
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", ROOT], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+
+
+def test_a_source_tree_without_an_install_says_how_to_install(tmp_path):
+    """grpo_fast/ alone on sys.path (no install, so no grpo_fast.kernels or grpo_fast.benchmarks): the loss runs
+    on the torch backend, and what needs the install fails with a message saying how to install."""
+    import shutil
+
+    shutil.copytree(os.path.join(ROOT, "grpo_fast"), tmp_path / "grpo_fast",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    probe = f"""
+import sys
+sys.meta_path[:] = [finder for finder in sys.meta_path if "editable" not in repr(finder).lower()]
+sys.path.insert(0, {str(tmp_path)!r})
+import torch, grpo_fast as gf
+assert gf.__file__.startswith({str(tmp_path)!r}), gf.__file__
+hidden, weight = torch.randn(5, 8), torch.randn(11, 8)
+loss, _ = gf.grpo_loss(hidden, weight, torch.randint(0, 11, (5,)), torch.ones(1), torch.ones(5), backend="torch")
+assert torch.isfinite(loss)
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    gf.token_logprobs(hidden, weight, torch.zeros(5, dtype=torch.long), backend="triton")
+except ImportError as error:
+    print("TRITON:", error, file=sys.stderr)
+from grpo_fast.cli import main
+sys.exit(main(["bench", "--quick"]))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "grpo-fast bench: the benchmark harness" in done.stderr
+    assert "TRITON: backend='triton' needs grpo_fast.kernels" in done.stderr
+    assert done.stderr.count("is importable only from an install: run `pip install -e .`") == 2

@@ -26,9 +26,10 @@ class TrainConfig:
     Rollouts: group_size completions per prompt, prompts_per_step prompts per step, sampled at temperature /
         top_p up to max_completion_length tokens (every one of them with ignore_eos, for length tests) by the
         `engine`: "hf" (model.generate) or "vllm" (an offline vLLM engine in this process, weights pushed after
-        every step; vllm_gpu_memory_utilization is its share of the GPU). vLLM samples with its own numerics, so each token's loss is weighted by the rollout
-        correction `importance_sampling` (none, token_truncate, token_mask, sequence_truncate, sequence_mask)
-        of exp(trainer log-prob - engine log-prob), capped at importance_sampling_cap.
+        every step; vllm_gpu_memory_utilization is its share of the GPU). vLLM samples with its own numerics,
+        so each token's loss is weighted by the rollout correction `importance_sampling` (none, token_truncate,
+        token_mask, sequence_truncate, sequence_mask) of exp(trainer log-prob - engine log-prob), capped at
+        importance_sampling_cap.
     Rewards: names from grpo_fast.train.rewards.REWARDS or "module:function", weighted by reward_weights.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
         loss_implementation "naive" computes the same loss from the full logits (for comparisons).

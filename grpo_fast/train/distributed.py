@@ -23,6 +23,7 @@ from torch import nn
 
 from grpo_fast.models import final_hidden_states, unwrap
 
+
 @dataclass(frozen=True)
 class World:
     rank: int = 0

@@ -169,7 +169,7 @@ def plan(shape: ModelShape, job: Job) -> dict:
         trainable = job.lora_rank * shape.num_layers * sum(a + b for a, b in shape.linear_shapes())
         trainable_bytes, param_bytes, autocast_copies = 4, act_bytes, False
     state_bytes = {"adamw": 8, "adamw8bit": 2}[job.optimizer] + (4 if trainable_bytes == 2 else 0)
-    h, v = shape.hidden_size, shape.vocab_size
+    h = shape.hidden_size
     sequences = job.micro_batch_sequences
     tokens = sequences * (job.prompt_length + job.completion_length)
     completion_tokens = sequences * job.completion_length

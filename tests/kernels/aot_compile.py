@@ -131,9 +131,9 @@ def ptx_facts(ptx: str) -> dict:
         "cp_async_bytes": sorted({int(size, 0) for size in re.findall(
             r"\bcp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)", ptx)}),
         "loops": len(loops),
-        "barriers_in_loops": max((sum("bar.sync" in l or "barrier.sync" in l for l in body) for body in loops),
-                                 default=0),
-        "shuffles_in_loops": max((sum("shfl.sync" in l for l in body) for body in loops), default=0),
+        "barriers_in_loops": max((sum("bar.sync" in line or "barrier.sync" in line for line in body)
+                                  for body in loops), default=0),
+        "shuffles_in_loops": max((sum("shfl.sync" in line for line in body) for body in loops), default=0),
         "ex2": len(re.findall(r"\bex2\.approx", ptx)),
         "div": len(re.findall(r"\bdiv\.(?:full|rn|approx)\.f32", ptx)),
     }

@@ -7,11 +7,11 @@ from tests.helpers import DEVICE, assert_close
 
 pytest.importorskip("triton")
 
-from grpo_fast.backends import torch_ops  # noqa: E402
-from grpo_fast.chunked import LogitTransform  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from grpo_fast.backends import torch_ops  # noqa: E402
+from grpo_fast.chunked import LogitTransform  # noqa: E402
 from grpo_fast.kernels import dlogits_, logprob_forward  # noqa: E402
 from grpo_fast.kernels.transform import tanh  # noqa: E402
 

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train import distributed  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.update import Policy, Rollout, accumulate_gradients, policy_update  # noqa: E402
+from grpo_fast.train.update import Policy, Rollout, accumulate_gradients  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -30,9 +30,8 @@ def free_port() -> int:
 
 
 def model_and_rollout():
-    from tests.train.test_batching import rollout
-
     from grpo_fast.train.tiny import tiny_qwen2
+    from tests.train.test_batching import rollout
 
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=0).double()
     return model, rollout(rows=6)

@@ -8,12 +8,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests import helpers  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import checkpoint  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
-from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train.config import TrainConfig, load_config, parse_overrides  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
             rewards=["tests.helpers:counting_reward"])

@@ -12,9 +12,9 @@ import torch
 from grpo_fast.train import tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import make_engine
-from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 from grpo_fast.train.loop import train
 from grpo_fast.train.tasks import prompt_ids
+from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 from grpo_fast.train.update import Policy, Rollout, completion_logprobs
 
 
