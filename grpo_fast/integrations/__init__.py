@@ -1,1 +1,5 @@
-"""Drop-ins for existing trainers and loss modules (Liger's GRPO loss signature)."""
+"""Drop-ins for existing trainers and loss modules, each importing its peer only when imported itself:
+
+- trl: `FastGRPOTrainer` (TRL's GRPOTrainer with grpo_fast's log-probs and fused loss), `patch_grpo_trainer`.
+- liger: `FusedLinearGRPOLoss`, Liger's fused linear GRPO loss signature on grpo_fast.
+"""
