@@ -43,6 +43,9 @@ class TrainConfig:
     Processes: under torchrun, `distributed` is "ddp" (PyTorch DistributedDataParallel) or "fsdp2"
         (fully_shard per decoder layer); each rank takes prompts_per_step / world_size prompts per step.
     Run: output_dir gets metrics.jsonl, curves.png, completions.jsonl and checkpoints every save_every steps.
+        A folder that already holds a run is refused unless resuming or overwrite_output_dir is set. A step
+        whose loss or gradient norm is not finite is skipped (the weights stay as they were); max_bad_steps
+        such steps in a row stop the run.
     """
 
     model: str = "tiny"
@@ -90,8 +93,10 @@ class TrainConfig:
     seed: int = 0
     distributed: str = "ddp"
     output_dir: str = "runs/default"
+    overwrite_output_dir: bool = False
     save_every: int = 20
     log_completions: int = 4
+    max_bad_steps: int = 3
 
     def __post_init__(self):
         positive = ("num_prompts", "group_size", "prompts_per_step", "max_completion_length", "num_iterations",
