@@ -164,6 +164,49 @@ class WeightGrad:
         return self.value.to(self.dtype)
 
 
+def forbid_double_backward(fn_name: str) -> None:
+    """Called first in a chunked backward. The engine enables grad mode in a backward exactly when create_graph=True;
+    the chunked gradient has no graph, so a gradient penalty built on it would silently contribute nothing."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{fn_name} does not support double backward (create_graph=True): its gradient is computed chunk by "
+            f"chunk without a graph; use grpo_fast.reference.{fn_name} for higher-order gradients"
+        )
+
+
+def _version_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares `tensor`'s version counter but not its memory: detach() shares the counter, and
+    replacing the detached tensor's data drops the storage (a guard must not keep an (N, H) hidden alive)."""
+    alias = tensor.detach()
+    try:
+        alias.data = tensor.new_empty(0)
+    except (RuntimeError, TypeError):     # tensor types that refuse the swap: keep the (shared) storage instead
+        pass
+    return alias
+
+
+class VersionGuard:
+    """Catches in-place changes, between a forward and its backward, of the tensors a chunked gradient is computed
+    from. The fused loss computes its gradient in the forward and the two-phase backward recomputes from a copy
+    of hidden, so torch's own check of saved tensors does not see the caller's tensors."""
+
+    def __init__(self, fn_name: str, **tensors: Optional[torch.Tensor]):
+        self.fn_name = fn_name
+        # Inference tensors have no version counter (and cannot change outside inference mode).
+        self.watched = [(name, _version_alias(t), t._version) for name, t in tensors.items()
+                        if t is not None and not t.is_inference()]
+
+    def check(self) -> None:
+        for name, alias, version in self.watched:
+            if alias._version != version:
+                raise RuntimeError(
+                    f"{name} was modified in place between {self.fn_name}'s forward and backward (version "
+                    f"{version} -> {alias._version}): its gradient was computed from the old values; run the "
+                    f"backward before changing {name} (e.g. before optimizer.step()), or call {self.fn_name} "
+                    "again after the change"
+                )
+
+
 def chunked_pass(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -7,24 +7,37 @@ from typing import Optional
 import torch
 
 from grpo_fast import backends
-from grpo_fast.chunked import LogitTransform, accumulation_dtype, chunk_plan, chunked_pass
+from grpo_fast.chunked import (
+    LogitTransform,
+    VersionGuard,
+    accumulation_dtype,
+    chunk_plan,
+    chunked_pass,
+    forbid_double_backward,
+)
 from grpo_fast.inputs import check_chunk_bytes, check_lm_head, check_target_range, check_transform
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Forward: one GEMM pass, nothing (N, V) kept. Backward: recompute each chunk (GEMM), dlogits, two GEMMs."""
+    """Forward: one GEMM pass, nothing (N, V) kept. Backward: recompute each chunk (GEMM), dlogits, two GEMMs.
+
+    guard: a VersionGuard of the caller's tensors (hidden may reach here as a copy), or None.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, return_entropy):
+    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, return_entropy, guard):
         result = chunked_pass(hidden, weight, bias, targets, transform, ops, rows, need_entropy=return_entropy)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.transform, ctx.ops, ctx.rows = transform, ops, rows
+        ctx.transform, ctx.ops, ctx.rows, ctx.guard = transform, ops, rows, guard
         if return_entropy:
             return result.logp, result.entropy
         return result.logp
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
+        forbid_double_backward(ctx.guard.fn_name if ctx.guard is not None else "token_logprobs")
+        if ctx.guard is not None:
+            ctx.guard.check()          # before torch's own check of the saved tensors: this one names the tensor
         hidden, weight, bias, targets = ctx.saved_tensors
         dtype = accumulation_dtype(hidden.dtype)
         if grad_logp is None:
@@ -42,15 +55,16 @@ class _TokenLogprobs(torch.autograd.Function):
             need_entropy=grad_entropy is not None, token_grads=token_grads,
             grad_hidden=needs[0], grad_weight=needs[1], grad_bias=bias is not None and needs[2],
         )
-        return result.grad_hidden, result.grad_weight, result.grad_bias, None, None, None, None, None
+        return result.grad_hidden, result.grad_weight, result.grad_bias, None, None, None, None, None, None
 
 
 def flat_token_logprobs(hidden, weight, bias, targets, transform: LogitTransform, *, return_entropy, chunk_bytes,
-                        backend, ops=None):
+                        backend, ops=None, guard: Optional[VersionGuard] = None):
     """token_logprobs on checked (N, H) inputs; returns logp or (logp, entropy), (N,) fp32. ops: the resolved
-    backend (default: `backend` on hidden's device)."""
+    backend (default: `backend` on hidden's device). guard: the caller's tensors, checked for in-place changes
+    before the backward (None: no check, for calls without gradients)."""
     ops, _, rows = chunk_plan(hidden, weight, chunk_bytes, backend, ops)
-    return _TokenLogprobs.apply(hidden, weight, bias, targets, transform, ops, rows, return_entropy)
+    return _TokenLogprobs.apply(hidden, weight, bias, targets, transform, ops, rows, return_entropy, guard)
 
 
 def token_logprobs(
@@ -92,7 +106,8 @@ def token_logprobs(
     Returns:
         logp, or (logp, entropy): fp32 tensors of shape hidden.shape[:-1]. Differentiable with respect to
         hidden, weight and bias. Under torch.no_grad() this costs one GEMM pass over (N, H, V); with gradients,
-        the backward recomputes each chunk (3 more passes).
+        the backward recomputes each chunk (3 more passes). First-order only (create_graph=True raises); hidden,
+        weight and bias must not change in place before the backward (it raises).
     """
     check_lm_head(hidden, weight, bias, targets)
     transform = check_transform(temperature, logit_scale, logit_softcap)
@@ -100,9 +115,11 @@ def token_logprobs(
     ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
     check_target_range(targets, vocab_size)
     token_shape = hidden.shape[:-1]
+    # The caller's hidden: the reshape below copies a non-contiguous one, which no in-place change would reach.
+    guard = VersionGuard("token_logprobs", hidden=hidden, weight=weight, bias=bias) if torch.is_grad_enabled() else None
     out = flat_token_logprobs(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), transform,
-        return_entropy=return_entropy, chunk_bytes=chunk_bytes, backend=backend, ops=ops,
+        return_entropy=return_entropy, chunk_bytes=chunk_bytes, backend=backend, ops=ops, guard=guard,
     )
     if return_entropy:
         return out[0].view(token_shape), out[1].view(token_shape)

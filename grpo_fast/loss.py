@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from grpo_fast import backends
-from grpo_fast.chunked import LogitTransform, chunk_plan, chunked_pass
+from grpo_fast.chunked import LogitTransform, VersionGuard, chunk_plan, chunked_pass, forbid_double_backward
 from grpo_fast.inputs import (
     PolicyBatch,
     check_chunk_bytes,
@@ -22,10 +22,13 @@ from grpo_fast.variants import LossConfig, TokenTerms, entropy_weights, loss_con
 
 
 class _FusedPolicyLoss(torch.autograd.Function):
-    """Forward runs the 3-GEMM chunk loop and keeps d(hidden), d(weight), d(bias); backward only scales them."""
+    """Forward runs the 3-GEMM chunk loop and keeps d(hidden), d(weight), d(bias); backward only scales them.
+
+    guard: a VersionGuard of the caller's hidden, weight and bias (None when no gradient is computed).
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, token_grads, finish, metrics_out):
+    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, token_grads, finish, metrics_out, guard):
         needs = ctx.needs_input_grad
         result = chunked_pass(
             hidden, weight, bias, targets, transform, ops, rows, need_entropy=True, token_grads=token_grads,
@@ -34,14 +37,18 @@ class _FusedPolicyLoss(torch.autograd.Function):
         loss, metrics = finish(result.logp, result.entropy)
         metrics_out.update(metrics)
         ctx.save_for_backward(result.grad_hidden, result.grad_weight, result.grad_bias)
+        ctx.guard = guard
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        forbid_double_backward("grpo_loss")
+        if ctx.guard is not None:
+            ctx.guard.check()
         grads = ctx.saved_tensors
         if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
             grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _scatter(values, index, shape):
@@ -61,6 +68,8 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     hidden, mask = batch.hidden, batch.mask
     shape = tuple(mask.shape)
     ops, chunk_bytes, rows = chunk_plan(hidden, weight, chunk_bytes, backend, ops)
+    # The caller's tensors, not the compacted copy below: those are what an in-place change would touch.
+    guard = VersionGuard("grpo_loss", hidden=hidden, weight=weight, bias=bias) if torch.is_grad_enabled() else None
 
     # Compact the masked positions away: prompt and padding tokens cost no GEMM work.
     index = mask.reshape(-1).nonzero().squeeze(1)
@@ -83,7 +92,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         # loss math drives token_logprobs' backward (which recomputes each chunk): 4 GEMM passes.
         logp_c, entropy_c = flat_token_logprobs(
             hidden_c, weight, bias, targets_c, transform, return_entropy=True, chunk_bytes=chunk_bytes,
-            backend=backend, ops=ops,
+            backend=backend, ops=ops, guard=guard,
         )
         return loss_from(logp_c, entropy_c)
 
@@ -108,10 +117,10 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
 
     trainable = [t for t in (hidden_c, weight, bias) if t is not None and t.requires_grad]
     if not (torch.is_grad_enabled() and trainable):     # evaluation: the log-prob pass alone, 1 GEMM pass
-        token_grads = None
+        token_grads = guard = None
     metrics: dict = {}
     loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish,
-                                  metrics)
+                                  metrics, guard)
     return loss, metrics
 
 
@@ -189,6 +198,9 @@ def grpo_loss(
         (loss, metrics): loss a 0-dim fp32 tensor; metrics a dict of detached 0-dim tensors: "ratio/mean",
         "entropy", "kl" (beta > 0), "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"
         (clipped objectives) or "cispo_clip_ratio" (cispo).
+
+    The gradient is first-order only (create_graph=True raises), and hidden, weight and bias must not change in
+    place before the backward (it raises, as torch does for tensors saved for backward).
     """
     config = loss_config(
         config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
