@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from grpo_fast.benchmarks.harness import Shape, measure_row
+from grpo_fast.benchmarks.harness import Shape, measure_row, positive_int
 from grpo_fast.profiling import machine_name
 
 LABELS = {"naive": "reference"}
@@ -48,13 +48,14 @@ def run(tokens, hidden_size, vocab, dtype, device, backend, repeats) -> list:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--tokens", type=int, default=4096, help="completion tokens N (default 4096)")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size H (default 256)")
-    parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size V (default 32768)")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="completion tokens N (default 4096)")
+    parser.add_argument("--hidden", type=positive_int, default=256, help="hidden size H (default 256)")
+    parser.add_argument("--vocab", type=positive_int, default=32768, help="vocabulary size V (default 32768)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=default_device)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--repeats", type=int, default=1, help="timed repeats per implementation (median)")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="timed repeats per implementation (median)")
 
 
 def main(argv=None) -> int:

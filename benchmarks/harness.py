@@ -7,7 +7,8 @@ For each shape every implementation runs forward + backward on the same inputs. 
 after a warm-up (CUDA events on GPU). Memory: peak above the inputs: torch.cuda.max_memory_allocated on GPU, on
 CPU the growth of peak RSS in a fresh subprocess per row. GEMM passes: matmul FLOPs counted by a dispatch mode
 (out= and in-place forms included) divided by 2 N H V. Accuracy: loss and gradient errors against the float64
-reference at one small shape, so a fast but wrong row shows. A failure (out of memory included) is a row result.
+reference at one small shape, so a fast but wrong row shows. A failure (out of memory included) is a row result;
+`grpo-fast bench` writes every row, then exits with status 1 if a measured row failed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ QUICK_HEADS = [(512, 32768)]
 QUICK_TOKENS = [1024, 2048]
 QUICK_IMPLS = ["floor", "grpo_fast", "grpo_fast_two_phase", "naive", "trl", "liger"]
 CHECK_SHAPE = (512, 64, 2000)                                         # N, H, V of the accuracy check
+SKIPPED = "skipped: time budget spent"
+OUTPUT_FILES = ("bench.md", "bench.json", "time_vs_tokens.png", "memory_vs_tokens.png")
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,39 @@ class Shape:
         try:
             tokens, hidden, vocab = (int(part) for part in text.lower().split("x"))
         except ValueError:
-            raise ValueError(f"a shape is NxHxV (e.g. 4096x896x151936), got {text!r}") from None
+            tokens = hidden = vocab = 0
+        if min(tokens, hidden, vocab) < 1:
+            raise ValueError(f"a shape is NxHxV of positive integers (e.g. 4096x896x151936), got {text!r}")
         return cls(tokens, hidden, vocab)
+
+
+# argparse types: an ArgumentTypeError's message reaches the user as is (a ValueError's would not), and argparse
+# exits with status 2 naming the option
+def shape_argument(text: str) -> Shape:
+    try:
+        return Shape.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def make_batch(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0, sequences: int = 8) -> Batch:
@@ -295,7 +329,7 @@ def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, l
             if checks[name].get("error"):
                 measurements[(shape, name)] = {"error": checks[name]["error"]}
             elif time_budget is not None and time.monotonic() - started > time_budget:
-                measurements[(shape, name)] = {"error": "skipped: time budget spent"}
+                measurements[(shape, name)] = {"error": SKIPPED}
             else:
                 measurements[(shape, name)] = measure_row(name, shape, dtype_name, device, repeats)
             log(json.dumps({"shape": shape.label, "impl": name, **measurements[(shape, name)]}))
@@ -325,14 +359,15 @@ def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, l
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--quick", action="store_true", help="a CPU subset: 2 shapes, 6 implementations")
-    parser.add_argument("--shapes", nargs="+", type=Shape.parse, help="NxHxV ... (default: by device)")
+    parser.add_argument("--shapes", nargs="+", type=shape_argument, help="NxHxV ... (default: by device)")
     parser.add_argument("--impls", nargs="+", choices=sorted(IMPLEMENTATIONS), help="default: all for the device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--device", default=default_device)
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5 on GPU, 3 on CPU)")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="timed repeats (default 5 on GPU, 3 on CPU)")
     parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>)")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds after which rows are skipped")
+    parser.add_argument("--time-budget", type=seconds, default=None, help="seconds after which rows are skipped")
 
 
 def main(args) -> int:
@@ -344,9 +379,43 @@ def main(args) -> int:
     if "floor" not in names:
         names = ["floor", *names]
     out = args.out or os.path.join("benchmarks", "results", "gpu" if cuda else "cpu")
+    problem = unwritable(out)
+    if problem:                          # found now, not after an hour of measurements
+        print(f"grpo-fast bench: --out must be a folder that can be created and written, got {out!r}: {problem}",
+              file=sys.stderr)
+        return 2
     rows = run(shapes, names, dtype, args.device, repeats, out, args.time_budget,
                command="grpo-fast " + " ".join(sys.argv[1:]))
-    return 0 if rows else 1
+    failed = failed_rows(rows, args.device)
+    if failed:
+        print(f"grpo-fast bench: {len(failed)} of {len(rows)} rows failed: "
+              + "; ".join(f"{r['shape']} {r['impl']}: {r['error']}" for r in failed[:3])
+              + ("; ..." if len(failed) > 3 else ""), file=sys.stderr)
+    return 0 if rows and not failed else 1
+
+
+def unwritable(out_dir: str):
+    """Why the results cannot be written to `out_dir` (created here if missing), or None."""
+    import tempfile
+
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for name in OUTPUT_FILES:
+            path = os.path.join(out_dir, name)
+            if os.path.lexists(path) and not os.path.isfile(path):
+                return f"{path} exists and is not a file"
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as error:
+        return f"{error.strerror or error}{': ' + error.filename if error.filename else ''}"
+    return None
+
+
+def failed_rows(rows, device: str) -> list:
+    """Rows whose measurement ran and failed (out of memory included); a peer not installed here or a row the
+    time budget skipped is not a failure."""
+    return [r for r in rows if "error" in r and r["error"] != SKIPPED
+            and not IMPLEMENTATIONS[r["impl"]].unavailable(device)]
 
 
 def _worker(argv) -> int:

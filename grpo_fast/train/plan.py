@@ -22,6 +22,7 @@ benchmarks/long_context.py), not guessed.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -64,20 +65,65 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, path: str) -> "ModelShape":
-        """From a Hugging Face config.json (a text_config inside a multimodal config is used)."""
-        with open(path) as f:
-            config = json.load(f)
-        config = config.get("text_config", config)
+        """From a Hugging Face config.json (a text_config inside a multimodal config is used). A file that is not
+        such a config raises ValueError naming the file and what is wrong with it."""
         try:
-            return cls(hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-                       num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
-                       num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-                       vocab_size=config["vocab_size"],
-                       tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                       head_dim=config.get("head_dim"),
-                       attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")))
-        except KeyError as error:
-            raise ValueError(f"{path}: a decoder config needs {error.args[0]!r}") from None
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except OSError as error:
+            raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a config.json (not UTF-8 text)") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}, column "
+                             f"{error.colno})") from None
+        if isinstance(config, dict) and config.get("text_config") is not None:
+            config = config["text_config"]
+            where = "text_config"
+        else:
+            where = "a config.json"
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: {where} must be a JSON object, got a JSON {_json_type(config)}")
+
+        def count(key, default=None):
+            value = config.get(key)
+            if value is None:                     # absent, or null as some configs write for "the default"
+                if default is not None:
+                    return default
+                raise ValueError(f"{path}: a decoder config needs {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{path}: {key} must be a positive integer, got {_short(value)}")
+            return value
+
+        def flag(key, default):
+            value = config.get(key)
+            if value is None:
+                return default
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}: {key} must be true or false, got {_short(value)}")
+            return value
+
+        hidden, intermediate, layers = count("hidden_size"), count("intermediate_size"), count("num_hidden_layers")
+        heads = count("num_attention_heads")
+        return cls(hidden_size=hidden, intermediate_size=intermediate, num_layers=layers, num_heads=heads,
+                   num_kv_heads=count("num_key_value_heads", default=heads), vocab_size=count("vocab_size"),
+                   tie_word_embeddings=flag("tie_word_embeddings", False),
+                   head_dim=None if config.get("head_dim") is None else count("head_dim"),
+                   attention_bias=flag("attention_bias", config.get("model_type") == "qwen2"))
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed JSON value's type, for error messages."""
+    for kind, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"),
+                       (dict, "object")):
+        if isinstance(value, kind):
+            return name
+    return "null"
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 PRESETS = {
@@ -87,8 +133,13 @@ PRESETS = {
     "llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8, 128256),
 }
 
-CARDS = {"24 GB (RTX 4090 / L4)": 24e9, "A100 40GB": 40e9, "A100 80GB": 80e9, "H100 80GB": 80e9,
-         "H200 141GB": 141e9}
+# Bytes each card offers: the total CUDA reports (torch.cuda.mem_get_info, the "total capacity" in PyTorch's
+# out-of-memory message), at the low end of what drivers report. The "GB" in the names are the vendors' labels,
+# neither decimal GB nor GiB of usable memory: an H200 "141GB" reports 139.7 GiB (150e9 bytes), an "80GB" card
+# 79.1 GiB. vLLM's pool is a share of this same total. The 24 GB row is the smaller of its two cards (L4 22.0 GiB,
+# RTX 4090 23.5 GiB), so that "fits" holds on both.
+CARDS = {"24 GB (RTX 4090 / L4)": int(22.0 * GIB), "A100 40GB": int(39.4 * GIB), "A100 80GB": int(79.1 * GIB),
+         "H100 80GB": int(79.1 * GIB), "H200 141GB": int(139.7 * GIB)}
 DTYPES = ("bf16-autocast", "bf16", "fp32")
 OPTIMIZERS = ("adamw", "adamw8bit")
 LOSSES = ("naive", "trl", "grpo_fast")
@@ -140,12 +191,17 @@ class Job:
                               ("engine", ENGINES), ("device", ("cuda", "cpu"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("prompt_length", "completion_length", "group_size", "prompts_per_step", "micro_batch_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.lora_rank < 0 or not 0 < self.gpu_memory_utilization < 1:
-            raise ValueError(f"lora_rank must be >= 0 and gpu_memory_utilization in (0, 1), got {self.lora_rank}, "
-                             f"{self.gpu_memory_utilization}")
+        # the trainer's rules (TrainConfig), so that a plan is never made for a job the trainer refuses
+        for name in ("prompt_length", "completion_length", "prompts_per_step", "micro_batch_size"):
+            _require(name, getattr(self, name), getattr(self, name) > 0, "> 0")
+        _require("group_size", self.group_size, self.group_size >= 2, ">= 2 (advantages compare completions)")
+        for name in ("micro_batch_tokens", "chunk_bytes"):
+            value = getattr(self, name)
+            _require(name, value, value is None or value > 0, "> 0 (or unset)")
+        _require("lora_rank", self.lora_rank, self.lora_rank >= 0, ">= 0 (0: full training)")
+        _require("beta", self.beta, 0 <= self.beta < math.inf, "a finite number >= 0")
+        _require("gpu_memory_utilization", self.gpu_memory_utilization, 0 < self.gpu_memory_utilization < 1,
+                 "in (0, 1)")
 
     @property
     def micro_batch_sequences(self) -> int:
@@ -153,6 +209,19 @@ class Job:
             return self.micro_batch_size
         per_sequence = self.prompt_length + self.completion_length
         return max(1, min(self.micro_batch_size, self.micro_batch_tokens // per_sequence))
+
+
+class JobValueError(ValueError):
+    """A Job field out of range; `field` lets the command line name its option instead."""
+
+    def __init__(self, field: str, expected: str, value):
+        super().__init__(f"{field} must be {expected}, got {value!r}")
+        self.field, self.expected, self.value = field, expected, value
+
+
+def _require(field: str, value, ok: bool, expected: str) -> None:
+    if not ok:                            # NaN fails every comparison, so it lands here too
+        raise JobValueError(field, expected, value)
 
 
 def _bytes(dtype: str) -> tuple:
@@ -256,8 +325,8 @@ class PlanReport:
 
 def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
     estimate = plan(shape, job)
-    cards = {card: {"fits": ok, "needed_bytes": int(need)} for card, (ok, need) in fits(shape, job,
-                                                                                           estimate).items()}
+    cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card]}
+             for card, (ok, need) in fits(shape, job, estimate).items()}
     return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
                       components={k: int(v) for k, v in estimate.items()},
                       kv_cache_needed=kv_cache_needed(shape, job), cards=cards)
@@ -280,10 +349,11 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']}: pool = that share of the card; "
                      f"one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB (less is "
                      "fine: vLLM queues)")
-    lines.append("")
+    lines += ["", "GiB = 2^30 bytes; a card holds the total memory CUDA reports for it"]
     for card, result in report.cards.items():
         verdict = "fits" if result["fits"] else "does not fit"
-        lines.append(f"{card:<24}{verdict:>14}  ({result['needed_bytes'] / GIB:.1f} GiB needed)")
+        lines.append(f"{card:<24}{verdict:>14}  ({result['needed_bytes'] / GIB:.1f} GiB needed of "
+                     f"{result['capacity_bytes'] / GIB:.1f} GiB)")
     return "\n".join(lines)
 
 
@@ -294,6 +364,8 @@ def load_shape(model: str) -> ModelShape:
     if model in PRESETS:
         return PRESETS[model]
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if os.path.isdir(model) and not os.path.isfile(path):
+        raise ValueError(f"model folder {model!r} must hold a config.json, found none")
     if not os.path.isfile(path):
         raise ValueError(f"model must be a preset {sorted(PRESETS)} or a config.json path, got {model!r}")
     return ModelShape.from_config(path)
@@ -334,6 +406,10 @@ def main(args) -> int:
                   gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
                   loss=args.loss, beta=args.beta, engine=args.engine,
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device)
+    except JobValueError as error:       # named by the option the user typed
+        option = "--" + error.field.replace("_", "-")
+        print(f"grpo-fast plan: {option} must be {error.expected}, got {error.value!r}", file=sys.stderr)
+        return 2
     except ValueError as error:
         print(f"grpo-fast plan: {error}", file=sys.stderr)
         return 2
