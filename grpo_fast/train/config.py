@@ -3,109 +3,135 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_fast.train.advantages import ESTIMATORS, SCALES
 from grpo_fast.train.engines import IS_MODES
-from grpo_fast.variants import LossConfig
+from grpo_fast.variants import LOSS_TYPES, LossConfig
+
+GROUPS = ("Model and data", "Rollouts", "Rewards", "Loss", "Optimization", "Warm start", "Processes", "Run")
+TASKS = ("arithmetic", "gsm8k")
+
+
+def _group(name: str):
+    """The field maker of one group: each key carries its group and one line of help, the one source of keys_help()."""
+    assert name in GROUPS
+
+    def key(default, help: str):
+        metadata = {"group": name, "help": help}
+        if isinstance(default, list):
+            return field(default_factory=lambda: list(default), metadata=metadata)
+        return field(default=default, metadata=metadata)
+    return key
+
+
+_data, _rollouts, _rewards, _loss, _optimization, _warm_start, _processes, _run = map(_group, GROUPS)
+
+
+def _one_of(values) -> str:
+    return ", ".join(values)
 
 
 @dataclass
 class TrainConfig:
-    """Every option of `grpo-fast train`, grouped by what it controls.
+    """Every option of `grpo-fast train`, grouped by what it controls; `keys_help()` lists each key with its type,
+    default and help (the fields' metadata).
 
-    Model and data
-        model: "tiny" (a Qwen2-style model and tokenizer built in code) or a Hugging Face model directory.
-        task: "arithmetic" (generated, operands 0..max_operand), "gsm8k" (vendored subset) or a .jsonl file
-            with prompt / solution.
-        prompt_format: "plain" (the prompt text) or "chat" (the tokenizer's chat template, as a user turn);
-            system_prompt, if set, is the system turn (chat) or a line before the prompt (plain).
-        device: "auto" (CUDA when available), "cpu" or "cuda[:i]". bf16 autocast on GPU, fp32 on CPU.
-    Rollouts: group_size completions per prompt, prompts_per_step prompts per step, sampled at temperature /
-        top_p up to max_completion_length tokens (every one of them with ignore_eos, for length tests) by the
-        `engine`: "hf" (model.generate) or "vllm" (an offline vLLM engine in this process, weights pushed after
-        every step; vllm_gpu_memory_utilization is its share of the GPU). vLLM samples with its own numerics,
-        so each token's loss is weighted by the rollout correction `importance_sampling` (none, token_truncate,
-        token_mask, sequence_truncate, sequence_mask) of exp(trainer log-prob - engine log-prob), capped at
-        importance_sampling_cap.
-    Rewards: names from grpo_fast.train.rewards.REWARDS or "module:function", weighted by reward_weights.
+    Model and data: the policy (the tiny model built in code or a Hugging Face model) and the prompts it answers.
+    Rollouts: group_size completions for each of prompts_per_step prompts, sampled by the `engine`. vLLM samples
+        with its own numerics, so each token's loss is weighted by the rollout correction `importance_sampling` of
+        exp(trainer log-prob - engine log-prob), capped at importance_sampling_cap.
+    Rewards: reward functions, their weights, and how rewards become advantages.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
-        loss_implementation "naive" computes the same loss from the full logits (for comparisons).
-    Optimization: AdamW, warm-up then cosine or linear decay, grad-norm clipping, gradient checkpointing.
-        Micro-batches hold at most micro_batch_size sequences and micro_batch_tokens real tokens (None: no
-        token limit; a longer sequence goes alone); packing lays a micro-batch's sequences end to end without
-        padding (position_ids restart per sequence), otherwise they are padded to the micro-batch's longest.
-        Their gradients add up to the whole step's, whatever the cut. offload_activations keeps the tensors
-        saved for backward in CPU memory (GPU runs).
+    Optimization: AdamW, warm-up then decay, grad-norm clipping, gradient checkpointing. Micro-batches hold at most
+        micro_batch_size sequences and micro_batch_tokens real tokens; their gradients add up to the whole step's,
+        whatever the cut.
     Warm start: sft_steps of supervised training on the task's solutions before GRPO (0 to skip).
-    Processes: under torchrun, `distributed` is "ddp" (PyTorch DistributedDataParallel) or "fsdp2"
-        (fully_shard per decoder layer); each rank takes prompts_per_step / world_size prompts per step.
-    Run: output_dir gets metrics.jsonl, curves.png, completions.jsonl and checkpoints every save_every steps.
-        A folder that already holds a run is refused unless resuming or overwrite_output_dir is set. A step
-        whose loss or gradient norm is not finite is skipped (the weights stay as they were); max_bad_steps
-        such steps in a row stop the run.
+    Processes: under torchrun each rank takes prompts_per_step / world_size prompts per step.
+    Run: output_dir gets metrics.jsonl, curves.png, completions.jsonl and checkpoints. A step whose loss or
+        gradient norm is not finite is skipped (the weights stay as they were); max_bad_steps such steps in a row
+        stop the run.
     """
 
-    model: str = "tiny"
-    task: str = "arithmetic"
-    prompt_format: str = "plain"
-    system_prompt: Optional[str] = None
-    device: str = "auto"
-    num_prompts: int = 2000
-    max_operand: int = 9
-    engine: str = "hf"
-    group_size: int = 8
-    prompts_per_step: int = 8
-    max_completion_length: int = 6
-    temperature: float = 1.0
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    vllm_gpu_memory_utilization: float = 0.3
-    importance_sampling: str = "sequence_mask"
-    importance_sampling_cap: float = 3.0
-    rewards: list = field(default_factory=lambda: ["accuracy"])
-    reward_weights: Optional[list] = None
-    scale_rewards: str = "group"
-    advantage_estimator: str = "grpo"
-    mask_truncated_completions: bool = False
-    loss_type: str = "dapo"
-    loss_implementation: str = "grpo_fast"
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
-    num_iterations: int = 1
-    entropy_coef: float = 0.0
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 5
-    lr_schedule: str = "cosine"
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 32
-    micro_batch_tokens: Optional[int] = None
-    packing: bool = True
-    offload_activations: bool = False
-    gradient_checkpointing: bool = True
-    max_steps: int = 300
-    sft_steps: int = 300
-    sft_learning_rate: float = 3e-3
-    seed: int = 0
-    distributed: str = "ddp"
-    output_dir: str = "runs/default"
-    overwrite_output_dir: bool = False
-    save_every: int = 20
-    log_completions: int = 4
-    max_bad_steps: int = 3
+    model: str = _data("tiny", '"tiny" (a Qwen2-style model and tokenizer built in code), a Hugging Face model '
+                               "directory or hub id")
+    task: str = _data("arithmetic", '"arithmetic" (generated), "gsm8k" (vendored 200-problem subset) or a .jsonl '
+                                    "file with prompt / solution")
+    prompt_format: str = _data("plain", '"plain" (the prompt text) or "chat" (the chat template, as a user turn)')
+    system_prompt: Optional[str] = _data(None, "the system turn (chat) or a line before the prompt (plain)")
+    device: str = _data("auto", '"auto" (CUDA when available), "cpu" or "cuda[:i]"; bf16 autocast on GPU, fp32 on '
+                                "CPU")
+    num_prompts: int = _data(2000, "how many arithmetic problems are generated")
+    max_operand: int = _data(9, "arithmetic operands are 0..max_operand")
+    engine: str = _rollouts("hf", '"hf" (model.generate) or "vllm" (offline vLLM in this process, weights pushed '
+                                  "after every step)")
+    group_size: int = _rollouts(8, "completions per prompt (>= 2: advantages compare them)")
+    prompts_per_step: int = _rollouts(8, "prompts per step, split across processes")
+    max_completion_length: int = _rollouts(6, "tokens sampled per completion at most")
+    temperature: float = _rollouts(1.0, "sampling temperature")
+    top_p: float = _rollouts(1.0, "nucleus sampling probability mass, in (0, 1]")
+    ignore_eos: bool = _rollouts(False, "sample all max_completion_length tokens of every completion (length tests)")
+    vllm_gpu_memory_utilization: float = _rollouts(0.3, "vLLM's share of the GPU memory, in (0, 1]")
+    importance_sampling: str = _rollouts("sequence_mask", f"rollout correction: {_one_of(IS_MODES)}")
+    importance_sampling_cap: float = _rollouts(3.0, "cap of the rollout correction's ratio")
+    rewards: list[str] = _rewards(["accuracy"], 'names from grpo_fast.train.rewards.REWARDS or "module:function" '
+                                                "(comma-separated)")
+    reward_weights: Optional[list[float]] = _rewards(None, "one weight per reward (comma-separated); None: all 1")
+    scale_rewards: str = _rewards("group", f"advantages divided by the reward std of: {_one_of(SCALES)}")
+    advantage_estimator: str = _rewards("grpo", f"advantage baseline: {_one_of(ESTIMATORS)}")
+    mask_truncated_completions: bool = _rewards(False, "completions cut at max_completion_length get no loss")
+    loss_type: str = _loss("dapo", f"one of {_one_of(sorted(LOSS_TYPES))}")
+    loss_implementation: str = _loss("grpo_fast", '"grpo_fast" or "naive" (the same loss from the full logits, '
+                                                  "for comparisons)")
+    beta: float = _loss(0.0, "weight of the k3 KL to the reference policy (the policy as GRPO started)")
+    epsilon_low: float = _loss(0.2, "clip range [1 - epsilon_low, 1 + epsilon_high]")
+    epsilon_high: float = _loss(0.28, "clip range [1 - epsilon_low, 1 + epsilon_high]")
+    num_iterations: int = _loss(1, "updates per rollout (> 1 reuses it with old log-probs)")
+    entropy_coef: float = _loss(0.0, "subtracts entropy_coef * the mean entropy from the loss")
+    learning_rate: float = _optimization(1e-3, "AdamW learning rate of the GRPO steps")
+    weight_decay: float = _optimization(0.0, "AdamW weight decay")
+    warmup_steps: int = _optimization(5, "steps of linear learning-rate warm-up")
+    lr_schedule: str = _optimization("cosine", "decay to 0 at max_steps after the warm-up: cosine, linear, constant")
+    max_grad_norm: float = _optimization(1.0, "gradients are clipped to this norm")
+    micro_batch_size: int = _optimization(32, "sequences per micro-batch at most")
+    micro_batch_tokens: Optional[int] = _optimization(None, "real tokens per micro-batch at most (None: no limit; "
+                                                            "a longer sequence goes alone)")
+    packing: bool = _optimization(True, "lay a micro-batch's sequences end to end without padding (else pad to "
+                                        "the longest)")
+    offload_activations: bool = _optimization(False, "keep the tensors saved for backward in CPU memory (GPU runs)")
+    gradient_checkpointing: bool = _optimization(True, "recompute activations in backward to save memory")
+    sft_steps: int = _warm_start(300, "supervised steps on the task's solutions before GRPO (0 to skip)")
+    sft_learning_rate: float = _warm_start(3e-3, "learning rate of the supervised steps")
+    distributed: str = _processes("ddp", 'under torchrun: "ddp" (DistributedDataParallel) or "fsdp2" '
+                                         "(fully_shard per decoder layer)")
+    max_steps: int = _run(300, "GRPO steps")
+    seed: int = _run(0, "seed of the task, the model's initialization and the sampling")
+    output_dir: str = _run("runs/default", "metrics.jsonl, curves.png, completions.jsonl and checkpoints go here")
+    overwrite_output_dir: bool = _run(False, "train into a folder that already holds a run (else refused unless "
+                                             "resuming)")
+    save_every: int = _run(20, "steps between checkpoints")
+    log_completions: int = _run(4, "prompts per step whose first completion goes to completions.jsonl")
+    max_bad_steps: int = _run(3, "non-finite steps in a row (each skipped) that stop the run")
 
     def __post_init__(self):
-        positive = ("num_prompts", "group_size", "prompts_per_step", "max_completion_length", "num_iterations",
-                    "micro_batch_size", "max_steps", "save_every")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages compare completions), got {self.group_size}")
+        hints = _hints()
+        for name in ("model", "task", "output_dir"):          # paths: "~" is the home folder, as in a shell
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, os.path.expanduser(getattr(self, name)))
+        for item in dataclasses.fields(self):
+            _check_type(item.name, getattr(self, item.name), hints[item.name])
+        for name, (rule, test) in RULES.items():
+            value = getattr(self, name)
+            if value is None:                                 # Optional keys (typed above)
+                continue
+            if not (math.isfinite(value) and test(value)):   # NaN fails every comparison, inf is not finite
+                number = "a finite number " if _base(hints[name])[0] is float else ""
+                raise ValueError(f"{name} must be {number}{rule}".rstrip() + f", got {value!r}")
         choices = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
                    "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"),
                    "scale_rewards": SCALES, "advantage_estimator": ESTIMATORS,
@@ -113,18 +139,22 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens <= 0:
-            raise ValueError(f"micro_batch_tokens must be > 0 or None, got {self.micro_batch_tokens}")
-        if self.importance_sampling_cap <= 0 or not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"importance_sampling_cap must be > 0 and vllm_gpu_memory_utilization in (0, 1], got "
-                             f"{self.importance_sampling_cap}, {self.vllm_gpu_memory_utilization}")
-        if self.sft_steps < 0 or self.warmup_steps < 0:
-            raise ValueError("sft_steps and warmup_steps must be >= 0")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(f"reward_weights must have one weight per reward ({len(self.rewards)}), "
-                             f"got {self.reward_weights}")
+        for name in ("model", "output_dir"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"{name} must not be empty, got {getattr(self, name)!r}")
+        if self.task not in TASKS and not os.path.isfile(self.task):
+            why = "a folder" if os.path.isdir(self.task) else "no such file"
+            raise ValueError(f"task must be 'arithmetic', 'gsm8k' or a .jsonl file; got {self.task!r} ({why})")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if not self.rewards or not all(isinstance(name, str) and name.strip() for name in self.rewards):
+            raise ValueError(f"rewards must name at least one reward function, got {self.rewards!r}")
+        if self.reward_weights is not None:
+            if not all(_is_number(w) and math.isfinite(w) for w in self.reward_weights):
+                raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights!r}")
+            if len(self.reward_weights) != len(self.rewards):
+                raise ValueError(f"reward_weights must have one weight per reward ({len(self.rewards)}), "
+                                 f"got {self.reward_weights}")
         self.loss_config()                     # loss options are checked where the loss defines them
 
     def check_world(self, world_size: int) -> None:
@@ -141,50 +171,159 @@ class TrainConfig:
                           max_completion_length=self.max_completion_length)
 
 
+def _rule(text: str, test):
+    return text, test
+
+
+_POSITIVE, _NON_NEGATIVE = _rule("> 0", lambda v: v > 0), _rule(">= 0", lambda v: v >= 0)
+_FRACTION, _ANY = _rule("in (0, 1]", lambda v: 0 < v <= 1), _rule("", lambda v: True)
+# every numeric key: (rule, test), checked after "is finite"; an Optional key's None is not checked
+RULES = {
+    "num_prompts": _POSITIVE, "max_operand": _POSITIVE,
+    "group_size": _rule(">= 2 (advantages compare completions)", lambda v: v >= 2),
+    "prompts_per_step": _POSITIVE, "max_completion_length": _POSITIVE, "temperature": _POSITIVE,
+    "top_p": _FRACTION, "vllm_gpu_memory_utilization": _FRACTION, "importance_sampling_cap": _POSITIVE,
+    "beta": _NON_NEGATIVE, "epsilon_low": _NON_NEGATIVE, "epsilon_high": _NON_NEGATIVE, "num_iterations": _POSITIVE,
+    "entropy_coef": _ANY, "learning_rate": _POSITIVE, "weight_decay": _NON_NEGATIVE, "warmup_steps": _NON_NEGATIVE,
+    "max_grad_norm": _POSITIVE, "micro_batch_size": _POSITIVE, "micro_batch_tokens": _POSITIVE,
+    "sft_steps": _NON_NEGATIVE, "sft_learning_rate": _POSITIVE, "max_steps": _POSITIVE,
+    "seed": _rule("in [0, 2**32)", lambda v: 0 <= v < 2**32),     # the engines' and numpy's seed range
+    "save_every": _POSITIVE, "log_completions": _NON_NEGATIVE, "max_bad_steps": _rule(">= 1", lambda v: v >= 1),
+}
+
+
+def _hints() -> dict:
+    global _HINTS
+    if _HINTS is None:
+        _HINTS = typing.get_type_hints(TrainConfig)
+    return _HINTS
+
+
+_HINTS = None
+
+
+def _base(kind) -> tuple:
+    """(X, optional) for X and Optional[X]."""
+    if typing.get_origin(kind) is typing.Union:
+        return next(arg for arg in typing.get_args(kind) if arg is not type(None)), True
+    return kind, False
+
+
+def _type_name(kind) -> str:
+    kind, optional = _base(kind)
+    name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
+    return f"{name} or None" if optional else name
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_type(name: str, value, kind) -> None:
+    """For TrainConfig(...) built in code: the value has the field's type (a float key takes an int too)."""
+    base, optional = _base(kind)
+    if value is None and optional:
+        return
+    origin = typing.get_origin(base) or base
+    fits = {bool: lambda: isinstance(value, bool), int: lambda: isinstance(value, int) and not isinstance(value, bool),
+            float: lambda: _is_number(value)}.get(origin, lambda: isinstance(value, origin))()
+    if not fits:
+        raise ValueError(f"config key {name!r} expects {_type_name(kind)}, got {value!r}")
+
+
 def _convert(name: str, text, kind):
     """A command-line or YAML value as the field's type, with an error naming the key."""
-    origin = typing.get_origin(kind)
-    if origin is typing.Union:                                    # Optional[X]
-        if text is None or (isinstance(text, str) and text.lower() in ("none", "null")):
+    kind, optional = _base(kind)
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "null")):
+        if optional:
             return None
-        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-        origin = typing.get_origin(kind)
-    if kind is list or origin is list:
-        if isinstance(text, list):
-            return text
-        items = [item.strip() for item in str(text).split(",") if item.strip()]
-        return [float(item) if name == "reward_weights" else item for item in items]
-    if isinstance(text, kind) and not (kind is int and isinstance(text, bool)):
+        # otherwise a str key would hold the text "None" (output_dir: ~ trained into ./None)
+        raise ValueError(f"config key {name!r} expects {_type_name(kind)} and cannot be null, got {text!r}")
+    if typing.get_origin(kind) is list:
+        items = text if isinstance(text, list) else [item.strip() for item in str(text).split(",") if item.strip()]
+        item_kind = typing.get_args(kind)[0]
+        try:
+            return [_convert(name, item, item_kind) for item in items]
+        except ValueError:
+            raise ValueError(f"config key {name!r} expects {_type_name(kind)}, got {text!r}") from None
+    if isinstance(text, kind) and not (kind is not bool and isinstance(text, bool)):
         return text
     try:
+        if isinstance(text, bool) or kind is bool and isinstance(text, (int, float)) and text not in (0, 1):
+            raise ValueError                       # YAML's true is no number, and 2 is no bool
         if kind is bool:
-            lowered = str(text).lower()
+            lowered = str(text).strip().lower()
             if lowered not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError
             return lowered in ("true", "1", "yes")
+        if kind is int and isinstance(text, float):
+            if not text.is_integer():
+                raise ValueError                   # int(2.5) would be 2
+            return int(text)
         return kind(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"config key {name!r} expects {kind.__name__}, got {text!r}") from None
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def _read_yaml(path: str):
+    import yaml
+
+    with open(path, "rb") as f:
+        data = f.read().removeprefix(b"\xef\xbb\xbf")          # a UTF-8 byte order mark is no error
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}: {error.reason})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}" if mark else path       # marks count lines from 0
+        problem = error.problem or error.context
+        if error.context and error.problem and error.context_mark:   # e.g. where an unclosed [ opened
+            problem += f"; {error.context} on line {error.context_mark.line + 1}"
+        raise ValueError(f"{where}: not valid YAML ({_one_line(problem)})") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML ({_one_line(error)})") from None
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[dict] = None) -> TrainConfig:
     """TrainConfig from a YAML file (optional) and overrides {key: value}; unknown keys are errors."""
     values = {}
     if path:
-        import yaml
-
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = _read_yaml(os.path.expanduser(path)) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file is a mapping of keys to values")
         values.update(loaded)
     values.update(overrides or {})
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    hints = typing.get_type_hints(TrainConfig)
-    unknown = sorted(set(values) - set(fields))
+    hints = _hints()
+    unknown = sorted(str(key) for key in set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; known keys: {sorted(fields)}")
     return TrainConfig(**{name: _convert(name, value, hints[name]) for name, value in values.items()})
+
+
+def keys_help() -> str:
+    """Every key of TrainConfig by group: `  key: type = default  help`, one line each (for `train --help`)."""
+    hints, lines, last_group = _hints(), [], None
+    rows = []
+    for item in dataclasses.fields(TrainConfig):
+        default = item.default_factory() if item.default is dataclasses.MISSING else item.default
+        rows.append((item.metadata["group"], f"  {item.name}: {_type_name(hints[item.name])} = {default!r}",
+                     item.metadata["help"]))
+    width = max(len(left) for _, left, _ in rows) + 2
+    for group, left, help in sorted(rows, key=lambda row: GROUPS.index(row[0])):
+        if group != last_group:
+            lines.append(f"{group}:")
+            last_group = group
+        lines.append(f"{left:<{width}}{help}")
+    return "\n".join(lines)
 
 
 def parse_overrides(items: list) -> dict:

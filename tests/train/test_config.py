@@ -1,0 +1,181 @@
+"""The trainer's configuration: every key's range and type, nulls, paths, bad files, task names, the keys' help."""
+
+import dataclasses
+import math
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from grpo_fast.cli import main as cli  # noqa: E402
+from grpo_fast.train.config import RULES, TrainConfig, load_config  # noqa: E402
+
+NUMERIC = [f.name for f in dataclasses.fields(TrainConfig) if f.type in ("int", "float", "Optional[int]")]
+
+BAD = [("max_grad_norm", "-1", "max_grad_norm must be a finite number > 0, got -1.0"),
+       ("max_grad_norm", "0", "max_grad_norm must be a finite number > 0, got 0.0"),
+       ("max_grad_norm", "inf", "max_grad_norm must be a finite number > 0, got inf"),
+       ("learning_rate", "0", "learning_rate must be a finite number > 0, got 0.0"),
+       ("sft_learning_rate", "-3e-3", "sft_learning_rate must be a finite number > 0, got -0.003"),
+       ("weight_decay", "-0.1", "weight_decay must be a finite number >= 0, got -0.1"),
+       ("temperature", "inf", "temperature must be a finite number > 0, got inf"),
+       ("top_p", "0", "top_p must be a finite number in (0, 1], got 0.0"),
+       ("top_p", "1.5", "top_p must be a finite number in (0, 1], got 1.5"),
+       ("epsilon_low", "-0.2", "epsilon_low must be a finite number >= 0, got -0.2"),
+       ("epsilon_high", "inf", "epsilon_high must be a finite number >= 0, got inf"),
+       ("beta", "inf", "beta must be a finite number >= 0, got inf"),
+       ("entropy_coef", "-inf", "entropy_coef must be a finite number, got -inf"),
+       ("importance_sampling_cap", "0", "importance_sampling_cap must be a finite number > 0, got 0.0"),
+       ("vllm_gpu_memory_utilization", "1.2", "vllm_gpu_memory_utilization must be a finite number in (0, 1], got 1.2"),
+       ("max_operand", "0", "max_operand must be > 0, got 0"),
+       ("num_prompts", "-5", "num_prompts must be > 0, got -5"),
+       ("num_iterations", "0", "num_iterations must be > 0, got 0"),
+       ("micro_batch_tokens", "0", "micro_batch_tokens must be > 0, got 0"),
+       ("sft_steps", "-1", "sft_steps must be >= 0, got -1"),
+       ("warmup_steps", "-1", "warmup_steps must be >= 0, got -1"),
+       ("log_completions", "-1", "log_completions must be >= 0, got -1"),
+       ("max_bad_steps", "0", "max_bad_steps must be >= 1, got 0"),
+       ("seed", "-1", "seed must be in [0, 2**32), got -1"),
+       ("reward_weights", "a,b", "config key 'reward_weights' expects list[float], got 'a,b'"),
+       ("reward_weights", "1,nan", "reward_weights must be finite numbers, got [1.0, nan]"),
+       ("rewards", "", "rewards must name at least one reward function, got []"),
+       ("rewards", " , ", "rewards must name at least one reward function, got []")]
+
+
+@pytest.mark.parametrize("key, value, message", BAD, ids=[f"{key}={value}" for key, value, _ in BAD])
+def test_out_of_range_values_name_the_key(key, value, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, {key: value})
+    assert str(error.value) == message
+
+
+def test_every_numeric_key_has_a_rule_and_nan_fails_it():
+    assert set(NUMERIC) == set(RULES)
+    for key in NUMERIC:
+        with pytest.raises(ValueError, match=key):
+            TrainConfig(**{key: math.nan})
+        with pytest.raises(ValueError, match=key):
+            load_config(None, {key: "nan"})
+
+
+def test_boundary_values_are_accepted():
+    config = load_config(None, {"top_p": "1", "weight_decay": "0", "sft_steps": "0", "warmup_steps": "0",
+                                "log_completions": "0", "entropy_coef": "-0.01", "epsilon_low": "0", "beta": "0",
+                                "micro_batch_tokens": "None", "max_bad_steps": "1", "vllm_gpu_memory_utilization": "1",
+                                "rewards": "accuracy,format", "reward_weights": "1,-0.5"})
+    assert (config.top_p, config.micro_batch_tokens, config.reward_weights) == (1.0, None, [1.0, -0.5])
+
+
+def test_the_cli_reports_a_bad_value_on_one_line(capsys):
+    assert cli(["train", "--temperature", "inf"]) == 2
+    assert capsys.readouterr().err == "grpo-fast train: temperature must be a finite number > 0, got inf\n"
+    assert cli(["train", "--reward-weights", "a,b"]) == 2
+    assert capsys.readouterr().err == "grpo-fast train: config key 'reward_weights' expects list[float], got 'a,b'\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("output_dir: ~\n", "config key 'output_dir' expects str and cannot be null, got None"),
+    ("output_dir:\n", "config key 'output_dir' expects str and cannot be null, got None"),
+    ("model: null\n", "config key 'model' expects str and cannot be null, got None"),
+    ("packing: ~\n", "config key 'packing' expects bool and cannot be null, got None"),
+    ("max_steps: ~\n", "config key 'max_steps' expects int and cannot be null, got None"),
+    ("rewards: ~\n", "config key 'rewards' expects list[str] and cannot be null, got None"),
+    ("max_steps: true\n", "config key 'max_steps' expects int, got True"),
+    ("max_steps: 2.5\n", "config key 'max_steps' expects int, got 2.5"),
+    ("beta: yes\n", "config key 'beta' expects float, got True"),
+])
+def test_null_and_mistyped_yaml_values_are_errors(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as error:
+        load_config(str(path))
+    assert str(error.value) == message
+
+
+def test_none_strings_and_nulls_in_code():
+    for value in ("None", "null"):
+        with pytest.raises(ValueError, match=f"config key 'output_dir' expects str and cannot be null, got '{value}'"):
+            load_config(None, {"output_dir": value})
+    with pytest.raises(ValueError, match="config key 'gradient_checkpointing' expects bool and cannot be null"):
+        load_config(None, {"gradient_checkpointing": "None"})
+    with pytest.raises(ValueError, match="config key 'output_dir' expects str, got None"):
+        TrainConfig(output_dir=None)
+    config = load_config(None, {"system_prompt": "None", "micro_batch_tokens": "null", "max_steps": 4.0})
+    assert (config.system_prompt, config.micro_batch_tokens, config.max_steps) == (None, None, 4)
+
+
+def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "solution": "2"}\n')
+    path = tmp_path / "c.yaml"
+    path.write_text("output_dir: ~/runs/a\ntask: ~/data.jsonl\nmodel: ~/models/m\n")
+    config = load_config("~/c.yaml")
+    assert config.output_dir == str(tmp_path / "runs" / "a")
+    assert (config.task, config.model) == (str(tmp_path / "data.jsonl"), str(tmp_path / "models" / "m"))
+    assert load_config(None, {"model": "Qwen/Qwen2.5-0.5B-Instruct"}).model == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("group_size: 4\nrewards: [accuracy\nmax_steps: 3\n",
+     "c.yaml:3: not valid YAML (expected ',' or ']', but got ':'; while parsing a flow sequence on line 2)"),
+    ("group_size: 4\nmax_steps: 3\n  beta: 0.1\n", "c.yaml:3: not valid YAML (mapping values are not allowed here)"),
+    ("group_size: 4\n\tbeta: 0.1\n", "c.yaml:2: not valid YAML (found character '\\t' that cannot start any token)"),
+])
+def test_bad_yaml_names_the_file_and_line(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as error:
+        load_config(str(path))
+    assert str(error.value) == f"{tmp_path}{os.sep}{message}"
+
+
+def test_unreadable_config_files_are_one_line_errors(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"model: tiny\noutput_dir: caf\xe9\n")
+    with pytest.raises(ValueError, match=r"latin1\.yaml:2: not UTF-8 text \(byte 0xe9: invalid continuation byte\)"):
+        load_config(str(path))
+    (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbfmax_steps: 3\n")
+    assert load_config(str(tmp_path / "bom.yaml")).max_steps == 3
+    for name in ("latin1.yaml", "missing.yaml"):
+        assert cli(["train", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("grpo-fast train: ") and name in err and err.count("\n") == 1, err
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_task_is_a_known_name_or_an_existing_file(tmp_path):
+    with pytest.raises(ValueError) as error:
+        load_config(None, {"task": "gms8k"})
+    assert str(error.value) == "task must be 'arithmetic', 'gsm8k' or a .jsonl file; got 'gms8k' (no such file)"
+    with pytest.raises(ValueError, match=r"got '.*' \(a folder\)"):
+        TrainConfig(task=str(tmp_path))
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "1+1=", "solution": "2"}\n')
+    assert TrainConfig(task=str(path)).task == str(path)
+    assert load_config(None, {"task": "gsm8k"}).task == "gsm8k"
+
+
+def test_device_names():
+    """cuda is accepted without a GPU (the examples load on CPU; the trainer checks the device when it starts)."""
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        assert TrainConfig(device=device).device == device
+    with pytest.raises(ValueError, match=r"device must be 'auto', 'cpu' or 'cuda\[:i\]', got 'cdua'"):
+        load_config(None, {"device": "cdua"})
+
+
+def test_keys_help_lists_every_key_with_its_type_default_and_help():
+    from grpo_fast.train.config import GROUPS, keys_help
+
+    text = keys_help()
+    lines = text.splitlines()
+    for item in dataclasses.fields(TrainConfig):
+        help_text = item.metadata.get("help", "")
+        assert help_text.strip() and "\n" not in help_text, item.name
+        assert item.metadata["group"] in GROUPS
+        default = item.default_factory() if item.default is dataclasses.MISSING else item.default
+        [line] = [line for line in lines if line.startswith(f"  {item.name}: ")]
+        assert f" = {default!r} " in line and line.endswith(help_text), line
+    assert [line for line in lines if not line.startswith(" ")] == [f"{group}:" for group in GROUPS]
+    assert "  max_grad_norm: float = 1.0 " in text and "  reward_weights: list[float] or None = None " in text
