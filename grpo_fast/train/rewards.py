@@ -4,15 +4,30 @@ Every reward is `fn(completions, **columns) -> list[float | None]`, like TRL's r
 strings or chat messages (the last message's content is scored); extra dataset columns come as keyword lists
 (`solution` for accuracy). None means "skip this sample" (e.g. a gold answer that cannot be parsed): it becomes
 NaN, which `grpo_fast.train.advantages` leaves out.
+
+The math-verify rewards (accuracy, length, cosine) run math-verify in a few worker processes with a hard time limit
+per completion, MATH_VERIFY_TIME_LIMIT_S: some answers (`\\boxed{10^{10^{10}}}`) make sympy run for minutes, and
+math-verify's own timeouts (SIGALRM) only work on the main thread. A completion over the limit scores as a wrong
+answer, as when math-verify's own timeout fires, and its worker is killed and replaced.
 """
 
+# Only the standard library at the top: the worker processes load this file on its own, without torch.
 from __future__ import annotations
 
+import atexit
 import importlib
 import math
+import os
 import re
+import subprocess
+import sys
 import threading
+import time
 import warnings
+from collections import deque
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
+from multiprocessing.connection import Connection, wait
 from typing import Callable, Optional
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -30,16 +45,26 @@ def _text(completion) -> str:
 
 def _timeouts() -> tuple:
     """(parse kwargs, verify kwargs). math-verify times out with SIGALRM, which only the main thread may use:
-    elsewhere run without a limit (use a process pool for a hard limit off the main thread)."""
+    elsewhere run without a limit. The rewards call these in worker processes, on their main thread."""
     if threading.current_thread() is threading.main_thread():
         return {}, {}
     return {"parsing_timeout": None}, {"timeout_seconds": None}
 
 
+_GOLD_CACHE = {}                                    # gold text -> parsed: a step repeats each gold group_size times
+
+
 def _parse_gold(solution: str):
     from math_verify import parse
 
-    return parse(solution, extraction_mode="first_match", **_timeouts()[0])
+    if solution in _GOLD_CACHE:
+        return _GOLD_CACHE[solution]
+    parsed = parse(solution, extraction_mode="first_match", **_timeouts()[0])
+    if parsed:                                      # not a failure or a timeout: those are retried, as before
+        if len(_GOLD_CACHE) >= 4096:
+            _GOLD_CACHE.clear()
+        _GOLD_CACHE[solution] = parsed
+    return parsed
 
 
 def _parse_answer(text: str):
@@ -59,14 +84,270 @@ def _is_correct(gold_parsed, text: str) -> bool:
     return bool(verify(gold_parsed, _parse_answer(text), **_timeouts()[1]))
 
 
+def _verdict(gold: str, text: str) -> Optional[bool]:
+    """None when the gold cannot be parsed, else whether the answer in `text` equals it (run in a worker)."""
+    gold_parsed = _parse_gold(gold)
+    return None if not gold_parsed else _is_correct(gold_parsed, text)
+
+
+# ------------------------------------------------------------------ math-verify in worker processes
+MATH_VERIFY_TIME_LIMIT_S = 10.0     # per completion; above math-verify's own 5 s limits, which keep the worker alive
+MATH_VERIFY_WORKERS = 2             # per process (per torchrun rank): one stuck completion does not stall the batch
+_STARTUP_LIMIT_S = 120.0            # importing math-verify and sympy in a fresh worker
+_CHUNK_MAX = 32
+# A worker runs `python -c _BOOT <this file> <request fd> <reply fd> <bell fd>`: it loads this file alone (not the
+# package, which imports torch) and ignores Ctrl-C, which is the trainer's to handle; it exits when its request pipe
+# closes. It replies per completion (so a killed worker's finished work is kept) but rings the bell, which is what
+# the parent waits on, only per chunk: one wake-up per chunk keeps the parent's cost per call small.
+_BOOT = ("import signal, sys\n"
+         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+         "import importlib.util\n"
+         "spec = importlib.util.spec_from_file_location('_grpo_fast_math_worker', sys.argv[1])\n"
+         "module = importlib.util.module_from_spec(spec)\n"
+         "spec.loader.exec_module(module)\n"
+         "module._serve(*map(int, sys.argv[2:5]))\n")
+
+
+def _serve(request_fd: int, reply_fd: int, bell_fd: int) -> None:
+    """A worker's loop: receives chunks of (index, gold, text), replies (index, verdict, math-verify timed out, time
+    done) per completion and rings the bell after each chunk."""
+    import logging
+
+    requests, replies = Connection(request_fd, writable=False), Connection(reply_fd, readable=False)
+    sys.path[:] = requests.recv()                   # the parent's, as multiprocessing's spawn does
+    try:
+        import math_verify  # noqa: F401
+    except Exception as error:
+        replies.send(("error", f"{type(error).__name__}: {error}"))
+        os.write(bell_fd, b"!")
+        return
+    timeouts = []
+
+    class _Timeouts(logging.Handler):
+        # math-verify logs a timeout with the whole text: count it instead, the parent warns briefly
+        def emit(self, record):
+            if str(record.msg).startswith("Timeout during"):
+                timeouts.append(record)
+
+    logger = logging.getLogger("math_verify")
+    logger.addHandler(_Timeouts())
+    logger.propagate = False
+    try:
+        replies.send(("ready", time.monotonic()))
+        os.write(bell_fd, b"!")
+        while True:
+            chunk = requests.recv()
+            for index, gold, text in chunk:
+                timeouts.clear()
+                try:
+                    value = _verdict(gold, text)
+                except Exception as error:
+                    replies.send(("failed", index, f"{type(error).__name__}: {error}"))
+                    continue
+                replies.send((index, value, bool(timeouts), time.monotonic()))
+            os.write(bell_fd, b"!")
+    except (EOFError, OSError):                     # the parent closed the pipes or exited: so does the worker
+        return
+
+
+class _Worker:
+    def __init__(self):
+        request_r, request_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        bell_r, bell_w = os.pipe()
+        try:
+            self.process = subprocess.Popen([sys.executable, "-c", _BOOT, os.path.abspath(__file__),
+                                             str(request_r), str(reply_w), str(bell_w)],
+                                            pass_fds=(request_r, reply_w, bell_w), stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (request_w, reply_r, bell_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (request_r, reply_w, bell_w):
+                os.close(fd)
+        self.requests = Connection(request_w, readable=False)
+        self.replies = Connection(reply_r, writable=False)
+        self.bell = bell_r
+        try:
+            self.requests.send(list(sys.path))
+        except OSError:
+            pass                                    # it exited already: reading its replies says so
+        self.ready = False
+        self.since = time.monotonic()               # when the current completion (or the startup) began
+        self.queue = deque()                        # indices sent and not answered yet, in order
+
+    def deadline(self, limit: float) -> float:
+        return self.since + (limit if self.ready else _STARTUP_LIMIT_S)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:             # first: closing its pipes first could make it write an EPIPE
+            self.process.kill()
+        self.process.wait()
+        if self.bell is not None:
+            self.requests.close()
+            self.replies.close()
+            os.close(self.bell)
+            self.bell = None
+
+
+class _MathPool:
+    """MATH_VERIFY_WORKERS worker processes; a completion over the time limit has its worker killed and replaced,
+    and that worker's other completions go back to the queue."""
+
+    def __init__(self, size: int):
+        self.pid = os.getpid()
+        self.closed = False
+        self.workers = [_Worker() for _ in range(max(1, size))]
+
+    def run(self, tasks: list, limit: float) -> tuple:
+        """(verdicts, indices math-verify gave up on, indices whose worker died) for tasks [(gold, text)]."""
+        self.verdicts, self.timed_out, self.crashed = [None] * len(tasks), [], []
+        self.pending, self.left = deque(range(len(tasks))), len(tasks)
+        chunk = max(1, min(_CHUNK_MAX, math.ceil(len(tasks) / (4 * len(self.workers)))))   # small: balanced
+        try:
+            for slot in range(len(self.workers)):
+                if not self.workers[slot].ready:
+                    self._drain(slot, rung=False)   # a replacement may have started since the last call
+            while self.left:
+                any_ready = any(w.ready for w in self.workers)
+                for slot, worker in enumerate(self.workers):
+                    if any_ready and not worker.ready:
+                        continue                    # a replacement warms up for the next call, not this one
+                    while self.pending and len(worker.queue) <= chunk:    # the next chunk waits in the pipe
+                        batch = [self.pending.popleft() for _ in range(min(chunk, len(self.pending)))]
+                        try:
+                            worker.requests.send([(i, *tasks[i]) for i in batch])
+                        except OSError:
+                            self.pending.extendleft(reversed(batch))
+                            self._died(slot)
+                            break
+                        if worker.ready and not worker.queue:
+                            worker.since = time.monotonic()     # an idle worker's clock starts now
+                        worker.queue.extend(batch)
+                watched = [w for w in self.workers if w.queue or not w.ready]
+                wait_s = max(0.0, min(w.deadline(limit) for w in watched) - time.monotonic())
+                bells = wait([w.bell for w in watched], timeout=wait_s)
+                rung = [w for w in watched if w.bell in bells]     # before a replacement reuses a bell's fd
+                for slot, worker in enumerate(self.workers):
+                    if worker in rung or worker.queue:
+                        self._drain(slot, rung=worker in rung)
+                now = time.monotonic()
+                for slot, worker in enumerate(self.workers):
+                    if (worker.queue or not worker.ready) and now >= worker.deadline(limit):
+                        if not worker.ready:
+                            raise RuntimeError(f"a math-verify worker did not start within {_STARTUP_LIMIT_S:g} s")
+                        stuck = worker.queue.popleft()
+                        self.verdicts[stuck] = False
+                        self.timed_out.append(stuck)
+                        self.left -= 1
+                        self.pending.extendleft(reversed(worker.queue))
+                        worker.kill()
+                        self.workers[slot] = _Worker()
+        except BaseException:
+            self.close()                            # the workers may hold stale work: the next call starts afresh
+            raise
+        return self.verdicts, self.timed_out, self.crashed
+
+    def _drain(self, slot: int, rung: bool) -> None:
+        """Reads a worker's replies so far (and its bell when it rang); replaces it when it has died."""
+        worker = self.workers[slot]
+        alive = not rung or os.read(worker.bell, 4096) != b""      # a closed bell: the worker exited
+        try:
+            while worker.replies.poll():
+                self._take(worker, worker.replies.recv())
+        except (EOFError, OSError):
+            alive = False
+        if not alive:
+            self._died(slot)
+
+    def _take(self, worker: _Worker, message: tuple) -> None:
+        if message[0] == "ready":
+            worker.ready, worker.since = True, max(worker.since, message[1])
+            return
+        if message[0] == "error":
+            raise RuntimeError(f"a math-verify worker could not start: {message[1]}")
+        if message[0] == "failed":
+            raise RuntimeError(f"math-verify failed on completion {message[1]}: {message[2]}")
+        index, value, gave_up, done_at = message
+        worker.queue.popleft()
+        worker.since = max(worker.since, done_at)   # the next completion began when this one ended
+        self.verdicts[index] = value
+        self.left -= 1
+        if gave_up:
+            self.timed_out.append(index)
+
+    def _died(self, slot: int) -> None:
+        """A worker exited unasked: its current completion scores as wrong, the rest go back to the queue."""
+        worker = self.workers[slot]
+        worker.kill()
+        if not worker.ready:
+            raise RuntimeError(f"a math-verify worker exited while starting (exit code {worker.process.returncode})")
+        if worker.queue:
+            index = worker.queue.popleft()
+            self.verdicts[index] = False
+            self.crashed.append(index)
+            self.left -= 1
+        self.pending.extendleft(reversed(worker.queue))
+        self.workers[slot] = _Worker()
+
+    def close(self) -> None:
+        if self.closed or os.getpid() != self.pid:  # a forked child leaves its parent's workers alone
+            return
+        self.closed = True
+        for worker in self.workers:
+            worker.kill()
+
+
+_POOL: Optional[_MathPool] = None
+_POOL_LOCK = threading.Lock()
+_INHERITED = []                                     # pools a forked child got from its parent: never closed there
+
+
+def _close_pool() -> None:
+    if _POOL is not None:
+        _POOL.close()
+
+
+def _after_fork() -> None:
+    global _POOL, _POOL_LOCK
+    if _POOL is not None:
+        _INHERITED.append(_POOL)
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+atexit.register(_close_pool)                        # kills the workers: a stuck one must not delay exit
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _verdicts(reward: str, texts: list, golds: list) -> list:
+    """_verdict(gold, text) for each pair, run in the worker pool under the time limit."""
+    global _POOL
+    if not texts:
+        return []
+    tasks = [(str(gold), text) for gold, text in zip(golds, texts, strict=True)]
+    limit = MATH_VERIFY_TIME_LIMIT_S
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.closed:
+            _POOL = _MathPool(MATH_VERIFY_WORKERS)
+        verdicts, timed_out, crashed = _POOL.run(tasks, limit)
+    if timed_out:
+        first = texts[min(timed_out)]
+        warnings.warn(f"{reward}: math-verify timed out on {len(timed_out)} of {len(texts)} completions (its own "
+                      f"limits or the hard limit of {limit:g} s per completion), scored as wrong answers; the first "
+                      f"begins {first[:80]!r}", stacklevel=3)
+    if crashed:
+        first = texts[min(crashed)]
+        warnings.warn(f"{reward}: a math-verify worker died on {len(crashed)} of {len(texts)} completions, scored "
+                      f"as wrong answers; the first begins {first[:80]!r}", stacklevel=3)
+    return verdicts
+
+
 def accuracy_reward(completions, solution, **kwargs) -> list:
     """1.0 when the answer equals the gold solution (math-verify), 0.0 when not, None when the gold cannot be
     parsed (the sample is skipped rather than scored 0)."""
-    rewards = []
-    for completion, gold in zip(completions, solution, strict=True):
-        gold_parsed = _parse_gold(str(gold))
-        rewards.append(None if not gold_parsed else float(_is_correct(gold_parsed, _text(completion))))
-    return rewards
+    texts = [_text(c) for c in completions]
+    return [None if v is None else float(v) for v in _verdicts("accuracy_reward", texts, solution)]
 
 
 def format_reward(completions, **kwargs) -> list:
@@ -94,9 +375,8 @@ def length_reward(completions, solution, **kwargs) -> list:
     if shortest == longest:
         return [0.0] * len(texts)
     rewards = []
-    for text, length, gold in zip(texts, lengths, solution, strict=True):
-        gold_parsed = _parse_gold(str(gold))
-        correct = True if not gold_parsed else _is_correct(gold_parsed, text)
+    for length, verdict in zip(lengths, _verdicts("length_reward", texts, solution)):
+        correct = True if verdict is None else verdict
         lam = 0.5 - (length - shortest) / (longest - shortest)
         rewards.append(lam if correct else min(0.0, lam))
     return rewards
@@ -108,13 +388,12 @@ def cosine_scaled_reward(min_value_wrong: float = -1.0, max_value_wrong: float =
     """Correctness scaled by length on a cosine: short correct answers earn most, short wrong ones lose most."""
     def reward(completions, solution, **kwargs):
         rewards = []
-        for completion, gold in zip(completions, solution, strict=True):
-            text = _text(completion)
-            gold_parsed = _parse_gold(str(gold))
-            if not gold_parsed:
+        texts = [_text(c) for c in completions]
+        for text, verdict in zip(texts, _verdicts("cosine_scaled_reward", texts, solution)):
+            if verdict is None:
                 rewards.append(1.0)
                 continue
-            if _is_correct(gold_parsed, text):
+            if verdict:
                 low, high = min_value_correct, max_value_correct
             else:
                 low, high = max_value_wrong, min_value_wrong
@@ -171,9 +450,50 @@ def load_reward(spec: str, **options) -> Callable:
     return function
 
 
+def _scores_of(name: str, scores, count: int) -> tuple:
+    """(floats with None for skipped samples, number of non-finite scores) of what reward `name` returned."""
+    expected = f"reward {name} must return a list of floats (or None to skip a sample), one per completion; got"
+    # a str or dict has a length but no scores; a generator or map has no length to check against the batch
+    if isinstance(scores, (str, bytes, Mapping, AbstractSet)) or not isinstance(scores, Iterable):
+        raise TypeError(f"{expected} {_kind(scores)}")
+    try:
+        size = len(scores)
+    except TypeError:
+        raise TypeError(f"{expected} {_kind(scores)}") from None
+    if size != count:
+        raise RuntimeError(f"reward {name} returned {size} scores for {count} completions")
+    values, non_finite = [], 0
+    for i, score in enumerate(scores):
+        if score is None:
+            values.append(None)
+            continue
+        try:
+            if isinstance(score, (str, bytes)):     # float("0.5") would pass
+                raise TypeError
+            value = float(score)
+        except OverflowError:                       # an int beyond float range: infinite for this purpose
+            value = math.inf
+        except (TypeError, ValueError):
+            raise TypeError(f"{expected} {_kind(score)} at index {i}: {str(score)[:80]!r}") from None
+        if not math.isfinite(value):
+            non_finite += 1
+            value = None
+        values.append(value)
+    return values, non_finite
+
+
+def _kind(value) -> str:
+    name = type(value).__name__
+    return "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def weighted_rewards(functions, weights: Optional[list], completions, **columns) -> list:
     """sum_k weights[k] * functions[k](completions, **columns) per completion, skipping None (NaN where every
-    function skipped the sample). A function that fails raises an error naming it and the sample count."""
+    function skipped the sample). A non-finite score (inf, NaN) is skipped like None, with a warning. A function
+    that fails, or returns something other than one number or None per completion, raises an error naming it."""
+    functions = list(functions)
+    if not functions:
+        raise ValueError("at least one reward function is needed, got none")
     weights = [1.0] * len(functions) if weights is None else list(weights)
     if len(weights) != len(functions):
         raise ValueError(f"reward weights must match the {len(functions)} reward functions, got {len(weights)}")
@@ -186,12 +506,19 @@ def weighted_rewards(functions, weights: Optional[list], completions, **columns)
         except Exception as error:
             raise RuntimeError(f"reward {name} failed on a batch of {len(completions)} completions: {error}") \
                 from error
-        if len(scores) != len(completions):
-            raise RuntimeError(f"reward {name} returned {len(scores)} scores for {len(completions)} completions")
-        for i, score in enumerate(scores):
-            if score is not None and not (isinstance(score, float) and math.isnan(score)):
-                totals[i] += weight * float(score)
+        values, non_finite = _scores_of(name, scores, len(completions))
+        if non_finite:
+            warnings.warn(f"reward {name} returned {non_finite} non-finite score(s) (inf, -inf or NaN) for "
+                          f"{len(completions)} completions: those samples are skipped for it", stacklevel=2)
+        for i, value in enumerate(values):
+            if value is not None:
+                totals[i] += weight * value
                 seen[i] = True
-    if not any(seen):
+    overflowed = sum(ok and not math.isfinite(total) for total, ok in zip(totals, seen))
+    if overflowed:                                  # huge finite scores times the weights: no inf advantages either
+        warnings.warn(f"the weighted reward of {overflowed} of {len(completions)} completions overflowed to inf: "
+                      "those samples are skipped", stacklevel=2)
+    rewards = [total if ok and math.isfinite(total) else float("nan") for total, ok in zip(totals, seen)]
+    if all(math.isnan(reward) for reward in rewards):
         warnings.warn("every reward skipped every sample of this batch", stacklevel=2)
-    return [total if ok else float("nan") for total, ok in zip(totals, seen)]
+    return rewards

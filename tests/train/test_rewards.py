@@ -1,8 +1,10 @@
 """Each reward on fixed strings, including an <answer> that holds a bare number with no LaTeX."""
 
 import math
+import re
 import threading
 
+import numpy as np
 import pytest
 
 from grpo_fast.train import rewards as R
@@ -92,3 +94,57 @@ def test_load_reward():
         R.load_reward("nope")
     with pytest.raises(ValueError, match="cannot load reward"):
         R.load_reward("grpo_fast.train.rewards:nope")
+
+
+def my_reward_returning(value):
+    def my_reward(completions, **_):
+        return value() if callable(value) else value
+    return my_reward
+
+
+@pytest.mark.parametrize("returned, got", [
+    (lambda: (1.0 for _ in range(2)), "got a generator"),
+    (lambda: map(float, [1, 2]), "got a map"),
+    ("ab", "got a str"),
+    ({0: 1.0, 1: 0.0}, "got a dict"),
+    (None, "got None"),
+    (1.0, "got a float"),
+    ([1.0, "0.5"], "got a str at index 1: '0.5'"),
+    ([object(), 1.0], "got an object at index 0"),
+])
+def test_a_reward_returning_no_list_of_scores_names_itself(returned, got):
+    expected = "reward my_reward must return a list of floats (or None to skip a sample), one per completion; "
+    with pytest.raises(TypeError, match=re.escape(expected + got)):
+        R.weighted_rewards([my_reward_returning(returned)], None, ["a", "b"])
+
+
+def test_scores_as_a_tuple_or_an_array_are_accepted():
+    assert R.weighted_rewards([my_reward_returning((0.5, None)), my_reward_returning(np.array([1.0, 2.0]))],
+                              None, ["a", "b"]) == [1.5, 2.0]
+
+
+def test_non_finite_scores_are_skipped_with_one_warning():
+    broken = my_reward_returning([float("inf"), float("-inf"), float("nan"), 1.0])
+    with pytest.warns(UserWarning) as record:
+        alone = R.weighted_rewards([broken], None, ["a", "b", "c", "d"])
+    assert [str(w.message) for w in record] == [
+        "reward my_reward returned 3 non-finite score(s) (inf, -inf or NaN) for 4 completions: those samples are "
+        "skipped for it"]
+    assert all(math.isnan(x) for x in alone[:3]) and alone[3] == 1.0
+    with pytest.warns(UserWarning, match="returned 3 non-finite"):
+        both = R.weighted_rewards([broken, my_reward_returning([0.5] * 4)], [1.0, 2.0], ["a", "b", "c", "d"])
+    assert both == [1.0, 1.0, 1.0, 2.0]
+    huge = my_reward_returning([1e308, 10**400])
+    with pytest.warns(UserWarning) as record:
+        overflowed = R.weighted_rewards([huge], [10.0], ["a", "b"])
+    assert all(math.isnan(x) for x in overflowed)
+    assert [str(w.message) for w in record] == [
+        "reward my_reward returned 1 non-finite score(s) (inf, -inf or NaN) for 2 completions: those samples are "
+        "skipped for it",
+        "the weighted reward of 1 of 2 completions overflowed to inf: those samples are skipped",
+        "every reward skipped every sample of this batch"]
+
+
+def test_no_reward_functions():
+    with pytest.raises(ValueError, match=r"^at least one reward function is needed, got none$"):
+        R.weighted_rewards([], None, ["a"])
