@@ -31,10 +31,13 @@ def main(argv=None) -> int:
         demo.add_arguments(demo_parser)
         harness.add_arguments(bench_parser)
     plan.add_arguments(commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component"))
+    from grpo_fast.train.config import keys_help
+
     commands.add_parser(
         "train", help="GRPO training (default: a tiny model on the arithmetic task, on CPU)",
         usage="grpo-fast train [CONFIG.yaml] [--output-dir DIR] [--max-steps N] [--resume] [--key value ...]",
-        description="Keys are the fields of grpo_fast.train.config.TrainConfig (dashes or underscores).")
+        description="Keys (in CONFIG.yaml, or as --key value with dashes or underscores), with their defaults:\n\n"
+                    + keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     # without the harness its commands' options are unknown here: parse what is known, then say how to install
     args = parser.parse_args(argv) if harness is not None else parser.parse_known_args(argv)[0]
     if args.command == "plan":
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
 
 def _train(arguments: list) -> int:
     from grpo_fast.train.config import load_config, parse_overrides
-    from grpo_fast.train.loop import train
+    from grpo_fast.train.loop import RunError, train
 
     arguments = list(arguments)
     config_path = arguments.pop(0) if arguments and not arguments[0].startswith("--") else None
@@ -63,9 +66,14 @@ def _train(arguments: list) -> int:
         return 2
     try:
         history = train(config, resume=resume)
-    except KeyboardInterrupt:
-        print("stopped; the last checkpoint is in " + config.output_dir, file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        saved = getattr(interrupt, "checkpoint", None)       # set once the loop has saved this run's state
+        print("stopped" + (f"; resume from {saved} with --resume" if saved else " before the first step; nothing "
+                           "was saved"), file=sys.stderr)
         return 130
+    except (ValueError, OSError, RunError) as error:         # the cause is named: one line, not a traceback
+        print(f"grpo-fast train: {error}", file=sys.stderr)
+        return 2
     if history and os.environ.get("RANK", "0") == "0":
         first, last = history[0]["reward"], history[-1]["reward"]
         print(f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}; {config.output_dir}/metrics.jsonl, "

@@ -113,3 +113,15 @@ def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, **config):
                           processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
     return trainer
+
+
+INF_AT = {"call": 1, "n": 0}
+
+
+def inf_once_reward(completions, solution, **kwargs):
+    """Accuracy, except that call INF_AT["call"] scores its first completion inf (a broken custom reward)."""
+    INF_AT["n"] += 1
+    scores = [float(c.strip() == s) for c, s in zip(completions, solution)]
+    if INF_AT["n"] == INF_AT["call"]:
+        scores[0] = float("inf")
+    return scores

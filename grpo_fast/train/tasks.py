@@ -32,20 +32,33 @@ def arithmetic_task(num_samples: int, *, seed: int = 0, max_operand: int = 20, o
 
 
 def load_jsonl(path: str, *, prompt_key: str = "prompt", solution_key: str = "solution") -> list:
-    """Samples from a JSONL file; a line without the keys raises an error naming the file, line and key."""
+    """Samples from a JSONL file of objects with a string prompt and a string or number solution; a bad line
+    raises a ValueError naming the file, the line and what is wrong with it."""
     samples = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start})") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
             for key in (prompt_key, solution_key):
                 if key not in record:
                     raise ValueError(f"{path}:{number}: missing key {key!r} (has {sorted(record)})")
-            samples.append({"prompt": record[prompt_key], "solution": str(record[solution_key])})
+            prompt, solution = record[prompt_key], record[solution_key]
+            if not isinstance(prompt, str):
+                raise ValueError(f"{path}:{number}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
+            if isinstance(solution, bool) or not isinstance(solution, (str, int, float)):
+                raise ValueError(f"{path}:{number}: {solution_key!r} must be a string or a number, got "
+                                 f"{type(solution).__name__}")
+            samples.append({"prompt": prompt, "solution": str(solution)})
     if not samples:
         raise ValueError(f"{path}: no samples")
     return samples

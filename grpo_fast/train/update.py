@@ -11,6 +11,7 @@ The loss never sees logits: the decoder gives the final hidden states of the com
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -149,10 +150,15 @@ def accumulate_gradients(policy: Policy, rollout: Rollout, config: TrainConfig,
 
 def policy_update(policy: Policy, optimizer, rollout: Rollout, config: TrainConfig,
                   world: distributed.World = distributed.World()) -> dict:
-    """One optimizer step of grpo_loss over the rollout, with grad-norm clipping."""
+    """One optimizer step of grpo_loss over the rollout, with grad-norm clipping. A loss or gradient norm that is
+    not finite never reaches the weights: the step is skipped (metrics["skipped"] = 1) and the gradients dropped.
+    Every rank decides alike: both values are already reduced over ranks."""
     summed = accumulate_gradients(policy, rollout, config, world)
     norm = torch.nn.utils.clip_grad_norm_(policy.forward.parameters(), config.max_grad_norm)
     summed["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    optimizer.step()
+    finite = math.isfinite(summed["loss"]) and math.isfinite(summed["grad_norm"])
+    if finite:
+        optimizer.step()
+    summed["skipped"] = 0.0 if finite else 1.0
     optimizer.zero_grad(set_to_none=True)
     return summed

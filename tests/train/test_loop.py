@@ -45,9 +45,9 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
     captured = {}
     original = checkpoint.save_checkpoint
 
-    def keep_model(output_dir, step, state):
+    def keep_model(output_dir, step, state, *args, **kwargs):
         captured[output_dir] = state["model"]
-        return original(output_dir, step, state)
+        return original(output_dir, step, state, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
     helpers.CALLS.update(n=0, interrupt_at=None)
