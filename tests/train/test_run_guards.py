@@ -184,3 +184,21 @@ def test_an_interrupt_before_the_first_step_says_nothing_was_saved(tmp_path, mon
     assert cli(["train", "--output-dir", str(tmp_path / "run")]) == 130
     assert "nothing was saved" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_cuda_without_cuda_is_one_line_before_anything(tmp_path, capsys):
+    assert cli(["train", "--device", "cuda", "--output-dir", str(tmp_path / "run")]) == 2
+    assert "grpo-fast train: device 'cuda' was asked for but torch sees no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_lists_every_key_with_its_default(capsys):
+    import dataclasses
+
+    with pytest.raises(SystemExit):
+        cli(["train", "--help"])
+    out = capsys.readouterr().out
+    for field in dataclasses.fields(TrainConfig):
+        assert f"  {field.name}: " in out, field.name
+    assert "max_grad_norm: float = 1.0" in out
