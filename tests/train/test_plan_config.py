@@ -1,0 +1,62 @@
+"""Plan what you run: `grpo-fast plan CONFIG.yaml` plans the job a training config runs, and `grpo-fast train`
+says the plan (and on CUDA whether it fits) before loading the model."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from grpo_fast.cli import main as cli
+from grpo_fast.train import plan as P
+from grpo_fast.train.config import TrainConfig, load_config
+
+GIB = 2**30
+
+
+def test_plan_of_a_training_config_is_that_job(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text("max_completion_length: 64\ngroup_size: 4\nprompts_per_step: 4\nmicro_batch_size: 2\n"
+                    "beta: 0.1\ngradient_checkpointing: false\nloss_implementation: naive\n")
+    assert cli(["plan", str(path), "--prompt-length", "40", "--device", "cpu", "--json"]) == 0
+    reported = json.loads(capsys.readouterr().out)
+    expected = P.Job(prompt_length=40, completion_length=64, group_size=4, prompts_per_step=4, micro_batch_size=2,
+                     dtype="fp32", optimizer="adamw", gradient_checkpointing=False, loss="naive", beta=0.1,
+                     engine="hf", gpu_memory_utilization=0.3, device="cpu")
+    assert reported["job"] == dataclasses.asdict(expected)
+    shape = P.training_shape(load_config(str(path)))
+    assert reported["components"] == {k: int(v) for k, v in P.plan(shape, expected).items()}
+    # on CUDA the trainer computes in bf16 autocast over fp32 weights: so does the plan
+    assert P.training_job(load_config(str(path)), 40, "cuda").dtype == "bf16-autocast"
+
+
+def test_training_shape_of_tiny_folders_and_hub_ids(tmp_path):
+    tiny = P.training_shape(TrainConfig())
+    assert (tiny.hidden_size, tiny.num_layers, tiny.vocab_size, tiny.tie_word_embeddings) == (128, 2, 300, True)
+    assert P.training_shape(TrainConfig(model="Qwen/Qwen2.5-7B-Instruct")) == P.PRESETS["qwen2.5-7b"]
+    with pytest.raises(ValueError, match="matches no preset"):
+        P.training_shape(TrainConfig(model="someone/unknown-model"))
+
+
+def test_train_logs_the_plan_before_loading_the_model(tmp_path):
+    from grpo_fast.train import loop
+
+    logged = []
+    config = TrainConfig(max_steps=1, sft_steps=0, group_size=2, prompts_per_step=2, log_completions=0,
+                         output_dir=str(tmp_path / "run"))
+    loop.train(config, log=logged.append)
+    line = next(line for line in logged if line.startswith("memory plan"))
+    assert re.search(r"[\d.]+ GiB at the peak, mostly \w+ [\d.]+ GiB", line), line
+
+
+def test_fit_advice_names_a_change_that_makes_the_job_fit():
+    assert P.fit_advice(TrainConfig(), P.training_shape(TrainConfig()), 64, 80 * GIB) is None      # tiny fits
+    config = TrainConfig(model="Qwen/Qwen2.5-1.5B", max_completion_length=16384, gradient_checkpointing=False,
+                         micro_batch_size=4)
+    shape = P.training_shape(config)
+    advice = P.fit_advice(config, shape, 512, 80 * GIB)
+    named = re.search(r"^the plan needs [\d.]+ GiB on this 80.0 GiB card; (\w+): \S+ would make it fit", advice or "")
+    assert named, advice                              # 1.5B at 16k without checkpointing does not fit 80 GiB
+    key = named.group(1)
+    fixed = dataclasses.replace(config, **{key: dict(P.FIT_CHANGES)[key]})
+    assert P.fit_advice(fixed, shape, 512, 80 * GIB) is None
