@@ -43,14 +43,6 @@ def _text(completion) -> str:
     raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
 
 
-def _timeouts() -> tuple:
-    """(parse kwargs, verify kwargs). math-verify times out with SIGALRM, which only the main thread may use:
-    elsewhere run without a limit. The rewards call these in worker processes, on their main thread."""
-    if threading.current_thread() is threading.main_thread():
-        return {}, {}
-    return {"parsing_timeout": None}, {"timeout_seconds": None}
-
-
 _GOLD_CACHE = {}                                    # gold text -> parsed: a step repeats each gold group_size times
 
 
@@ -59,7 +51,7 @@ def _parse_gold(solution: str):
 
     if solution in _GOLD_CACHE:
         return _GOLD_CACHE[solution]
-    parsed = parse(solution, extraction_mode="first_match", **_timeouts()[0])
+    parsed = parse(solution, extraction_mode="first_match")
     if parsed:                                      # not a failure or a timeout: those are retried, as before
         if len(_GOLD_CACHE) >= 4096:
             _GOLD_CACHE.clear()
@@ -75,17 +67,18 @@ def _parse_answer(text: str):
     match = ANSWER_RE.search(text)
     answer = match.group(1).strip() if match else text
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return parse(answer, extraction_config=config, extraction_mode="first_match", **_timeouts()[0])
+    return parse(answer, extraction_config=config, extraction_mode="first_match")
 
 
 def _is_correct(gold_parsed, text: str) -> bool:
     from math_verify import verify
 
-    return bool(verify(gold_parsed, _parse_answer(text), **_timeouts()[1]))
+    return bool(verify(gold_parsed, _parse_answer(text)))
 
 
 def _verdict(gold: str, text: str) -> Optional[bool]:
-    """None when the gold cannot be parsed, else whether the answer in `text` equals it (run in a worker)."""
+    """None when the gold cannot be parsed, else whether the answer in `text` equals it. Run in a worker, on its
+    main thread, where math-verify's own timeouts (SIGALRM) work."""
     gold_parsed = _parse_gold(gold)
     return None if not gold_parsed else _is_correct(gold_parsed, text)
 

@@ -20,11 +20,8 @@ EXPLOSIVE = "\\boxed{10^{10^{10}}}"            # sympy evaluates the power: minu
 
 def in_process(completions, solution):
     """accuracy_reward's scores computed here, on the main thread, with math-verify's own timeouts."""
-    scores = []
-    for completion, gold in zip(completions, solution):
-        gold_parsed = R._parse_gold(gold)
-        scores.append(None if not gold_parsed else float(R._is_correct(gold_parsed, R._text(completion))))
-    return scores
+    verdicts = [R._verdict(gold, R._text(completion)) for completion, gold in zip(completions, solution)]
+    return [None if verdict is None else float(verdict) for verdict in verdicts]
 
 
 def test_explosive_answer_off_the_main_thread_finishes_and_exit_does_not_hang():
