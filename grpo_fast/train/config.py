@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -192,14 +193,9 @@ RULES = {
 }
 
 
+@functools.cache
 def _hints() -> dict:
-    global _HINTS
-    if _HINTS is None:
-        _HINTS = typing.get_type_hints(TrainConfig)
-    return _HINTS
-
-
-_HINTS = None
+    return typing.get_type_hints(TrainConfig)
 
 
 def _base(kind) -> tuple:
