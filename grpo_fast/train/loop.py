@@ -61,10 +61,10 @@ def load_model(config: TrainConfig, samples: list, tokenizer=None):
     """(model, tokenizer): the tiny model with a tokenizer trained on the task (or the one a checkpoint saved),
     or a local HF directory."""
     if config.model == "tiny":
-        from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
+        from grpo_fast.train.tiny import TINY_VOCAB, tiny_qwen2, train_tokenizer
 
         if tokenizer is None:
-            tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+            tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=TINY_VOCAB)
         model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
                            max_positions=max(1024, config.max_completion_length + 1024),
                            pad_token_id=tokenizer.pad_token_id)

@@ -399,16 +399,13 @@ def load_shape(model: str) -> ModelShape:
     return ModelShape.from_config(path)
 
 
-TINY_VOCAB = 300                  # the built-in tokenizer's vocabulary at most (grpo_fast.train.loop.load_model)
-
-
 def training_shape(config) -> ModelShape:
     """The shape of the model a TrainConfig trains: the built-in tiny model, its folder's config.json, or for a hub
     id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b). Raises ValueError otherwise."""
     import os
 
     if config.model == "tiny":
-        from grpo_fast.train.tiny import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS
+        from grpo_fast.train.tiny import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
 
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
                           num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,

@@ -38,6 +38,7 @@ def train_tokenizer(texts, vocab_size: int = 512):
 
 
 TINY_HIDDEN, TINY_LAYERS, TINY_HEADS, TINY_KV_HEADS = 128, 2, 4, 2     # the default's shape (the planner reads it)
+TINY_VOCAB = 300                  # the trainer's tokenizer on the task: at most this many ids
 
 
 def tiny_qwen2(vocab_size: int, *, hidden_size: int = TINY_HIDDEN, num_layers: int = TINY_LAYERS,
