@@ -29,7 +29,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import backends, chunked, reference
-from grpo_fast.benchmarks.harness import Shape, relative_error
+from grpo_fast.benchmarks.harness import Shape, relative_error, shape_argument
 from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch
 from grpo_fast.profiling import machine_name
 from grpo_fast.variants import LossConfig, TokenTerms
@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="of the timed rows and of the half-precision correctness rows")
     parser.add_argument("--backend", default="auto", choices=backends.BACKENDS)
-    parser.add_argument("--shapes", nargs="+", type=Shape.parse, help="NxHxV ..., the first one the headline")
+    parser.add_argument("--shapes", nargs="+", type=shape_argument, help="NxHxV ..., the first one the headline")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run (seconds on CPU)")
     args = parser.parse_args(argv)
