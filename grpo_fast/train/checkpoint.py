@@ -16,12 +16,14 @@ import shutil
 
 import torch
 
-from grpo_fast.train import distributed
+from grpo_fast.train import distributed, lora
 
-# Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions), the
-# prompts each step draws and how rewards are grouped. Every other key may change on resume and then applies.
+# Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
+# dtype, its adapters, its warm start), the optimizer's state, the prompts each step draws and how rewards are
+# grouped. Every other key may change on resume and then applies.
 RESUME_FIXED = ("model", "task", "num_prompts", "max_operand", "seed", "prompt_format", "system_prompt",
-                "group_size", "prompts_per_step", "max_completion_length")
+                "group_size", "prompts_per_step", "max_completion_length", "dtype", "optimizer", "lora_rank",
+                "lora_alpha", "lora_target_modules", "sft_steps")
 
 
 def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> str:
@@ -55,7 +57,8 @@ def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> 
 
 def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, config=None) -> dict:
     """Everything a resume needs, as full (unsharded) tensors keyed by parameter name. Call it on every rank
-    (a collective under FSDP2). policy: a grpo_fast.train.update.Policy.
+    (a collective under FSDP2). policy: a grpo_fast.train.update.Policy; of a LoRA model only the adapters are
+    kept when the base is the model the run loads (no warm start: sft_steps 0).
 
     rng: the (torch, python) random states to resume with; default the current ones. ref_model: the KL
     reference (beta > 0), so that a resumed run keeps the same one. config: the run's TrainConfig, which a
@@ -65,7 +68,9 @@ def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, confi
 
     torch_rng, python_rng = rng or (torch.get_rng_state(), random.getstate())
     options = StateDictOptions(full_state_dict=True, cpu_offload=distributed.initialized())
-    return {"model": distributed.full_state_dict(policy.model),
+    # a LoRA run keeps its adapters alone, unless its warm start changed the base the run loads
+    adapters_only = lora.is_peft(policy.model) and config is not None and config.sft_steps == 0
+    return {"model": distributed.full_state_dict(policy.model, trainable_only=adapters_only),
             "optimizer": get_optimizer_state_dict(policy.forward, optimizer, options=options),
             "scheduler": scheduler.state_dict(), "torch_rng": torch_rng, "python_rng": python_rng,
             "ref_model": None if ref_model is None else ref_model.state_dict(),
@@ -113,9 +118,17 @@ def load_tokenizer(folder: str):
 
 
 def restore_model(model, state: dict) -> int:
-    """Loads the weights and the random states of `state` (the RNG continues where the run stopped); returns
-    the number of steps done."""
-    model.load_state_dict(state["model"])
+    """Loads the weights (of a LoRA model: the adapters, and the base when saved) and the random states of
+    `state` (the RNG continues where the run stopped); returns the number of steps done."""
+    if lora.is_peft(model):                       # adapters only: the base is the model as loaded
+        result = model.load_state_dict(state["model"], strict=False)
+        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        missing = sorted(trainable & set(result.missing_keys))
+        if missing or result.unexpected_keys:
+            raise ValueError(f"the checkpoint's adapters do not fit this model: missing {missing[:3]}, unexpected "
+                             f"{sorted(result.unexpected_keys)[:3]}")
+    else:
+        model.load_state_dict(state["model"])
     torch.set_rng_state(state["torch_rng"].cpu())
     random.setstate(state["python_rng"])
     return state["step"]
@@ -134,5 +147,9 @@ def restore_optimizer(policy, optimizer, scheduler, state: dict, config) -> None
         group["initial_lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
     scheduler.base_lrs = [config.learning_rate] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):   # this step's rate, new schedule
-        group["lr"] = config.learning_rate * factor(scheduler.last_epoch)
+        rate = config.learning_rate * factor(scheduler.last_epoch)
+        if torch.is_tensor(group["lr"]):          # torchao's optimizers hold it as a tensor
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

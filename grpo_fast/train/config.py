@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import re
@@ -11,11 +12,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
+from grpo_fast.train import precision
 from grpo_fast.train.advantages import ESTIMATORS, SCALES
 from grpo_fast.train.engines import IS_MODES
 from grpo_fast.variants import LOSS_TYPES, LossConfig
 
-GROUPS = ("Model and data", "Rollouts", "Rewards", "Loss", "Optimization", "Warm start", "Processes", "Run")
+GROUPS = ("Model and data", "Rollouts", "Rewards", "Loss", "Optimization", "Memory", "Warm start", "Processes",
+          "Run")
 TASKS = ("arithmetic", "gsm8k")
 
 
@@ -31,7 +34,7 @@ def _group(name: str):
     return key
 
 
-_data, _rollouts, _rewards, _loss, _optimization, _warm_start, _processes, _run = map(_group, GROUPS)
+_data, _rollouts, _rewards, _loss, _optimization, _memory, _warm_start, _processes, _run = map(_group, GROUPS)
 
 
 def _one_of(values) -> str:
@@ -52,6 +55,8 @@ class TrainConfig:
     Optimization: AdamW, warm-up then decay, grad-norm clipping, gradient checkpointing. Micro-batches hold at most
         micro_batch_size sequences and micro_batch_tokens real tokens; their gradients add up to the whole step's,
         whatever the cut.
+    Memory: the weights' dtype and the optimizer (grpo_fast.train.precision has the table), and LoRA adapters
+        (PEFT) in place of full training: the same names as `grpo-fast plan`, which predicts their peak.
     Warm start: sft_steps of supervised training on the task's solutions before GRPO (0 to skip).
     Processes: under torchrun each rank takes prompts_per_step / world_size prompts per step.
     Run: output_dir gets metrics.jsonl, curves.png, completions.jsonl and checkpoints. A step whose loss or
@@ -65,8 +70,7 @@ class TrainConfig:
                                     "file with prompt / solution")
     prompt_format: str = _data("plain", '"plain" (the prompt text) or "chat" (the chat template, as a user turn)')
     system_prompt: Optional[str] = _data(None, "the system turn (chat) or a line before the prompt (plain)")
-    device: str = _data("auto", '"auto" (CUDA when available), "cpu" or "cuda[:i]"; bf16 autocast on GPU, fp32 on '
-                                "CPU")
+    device: str = _data("auto", '"auto" (CUDA when available), "cpu" or "cuda[:i]"')
     num_prompts: int = _data(2000, "how many arithmetic problems are generated")
     max_operand: int = _data(9, "arithmetic operands are 0..max_operand")
     engine: str = _rollouts("hf", '"hf" (model.generate) or "vllm" (offline vLLM in this process, weights pushed '
@@ -106,7 +110,19 @@ class TrainConfig:
                                         "the longest)")
     offload_activations: bool = _optimization(False, "keep the tensors saved for backward in CPU memory (GPU runs)")
     gradient_checkpointing: bool = _optimization(True, "recompute activations in backward to save memory")
-    sft_steps: int = _warm_start(300, "supervised steps on the task's solutions before GRPO (0 to skip)")
+    dtype: str = _memory("auto", "weights and compute: fp32, bf16-autocast (fp32 weights, bf16 compute), bf16 "
+                                 "(bf16 weights), auto (fp32 on CPU; on CUDA bf16-autocast, or bf16 with LoRA)")
+    optimizer: str = _memory("adamw", "adamw (fp32 master weights under bf16), adamw8bit (8-bit states), adamw-bf16 "
+                                      "(bf16 states, dtype bf16); the last two need torchao")
+    lora_rank: int = _memory(0, "rank of LoRA adapters trained instead of the whole model (0: full training)")
+    lora_alpha: Optional[float] = _memory(None, "LoRA scale numerator: updates are scaled by lora_alpha / lora_rank "
+                                                "(None: 2 x lora_rank)")
+    lora_dropout: float = _memory(0.0, "dropout on the LoRA adapters' input, in [0, 1)")
+    lora_target_modules: list[str] = _memory(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"], "names of the linear layers that get adapters "
+                                                            "(comma-separated; never the LM head)")
+    sft_steps: int = _warm_start(300, "supervised steps on the task's solutions before GRPO (0 to skip); the "
+                                      "whole model, before any LoRA adapters are added")
     sft_learning_rate: float = _warm_start(3e-3, "learning rate of the supervised steps")
     distributed: str = _processes("ddp", 'under torchrun: "ddp" (DistributedDataParallel) or "fsdp2" '
                                          "(fully_shard per decoder layer)")
@@ -156,6 +172,15 @@ class TrainConfig:
             if len(self.reward_weights) != len(self.rewards):
                 raise ValueError(f"reward_weights must have one weight per reward ({len(self.rewards)}), "
                                  f"got {self.reward_weights}")
+        precision.check(self.dtype, self.optimizer, self.lora_rank)
+        if self.lora_rank:
+            if not self.lora_target_modules or not all(isinstance(n, str) and n.strip()
+                                                       for n in self.lora_target_modules):
+                raise ValueError(f"lora_target_modules must name at least one linear layer when lora_rank > 0, got "
+                                 f"{self.lora_target_modules!r}")
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError(f"lora_rank={self.lora_rank} needs peft, which is not installed: pip install peft "
+                                 "(or 'grpo-fast[train]'), or set lora_rank: 0")
         self.loss_config()                     # loss options are checked where the loss defines them
 
     def check_world(self, world_size: int) -> None:
@@ -187,7 +212,9 @@ RULES = {
     "beta": _NON_NEGATIVE, "epsilon_low": _NON_NEGATIVE, "epsilon_high": _NON_NEGATIVE, "num_iterations": _POSITIVE,
     "entropy_coef": _ANY, "learning_rate": _POSITIVE, "weight_decay": _NON_NEGATIVE, "warmup_steps": _NON_NEGATIVE,
     "max_grad_norm": _POSITIVE, "micro_batch_size": _POSITIVE, "micro_batch_tokens": _POSITIVE,
-    "sft_steps": _NON_NEGATIVE, "sft_learning_rate": _POSITIVE, "max_steps": _POSITIVE,
+    "lora_rank": _NON_NEGATIVE, "lora_alpha": _POSITIVE,
+    "lora_dropout": _rule("in [0, 1)", lambda v: 0 <= v < 1), "sft_steps": _NON_NEGATIVE,
+    "sft_learning_rate": _POSITIVE, "max_steps": _POSITIVE,
     "seed": _rule("in [0, 2**32)", lambda v: 0 <= v < 2**32),     # the engines' and numpy's seed range
     "save_every": _POSITIVE, "log_completions": _NON_NEGATIVE, "max_bad_steps": _rule(">= 1", lambda v: v >= 1),
 }

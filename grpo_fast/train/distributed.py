@@ -138,13 +138,17 @@ def all_reduce_max(value: int, world: World, device) -> int:
     return int(tensor)
 
 
-def full_state_dict(model: nn.Module) -> dict:
-    """The model's full (unsharded) state dict on every rank: for checkpoints and engine weight sync."""
+def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict:
+    """The model's full (unsharded) state dict on every rank: for checkpoints and engine weight sync.
+    trainable_only: the parameters that require grad alone (a LoRA model's adapters)."""
     if any(hasattr(p, "device_mesh") for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    ignore_frozen_params=trainable_only))
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()
+            if not trainable_only or name in trainable}
 
 
 def barrier(world: World) -> None:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from grpo_fast.models import unwrap
+from grpo_fast.train.lora import engine_weights
 
 
 @dataclass
@@ -178,9 +179,7 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         """Copy the policy's weights into the engine (names as in the Hugging Face checkpoint)."""
-        from grpo_fast.train.distributed import full_state_dict
-
-        weights = list(full_state_dict(unwrap(model)).items())
+        weights = list(engine_weights(model).items())
         with _preserved_process_state():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()                  # cached prompt KV came from the old weights
@@ -198,7 +197,7 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
         from grpo_fast.train import distributed
 
         model_dir = os.path.join(config.output_dir, "engine_model")
-        unwrap(model).save_pretrained(model_dir, state_dict=distributed.full_state_dict(unwrap(model)))
+        unwrap(model).save_pretrained(model_dir, state_dict=engine_weights(model))
         tokenizer.save_pretrained(model_dir)           # both write on rank 0 only when distributed
         if distributed.initialized():
             torch.distributed.barrier()                # the other ranks' engines read rank 0's folder

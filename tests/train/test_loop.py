@@ -41,7 +41,17 @@ def weights(state):
     return {name: p.detach().clone() for name, p in state.items()}
 
 
-def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
+# the memory options resume exactly too: bf16 weights with 8-bit AdamW (its quantized state and the stochastic
+# rounding's random draws), and LoRA (adapters; the base is saved as well, since the warm start trained it)
+MEMORY = {"fp32": {}, "bf16-adamw8bit": {"dtype": "bf16", "optimizer": "adamw8bit"},
+          "lora": {"lora_rank": 4, "learning_rate": 0.05}}
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch, memory):
+    if memory == "bf16-adamw8bit":
+        pytest.importorskip("torchao")
+    options = {**FAST, **MEMORY[memory]}
     captured = {}
     original = checkpoint.save_checkpoint
 
@@ -51,13 +61,13 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
     helpers.CALLS.update(n=0, interrupt_at=None)
-    straight = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
+    straight = T.train(TrainConfig(**options, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
     helpers.CALLS.update(n=0, interrupt_at=3)          # Ctrl-C while scoring step 3
     with pytest.raises(KeyboardInterrupt):
-        T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "resumed")), log=lambda *_: None)
+        T.train(TrainConfig(**options, output_dir=str(tmp_path / "resumed")), log=lambda *_: None)
     assert os.path.isdir(tmp_path / "resumed" / "checkpoint-2")
     helpers.CALLS.update(interrupt_at=None)
-    resumed = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "resumed")), resume=True, log=lambda *_: None)
+    resumed = T.train(TrainConfig(**options, output_dir=str(tmp_path / "resumed")), resume=True, log=lambda *_: None)
     assert [r["step"] for r in resumed] == [3, 4]
     a, b = weights(captured[str(tmp_path / "straight")]), weights(captured[str(tmp_path / "resumed")])
     for name in a:

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from grpo_fast.train import tasks
+from grpo_fast.train import lora, tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import make_engine
 from grpo_fast.train.loop import train
@@ -65,8 +65,21 @@ def main(output_dir: str) -> None:
     engine.sync_weights(model)
     result["gap_after_push"], _, _ = engine_vs_trainer(engine, model, prompts, seed=11)
 
+    # LoRA: the engine gets the base with the adapters merged in
+    base = trainer_logprobs(model, first, config)
+    adapted = lora.add_adapters(model, TrainConfig(lora_rank=4))
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:                      # PEFT starts B at 0: make the adapters matter
+                parameter.normal_(0, 0.3, generator=generator)
+    result["lora_moved"] = (trainer_logprobs(adapted, first, config) - base).abs()[first.completion_mask].max().item()
+    engine.sync_weights(adapted)
+    result["gap_after_lora_push"], _, _ = engine_vs_trainer(engine, adapted, prompts, seed=11)
+
+    # two steps of a LoRA run: the engine model is saved merged, and follows the adapters
     history = train(TrainConfig(engine="vllm", sft_steps=20, max_steps=2, group_size=4, prompts_per_step=4,
-                                output_dir=output_dir + "/run", log_completions=0), log=lambda *_: None)
+                                lora_rank=4, learning_rate=0.05, output_dir=output_dir + "/run",
+                                log_completions=0), log=lambda *_: None)
     result["train_steps"] = [r["step"] for r in history]
     result["is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
     result["generation_tokens_per_s"] = [r["generation_tokens_per_s"] for r in history]

@@ -1,0 +1,86 @@
+"""LoRA adapters on the policy through PEFT: what the trainer trains, saves and pushes when lora_rank > 0.
+
+    model = add_adapters(model, config)            # a PeftModel; only the adapters require grad
+    with reference(model): ...                     # the base model (adapters off): the KL reference
+    engine_weights(model)                          # (name, tensor) of the base with the adapters merged in
+
+The LM head is never adapted (the loss reads its weight directly: two GEMM passes per step, no weight gradient),
+the adapters are fp32 whatever the base's dtype, and a checkpoint holds the adapters alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from grpo_fast.models import unwrap
+
+ADAPTER = "default"        # PEFT's name for the one adapter the trainer adds
+
+
+def add_adapters(model: nn.Module, config) -> nn.Module:
+    """`model` (a Hugging Face causal LM) as a PEFT LoRA model of rank config.lora_rank on
+    config.lora_target_modules, scaled by lora_alpha / lora_rank (alpha defaults to 2 x rank). Everything else is
+    frozen. Raises ValueError naming the targets when none of them is in the model."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    if not set(config.lora_target_modules) & names:
+        raise ValueError(f"lora_target_modules {config.lora_target_modules} name no linear layer of the model; its "
+                         f"linear layers are {sorted(names)}")
+    head = model.get_output_embeddings()
+    adapted_head = [name for name, module in model.named_modules()
+                    if module is head and name.rsplit(".", 1)[-1] in config.lora_target_modules]
+    if adapted_head:
+        raise ValueError(f"lora_target_modules must not name the LM head ({adapted_head[0]!r}): the loss reads its "
+                         "weight directly; drop it from the list")
+    alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_rank
+    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=alpha, lora_dropout=config.lora_dropout,
+                             target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora_config, autocast_adapter_dtype=True)   # adapters in fp32
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def reference(model: nn.Module):
+    """Context in which a PEFT model computes with its adapters off: the base model, the KL reference of a LoRA
+    run (no second copy of the weights)."""
+    return model.disable_adapter() if is_peft(model) else contextlib.nullcontext()
+
+
+def merge(state_dict: dict, scalings: dict) -> dict:
+    """The base model's state dict with every LoRA layer merged: W + scaling * B @ A (computed in fp32, stored in
+    W's dtype), under the base model's own parameter names (`q_proj.base_layer.weight` -> `q_proj.weight`).
+    state_dict: the state dict of a PEFT model's base model; scalings: {layer prefix: scaling}."""
+    merged = {}
+    for name, tensor in state_dict.items():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            prefix, _, kind = name.rpartition(".base_layer.")
+            if kind == "weight":
+                down = state_dict[f"{prefix}.lora_A.{ADAPTER}.weight"].float()
+                up = state_dict[f"{prefix}.lora_B.{ADAPTER}.weight"].float()
+                tensor = (tensor.float() + scalings[prefix] * (up @ down)).to(tensor.dtype)
+            name = f"{prefix}.{kind}"
+        merged[name] = tensor
+    return merged
+
+
+@torch.no_grad()
+def engine_weights(model: nn.Module) -> dict:
+    """{name: tensor} of the policy as the inference engine loads it (Hugging Face names): the model's full state
+    dict, with a PEFT model's adapters merged into its base weights."""
+    from grpo_fast.train.distributed import full_state_dict
+
+    base = unwrap(model)
+    state = full_state_dict(base)
+    if not is_peft(model):
+        return state
+    scalings = {name: module.scaling[ADAPTER] for name, module in base.named_modules()
+                if hasattr(module, "base_layer") and ADAPTER in getattr(module, "scaling", {})}
+    return merge(state, scalings)
