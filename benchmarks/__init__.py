@@ -7,6 +7,9 @@
 - gpu_check: the one-GPU script: correctness against float64 that fails on a wrong kernel, per-pass times at the
   headline shape, end to end against the floor and the peers, a SUMMARY printed last, within a time budget.
 - long_context: peak memory and step time of the trainer's update per completion length, against the planner.
+- real_shapes: the same on Qwen2.5-0.5B's shape for each memory option (fp32, bf16 with AdamW / 8-bit / bf16-state
+  AdamW, LoRA), against the planner.
+- fit_table: by the planner, the memory option that makes a 16k-token job of each preset fit each card.
 - bench_engines: rollout-engine throughput (Hugging Face generate and vLLM).
 
 The pytest-benchmark microbenchmarks of the chunk passes are in tests/kernels/bench_kernel_passes.py.

@@ -26,6 +26,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from grpo_fast.train import precision
+
 GIB = 2**30
 
 
@@ -140,8 +142,8 @@ PRESETS = {
 # RTX 4090 23.5 GiB), so that "fits" holds on both.
 CARDS = {"24 GB (RTX 4090 / L4)": int(22.0 * GIB), "A100 40GB": int(39.4 * GIB), "A100 80GB": int(79.1 * GIB),
          "H100 80GB": int(79.1 * GIB), "H200 141GB": int(139.7 * GIB)}
-DTYPES = ("bf16-autocast", "bf16", "fp32")
-OPTIMIZERS = ("adamw", "adamw8bit")
+DTYPES = tuple(name for name in precision.DTYPES if name != "auto")      # a plan is for one device
+OPTIMIZERS = precision.OPTIMIZERS
 LOSSES = ("naive", "trl", "grpo_fast")
 ENGINES = ("vllm", "hf")
 
@@ -191,6 +193,7 @@ class Job:
                               ("engine", ENGINES), ("device", ("cuda", "cpu"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        precision.check(self.dtype, self.optimizer, self.lora_rank, installed=False)
         # the trainer's rules (TrainConfig), so that a plan is never made for a job the trainer refuses
         for name in ("prompt_length", "completion_length", "prompts_per_step", "micro_batch_size"):
             _require(name, getattr(self, name), getattr(self, name) > 0, "> 0")
@@ -234,10 +237,12 @@ def plan(shape: ModelShape, job: Job) -> dict:
     param_bytes, act_bytes = _bytes(job.dtype)
     params = shape.num_parameters()
     trainable, trainable_bytes, autocast_copies = params, param_bytes, job.dtype == "bf16-autocast"
-    if job.lora_rank:         # adapters in fp32 on a frozen base held in the compute dtype
+    if job.lora_rank:         # fp32 adapters on a frozen base held in the dtype's weights (autocast caches no cast)
         trainable = job.lora_rank * shape.num_layers * sum(a + b for a, b in shape.linear_shapes())
-        trainable_bytes, param_bytes, autocast_copies = 4, act_bytes, False
-    state_bytes = {"adamw": 8, "adamw8bit": 2}[job.optimizer] + (4 if trainable_bytes == 2 else 0)
+        trainable_bytes, autocast_copies = 4, False
+    # grpo_fast.train.precision: AdamW's fp32 moments (plus an fp32 master copy of bf16 weights), 8-bit moments,
+    # or bf16 moments; the two low-bit ones round bf16 weights stochastically instead of keeping a master copy
+    state_bytes = {"adamw": 8 + (4 if trainable_bytes == 2 else 0), "adamw8bit": 2, "adamw-bf16": 4}[job.optimizer]
     h = shape.hidden_size
     sequences = job.micro_batch_sequences
     tokens = sequences * (job.prompt_length + job.completion_length)
@@ -421,14 +426,15 @@ def training_shape(config) -> ModelShape:
 
 
 def training_job(config, prompt_length: int, device: str) -> Job:
-    """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL and engine, in the precision the
-    trainer uses on `device` (bf16 autocast over fp32 weights on CUDA, fp32 on CPU) with AdamW. prompt_length:
-    the longest prompt in tokens, which the config alone does not know."""
+    """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL, engine, dtype (auto: bf16
+    autocast over fp32 weights on CUDA, fp32 on CPU), optimizer and LoRA rank on `device`. prompt_length: the
+    longest prompt in tokens, which the config alone does not know."""
     device = "cpu" if config.device == "cpu" else device
     return Job(prompt_length=prompt_length, completion_length=config.max_completion_length,
                group_size=config.group_size, prompts_per_step=config.prompts_per_step,
                micro_batch_size=config.micro_batch_size, micro_batch_tokens=config.micro_batch_tokens,
-               dtype="bf16-autocast" if device == "cuda" else "fp32", optimizer="adamw",
+               dtype=precision.resolve(config.dtype, device, config.lora_rank), optimizer=config.optimizer,
+               lora_rank=config.lora_rank,
                gradient_checkpointing=config.gradient_checkpointing,
                loss="naive" if config.loss_implementation == "naive" else "grpo_fast", beta=config.beta,
                engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device)

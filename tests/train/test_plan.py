@@ -43,10 +43,19 @@ def test_components_behave():
     assert naive_long["loss_buffers"] >= tokens_v * (2 + 12)                         # bf16 logits + fp32 copies
     no_ckpt = plan(shape, Job(completion_length=32768, gradient_checkpointing=False))
     assert no_ckpt["activations"] > 10 * long["activations"]
-    lora = plan(shape, Job(lora_rank=16))
-    assert lora["optimizer"] < 0.02 * short["optimizer"] and lora["weights"] < short["weights"]
+    lora = plan(shape, Job(lora_rank=16, dtype="bf16"))          # fp32 adapters on a bf16 base
+    assert lora["optimizer"] < 0.02 * short["optimizer"] and lora["weights"] < 0.6 * short["weights"]
+    assert lora["gradients"] == lora["optimizer"] // 2 and lora["autocast_weight_copies"] == 0
+    lora_fp32_base = plan(shape, Job(lora_rank=16))                 # bf16-autocast keeps the weights in fp32
+    assert lora_fp32_base["weights"] > short["weights"] and lora_fp32_base["autocast_weight_copies"] == 0
     assert plan(shape, Job(beta=0.04))["reference_model"] == short["weights"]
-    assert plan(shape, Job(optimizer="adamw8bit"))["optimizer"] == short["optimizer"] // 4
+    # per trained parameter: AdamW 8 bytes (fp32 moments), 12 with bf16 weights (an fp32 master copy too),
+    # 8-bit AdamW 2, bf16-state AdamW 4 (both round bf16 weights stochastically: no master)
+    n = shape.num_parameters()
+    assert short["optimizer"] == 8 * n and plan(shape, Job(dtype="bf16"))["optimizer"] == 12 * n
+    assert plan(shape, Job(optimizer="adamw8bit"))["optimizer"] == 2 * n
+    assert plan(shape, Job(dtype="bf16", optimizer="adamw8bit"))["optimizer"] == 2 * n
+    assert plan(shape, Job(dtype="bf16", optimizer="adamw-bf16"))["optimizer"] == 4 * n
     for estimate in (short, long, naive_long, no_ckpt, lora):
         assert estimate["total"] == sum(v for k, v in estimate.items() if k != "total")
 
