@@ -323,11 +323,16 @@ def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple
 # single changes of a training config that lower its peak without changing what it learns, tried in this order
 FIT_CHANGES = (("gradient_checkpointing", True), ("loss_implementation", "grpo_fast"), ("micro_batch_size", 1),
                ("vllm_gpu_memory_utilization", 0.2))
+# then the memory options (grpo_fast.train.precision, lora), from the most exact: they change the numerics or
+# what is trained
+MEMORY_CHANGES = ({"dtype": "bf16", "optimizer": "adamw-bf16"}, {"dtype": "bf16", "optimizer": "adamw8bit"},
+                  {"dtype": "bf16", "optimizer": "adamw", "lora_rank": 64})
 
 
 def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
     """None when the TrainConfig's job fits a CUDA card of `capacity` bytes; otherwise one sentence saying how
-    much it needs and the first change in FIT_CHANGES that makes it fit (or that none does)."""
+    much it needs and the first change in FIT_CHANGES, else in MEMORY_CHANGES, that makes it fit (or that none
+    does)."""
     import dataclasses
 
     job = training_job(config, prompt_length, "cuda")
@@ -335,15 +340,18 @@ def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
     if ok:
         return None
     message = f"the plan needs {needed / GIB:.1f} GiB on this {capacity / GIB:.1f} GiB card"
-    for key, value in FIT_CHANGES:
-        if getattr(config, key) == value:
+    changes = [({key: value}, "") for key, value in FIT_CHANGES] + [
+        (change, " (it changes the numerics or what is trained)") for change in MEMORY_CHANGES]
+    for change, caveat in changes:
+        if all(getattr(config, key) == value for key, value in change.items()):
             continue
-        changed = training_job(dataclasses.replace(config, **{key: value}), prompt_length, "cuda")
+        changed = training_job(dataclasses.replace(config, **change), prompt_length, "cuda")
         changed_ok, changed_needed = fits_in(shape, changed, plan(shape, changed), capacity)
         if changed_ok:
-            return f"{message}; {key}: {value} would make it fit ({changed_needed / GIB:.1f} GiB)"
-    return f"{message}, and no single change of {[key for key, _ in FIT_CHANGES]} makes it fit (a smaller model " \
-           f"or a shorter max_completion_length would)"
+            named = " with ".join(f"{key}: {value}" for key, value in change.items())
+            return f"{message}; {named} would make it fit ({changed_needed / GIB:.1f} GiB){caveat}"
+    return f"{message}, and none of {[key for key, _ in FIT_CHANGES]} or bf16 weights with a low-bit optimizer " \
+           f"or LoRA makes it fit (a smaller model or a shorter max_completion_length would)"
 
 
 @dataclass
