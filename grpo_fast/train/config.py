@@ -340,12 +340,13 @@ def keys_help() -> str:
         default = item.default_factory() if item.default is dataclasses.MISSING else item.default
         rows.append((item.metadata["group"], f"  {item.name}: {_type_name(hints[item.name])} = {default!r}",
                      item.metadata["help"]))
-    width = max(len(left) for _, left, _ in rows) + 2
+    # one column for the help, wide enough for the usual key and default; a longer default pushes its help along
+    width = max(len(left) for _, left, _ in rows if len(left) <= 60) + 2
     for group, left, help in sorted(rows, key=lambda row: GROUPS.index(row[0])):
         if group != last_group:
             lines.append(f"{group}:")
             last_group = group
-        lines.append(f"{left:<{width}}{help}")
+        lines.append(f"{left:<{width}}{help}" if len(left) < width else f"{left}  {help}")
     return "\n".join(lines)
 
 
