@@ -22,13 +22,14 @@ Every run gets the same rollout: one 64-token random prompt, --group-size random
 optimizer steps of `grpo_fast.train.update.policy_update` (one sequence per micro-batch, gradient checkpointing,
 loss_type dapo, no KL) on CPU.
 
-Measured: peak RSS above the process's RSS after every import (transformers, peft, torchao) and before the model is
-built; the median step (with torchao the first step includes torch.compile of its optimizer step); the loss of each
-step; and the surrogate loss -sum(A * log p) / tokens of the rollout before the steps and after them (one no-grad
-pass of `completion_logprobs`, no update). On-policy the trainer's loss is -sum(A) / tokens whatever the weights
-(its ratio is exactly 1; 0 for these advantages) and only its gradient moves: the surrogate has the same gradient
-and a value that follows the weights, so it is what sets each run's result next to fp32's. Writes real_shapes.md /
-.json to --out; a run whose process fails is a row with its error's last line, and the script exits 1.
+Measured (glibc's mmap threshold at 1 MiB, see MMAP_THRESHOLD): peak RSS above the process's RSS after every import
+(transformers, peft, torchao) and before the model is built; the median step (with torchao the first step includes
+torch.compile of its optimizer step); the loss of each step; and the surrogate loss -sum(A * log p) / tokens of the
+rollout before the steps and after them (one no-grad pass of `completion_logprobs`, no update). On-policy the
+trainer's loss is -sum(A) / tokens whatever the weights (its ratio is exactly 1; 0 for these advantages) and only
+its gradient moves: the surrogate has the same gradient and a value that follows the weights, so it is what sets
+each run's result next to fp32's. Writes real_shapes.md / .json to --out; a run whose process fails is a row with
+its error's last line, and the script exits 1.
 """
 
 import argparse
@@ -46,6 +47,12 @@ GIB = 2**30
 PROMPT = 64
 SEED = 0
 CONFIG_FILE = "real_shapes.config.json"
+# glibc's heap keeps freed blocks below its mmap threshold (which grows up to 32 MiB), and RSS counts them: a
+# decoder layer's tensors at 1k tokens are 1-40 MiB, so with the default the peak RSS depended on the order of
+# allocations (LoRA r=16: 3.8 GiB, against 1.4 GiB of live tensors). Workers map every block above 1 MiB, which
+# is returned when freed: the peak RSS then follows the live tensors, what the planner counts (and what a GPU's
+# caching allocator holds).
+MMAP_THRESHOLD = 2**20
 
 # Qwen2.5-0.5B's config.json as published (Qwen/Qwen2.5-0.5B). Hugging Face's Qwen2 has biases on q, k and v
 # whatever the config says, and the planner infers them from model_type qwen2, as from the real file.
@@ -187,7 +194,8 @@ def measure(args, run: str, config_path: str) -> dict:
                "--worker-config", config_path, "--completion-length", str(args.completion_length),
                "--group-size", str(args.group_size), "--steps", str(args.steps)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                              env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s (--timeout)"}
     if done.returncode != 0:
@@ -250,7 +258,8 @@ def write(rows: list, args, model_name: str, command: str) -> None:
                "weight decay")
     lines = [f"# Real shapes on {machine}", "", setting, "",
              ", ".join(f"{name} {version}" for name, version in versions().items()), "", f"`{command}`", "",
-             "Peak: RSS above the process's after its imports. Planned: `grpo-fast plan` for the same job "
+             "Peak: RSS above the process's after its imports, with glibc's mmap threshold at 1 MiB (freed tensors "
+             "go back to the system, so RSS follows the live tensors). Planned: `grpo-fast plan` for the same job "
              "(device cpu). Surrogate: -sum(A log p) / tokens of the rollout before and after the steps (the "
              "trainer's own loss is -sum(A) / tokens on-policy, whatever the weights). A bf16 weight under AdamW "
              "with fp32 master weights changes once its master has moved half a bf16 step (~6e-5 at magnitude "

@@ -279,7 +279,8 @@ def plan(shape: ModelShape, job: Job) -> dict:
 
 def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, forward_only: bool = False) -> int:
     v, h = shape.vocab_size, shape.hidden_size
-    gradients = 0 if forward_only else tokens * h * 4 + v * h * 4          # fp32 d(hidden), d(weight)
+    # fp32 d(hidden), and d(weight) unless the head is frozen (LoRA)
+    gradients = 0 if forward_only else tokens * h * 4 + (0 if job.lora_rank else v * h * 4)
     if job.loss == "naive":
         return tokens * v * (act_bytes + 4 * (1 if forward_only else NAIVE_LOGIT_COPIES)) + gradients
     if job.loss == "trl":
