@@ -141,14 +141,16 @@ def all_reduce_max(value: int, world: World, device) -> int:
 def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict:
     """The model's full (unsharded) state dict on every rank: for checkpoints and engine weight sync.
     trainable_only: the parameters that require grad alone (a LoRA model's adapters)."""
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     if any(hasattr(p, "device_mesh") for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                    ignore_frozen_params=trainable_only))
-    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
-    return {name: tensor.detach() for name, tensor in model.state_dict().items()
-            if not trainable_only or name in trainable}
+        # ignore_frozen_params skips most frozen ones, not all (a tied head came through): filtered below as well
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     ignore_frozen_params=trainable_only))
+    else:
+        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    return {name: tensor for name, tensor in state.items() if not trainable_only or name in trainable}
 
 
 def barrier(world: World) -> None:
