@@ -245,7 +245,11 @@ def chunked_pass(
         if want_grads and grad_bias and bias is not None else None
     )
     # Rows padded to 16 elements: aligned vector loads in the kernels and an aligned leading dimension for cuBLAS.
-    buffer = torch.empty(rows, padded_width(vocab_size), dtype=hidden.dtype, device=device)[:, :vocab_size]
+    # The padding is zeroed: CPU bf16 GEMMs (oneDNN with AMX) read A's columns up to their block size when the
+    # leading dimension allows, so GEMM 2 would multiply uninitialized padding (NaN at times) by zero.
+    padded = torch.empty(rows, padded_width(vocab_size), dtype=hidden.dtype, device=device)
+    padded[:, vocab_size:].zero_()
+    buffer = padded[:, :vocab_size]
     weight_t = weight.t()
     for start in range(0, num_tokens, rows):
         end = min(start + rows, num_tokens)

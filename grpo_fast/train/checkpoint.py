@@ -140,8 +140,12 @@ def restore_optimizer(policy, optimizer, scheduler, state: dict, config) -> None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     sharded = any(hasattr(p, "device_mesh") for p in policy.forward.parameters())
-    set_optimizer_state_dict(policy.forward, optimizer, state["optimizer"],
-                             options=StateDictOptions(full_state_dict=sharded))
+    # set_optimizer_state_dict first runs a dummy step to create the states, and the dummy step of an optimizer
+    # that rounds stochastically draws random numbers: the resumed run's random streams must not see it
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        set_optimizer_state_dict(policy.forward, optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=sharded))
     scheduler.load_state_dict(state["scheduler"])
     for group in optimizer.param_groups:
         group["initial_lr"], group["weight_decay"] = config.learning_rate, config.weight_decay

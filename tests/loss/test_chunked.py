@@ -115,3 +115,35 @@ def test_cuda_chunk_budget_follows_free_memory(monkeypatch, free_gib, expected_g
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**29)   # 512 MiB cached, unused
     assert chunked.default_chunk_bytes(torch.device("cuda", 0)) == expected_gib * 2**30
     assert chunked.default_chunk_bytes(torch.device("cpu")) == chunked.DEFAULT_CHUNK_BYTES_CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uninitialized_memory_never_reaches_the_gradients(dtype, monkeypatch):
+    """Every torch.empty is NaN-filled: no value the loss returns may come from memory it did not write. The chunk
+    buffer's rows are padded (1000 -> 1008 columns here), and a CPU bf16 GEMM (oneDNN with AMX) reads that padding
+    when it multiplies the buffer by the weight: left uninitialized, it once put NaN into d(hidden) at random."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        return tensor
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, hidden_size, vocab = 64, 64, 1000
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(dtype).requires_grad_(True)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.1).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    advantages, mask = torch.tensor(1.0), torch.ones(tokens, dtype=torch.bool)
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    loss, _ = gf.grpo_loss(hidden, weight, targets, advantages, mask, backend="torch")
+    loss.backward()
+    monkeypatch.undo()
+    expected = [hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)]
+    expected_loss, _ = reference.grpo_loss(*expected, targets, advantages, mask)
+    expected_loss.backward()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(loss, expected_loss, rtol=tolerance, name="loss")
+    assert_close(hidden.grad, expected[0].grad, rtol=tolerance, atol=tolerance * 1e-2, name="d(hidden)")
+    assert_close(weight.grad, expected[1].grad, rtol=tolerance, atol=tolerance * 1e-2, name="d(weight)")
