@@ -105,7 +105,7 @@ def test_a_failing_reward_names_the_step(tmp_path):
 
 
 # The memory options learn as fp32 does, over the same 300 steps. Measured on 2 cores (mean reward of the first
-# / last 50 steps): fp32 0.477 -> 0.623, bf16 + adamw8bit 0.368 -> 0.520, LoRA r=16 at lr 5e-3 0.424 -> 0.582
+# / last 50 steps): fp32 0.477 -> 0.623, bf16 + adamw8bit 0.368 -> 0.508, LoRA r=16 at lr 5e-3 0.424 -> 0.582
 # (at fp32's 1e-3 LoRA gains 0.06: adapters take a larger rate). Each 50-step mean has a standard error of about
 # 0.02 (per-step rewards spread by 0.13-0.16), so a gain above 0.08 (about 2.7 standard errors of the difference)
 # is learning, not noise.
