@@ -117,8 +117,8 @@ FAST = ["--sft-steps", "20", "--max-steps", "2", "--save-every", "2", "--group-s
 LORA = ["--lora-rank", "4", "--learning-rate", "0.05", "--sft-steps", "0"]
 
 
-@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp2", []), ("fsdp2", LORA)], ids=["ddp", "fsdp2",
-                                                                                             "fsdp2-lora"])
+@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp2", []), ("ddp", LORA), ("fsdp2", LORA)],
+                         ids=["ddp", "fsdp2", "ddp-lora", "fsdp2-lora"])
 def test_torchrun_matches_one_process_and_resumes(strategy, extra, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
