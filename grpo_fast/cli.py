@@ -1,4 +1,4 @@
-"""The `grpo-fast` command: train, plan, bench, demo. The loss library never imports this module; it imports
+"""The `grpo-fast` command: train, export, plan, bench, demo. The loss library never imports this module; it imports
 the trainer, the planner and the benchmark harness (`grpo_fast.benchmarks`, installed from benchmarks/)."""
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ def main(argv=None) -> int:
         demo.add_arguments(demo_parser)
         harness.add_arguments(bench_parser)
     plan.add_arguments(commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component"))
+    export_parser = commands.add_parser("export", help="a run's newest checkpoint as a Hugging Face model folder "
+                                        "(LoRA adapters merged)")
+    export_parser.add_argument("run_dir", help="a training run's output_dir")
+    export_parser.add_argument("out_dir", help="the folder to create (must not exist)")
     from grpo_fast.train.config import keys_help
 
     commands.add_parser(
@@ -42,6 +46,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv) if harness is not None else parser.parse_known_args(argv)[0]
     if args.command == "plan":
         return plan.main(args)
+    if args.command == "export":
+        return _export(args.run_dir, args.out_dir)
     if harness is None:
         print(NOT_INSTALLED.format(command=args.command), file=sys.stderr)
         return 2
@@ -49,6 +55,17 @@ def main(argv=None) -> int:
         return harness.main(args)
     rows = demo.run(args.tokens, args.hidden, args.vocab, args.dtype, args.device, args.backend, args.repeats)
     return 0 if all("error" not in r for r in rows) else 1
+
+
+def _export(run_dir: str, out_dir: str) -> int:
+    from grpo_fast.train.export import export_run
+
+    try:
+        print(f"exported {export_run(os.path.expanduser(run_dir), os.path.expanduser(out_dir))}")
+    except (ValueError, OSError) as error:
+        print(f"grpo-fast export: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _train(arguments: list) -> int:

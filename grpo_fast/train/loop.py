@@ -8,7 +8,8 @@ Each step: take prompts_per_step prompts, generate group_size completions each (
 vLLM), score them, turn rewards into group-normalized advantages, then update the policy with
 grpo_fast.grpo_loss on the final hidden states (no logits), in micro-batches sized by sequences and tokens,
 num_iterations times (grpo_fast.train.update). The output folder gets metrics.jsonl (one line per step),
-completions.jsonl, curves.png and checkpoints written atomically; `resume=True` continues from the latest.
+completions.jsonl, curves.png, checkpoints written atomically (`resume=True` continues from the latest) and, at
+the end, the trained model as a Hugging Face folder in model/ (grpo_fast.train.export).
 Under torchrun each rank does this for its share of the prompts (grpo_fast.train.distributed).
 """
 
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from grpo_fast.train import checkpoint, distributed, lora, plan, precision, tasks
+from grpo_fast.train import checkpoint, distributed, export, lora, plan, precision, tasks
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
@@ -300,4 +301,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         interrupt.checkpoint = save(done, rng=rng_at_start)
         raise
     files.plot()
+    weights = lora.engine_weights(model)          # every rank: a collective under FSDP2
+    if world.is_main:                             # the trained policy as a Hugging Face folder, LoRA merged
+        export.save_model_folder(model, tokenizer, os.path.join(config.output_dir, "model"), weights, replace=True)
+    distributed.barrier(world)
     return history

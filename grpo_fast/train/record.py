@@ -40,7 +40,7 @@ def step_record(step: int, generation, loss_mask, rewards, reward_stats: dict, u
     return record
 
 
-RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png")
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png", "model")       # model/: the export
 
 
 def run_contents(output_dir: str) -> list:

@@ -95,7 +95,7 @@ def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save_checkpoint(str(tmp_path), 3, {"model": torch.nn.Linear(2, 2).state_dict()})
     assert good.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "curves.png", "metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "curves.png", "metrics.jsonl", "model"]
 
 
 def test_a_failing_reward_names_the_step(tmp_path):

@@ -84,14 +84,14 @@ def test_a_folder_holding_a_run_is_refused_then_overwritten_on_request(tmp_path,
     run(tmp_path, max_steps=1)
     folder = tmp_path / "run"
     before = {name: (folder / name).read_bytes() for name in ("metrics.jsonl", "checkpoint-1/state.pt")}
-    with pytest.raises(ValueError, match=r"already holds a run \(checkpoint-1, curves.png, metrics.jsonl\)"):
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoint-1, curves.png, metrics.jsonl, model\)"):
         run(tmp_path, max_steps=1)
     assert cli(["train", "--max-steps", "1", "--sft-steps", "0", "--output-dir", str(folder)]) == 2
     assert "grpo-fast train: output_dir" in capsys.readouterr().err
     assert {name: (folder / name).read_bytes() for name in before} == before       # nothing touched
     history = run(tmp_path, max_steps=2, overwrite_output_dir=True)
     assert [r["step"] for r in history] == [1, 2]
-    assert sorted(os.listdir(folder)) == ["checkpoint-2", "curves.png", "metrics.jsonl"]
+    assert sorted(os.listdir(folder)) == ["checkpoint-2", "curves.png", "metrics.jsonl", "model"]
     assert [json.loads(line)["step"] for line in open(folder / "metrics.jsonl")] == [1, 2]
 
 

@@ -1,0 +1,82 @@
+"""The trained policy as a Hugging Face model folder, for transformers, vLLM or the hub.
+
+    grpo-fast export RUN_DIR OUT_DIR             # from a run's newest checkpoint
+    output_dir/model/                            # written by `grpo-fast train` at the end of every run
+
+The folder holds config.json, model.safetensors, the tokenizer and generation_config.json; a LoRA run's adapters
+are merged into the base weights (the same merge the vLLM engine gets), so `AutoModelForCausalLM.from_pretrained`
+and `vllm.LLM(model=...)` load it as a plain model. It is written to a temporary folder and renamed: an export
+that fails leaves nothing behind, and an existing target is never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from grpo_fast.models import unwrap
+from grpo_fast.train.lora import engine_weights
+
+
+def check_target(out_dir: str) -> None:
+    """Raises ValueError when out_dir exists (a folder or a file): an export never overwrites."""
+    if os.path.lexists(out_dir):
+        kind = "folder" if os.path.isdir(out_dir) else "file"
+        raise ValueError(f"export target {out_dir!r} already exists (a {kind}); remove it or choose another folder")
+
+
+def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: bool = False) -> str:
+    """Writes `model` (a causal LM, PEFT-wrapped or not) and `tokenizer` to out_dir as a Hugging Face folder, the
+    LoRA adapters merged. weights: the state dict to write (default `engine_weights(model)`; pass it when every
+    rank of a sharded model had to gather it). replace: an existing out_dir is replaced once the new folder is
+    complete (a run's own output_dir/model); otherwise it is refused. Returns out_dir."""
+    if not replace:
+        check_target(out_dir)
+    weights = engine_weights(model) if weights is None else weights
+    base = unwrap(model)
+    temporary = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        base.save_pretrained(temporary, state_dict={name: tensor.contiguous() for name, tensor in weights.items()})
+        tokenizer.save_pretrained(temporary)
+        if replace and os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(temporary, out_dir)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_run(run_dir: str, out_dir: str) -> str:
+    """The newest checkpoint of the run in run_dir, exported to out_dir (see `save_model_folder`). Raises
+    ValueError naming what is missing: no run folder, no checkpoint, or a checkpoint without the config and
+    tokenizer that rebuild its model."""
+    from grpo_fast.train import checkpoint, lora, precision
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.train.loop import load_model
+
+    check_target(out_dir)
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"run folder {run_dir!r} does not exist")
+    folder, state = checkpoint.load_latest(run_dir)
+    if state is None:
+        raise ValueError(f"{run_dir!r} holds no checkpoint to export (a run writes one every save_every steps and "
+                         "at its end)")
+    tokenizer = checkpoint.load_tokenizer(folder)
+    if state.get("config") is None or tokenizer is None:
+        raise ValueError(f"{folder} was written by an older version without its config and tokenizer: it cannot "
+                         "be rebuilt for export")
+    config = TrainConfig(**state["config"])
+    # the weights' dtype as trained: the saved base weights', else (LoRA adapters alone) the config's on this machine
+    base = [t for name, t in state["model"].items() if ".lora_" not in name and t.is_floating_point()]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = base[0].dtype if base else precision.weights_dtype(precision.resolve(config.dtype, device,
+                                                                                  config.lora_rank))
+    model, tokenizer = load_model(config, [], tokenizer, dtype)
+    if config.lora_rank:
+        model = lora.add_adapters(model, config)
+    checkpoint.restore_model(model, state)
+    return save_model_folder(model, tokenizer, out_dir)
