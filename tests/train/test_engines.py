@@ -93,6 +93,7 @@ def test_vllm_engine_for_real(tmp_path):
     assert result["policy_moved"] > 0.1, result                      # the perturbation matters ...
     assert result["gap_after_push"] < 1e-4, result                   # ... and the engine follows it
     assert result["lora_moved"] > 0.1 and result["gap_after_lora_push"] < 1e-4, result     # merged adapters too
+    assert result["gap_exported"] < 1e-4, result          # the LoRA run's export loads in vLLM as a plain model
     for length, truncated, ends in zip(result["completion_lengths"], result["truncated"], result["ends_with_eos"]):
         assert (length == 8 and truncated) or (ends and not truncated), result
     assert result["train_steps"] == [1, 2]

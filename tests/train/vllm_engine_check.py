@@ -11,7 +11,7 @@ import torch
 
 from grpo_fast.train import lora, tasks
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.engines import make_engine
+from grpo_fast.train.engines import VLLMEngine, make_engine
 from grpo_fast.train.loop import train
 from grpo_fast.train.tasks import prompt_ids
 from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
@@ -80,6 +80,16 @@ def main(output_dir: str) -> None:
     history = train(TrainConfig(engine="vllm", sft_steps=20, max_steps=2, group_size=4, prompts_per_step=4,
                                 lora_rank=4, learning_rate=0.05, output_dir=output_dir + "/run",
                                 log_completions=0), log=lambda *_: None)
+    # the run's export (output_dir/model, adapters merged) loads in vLLM as a plain model, with the trainer's
+    # log-probs of the exported weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = output_dir + "/run/model"
+    exported_model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    run_prompts = prompt_ids([s["prompt"] for s in samples[:4]], AutoTokenizer.from_pretrained(exported))
+    exported_engine = VLLMEngine(exported, config, max(map(len, run_prompts)) + config.max_completion_length,
+                                 torch.device("cpu"))
+    result["gap_exported"], _, _ = engine_vs_trainer(exported_engine, exported_model, run_prompts, seed=11)
     result["train_steps"] = [r["step"] for r in history]
     result["is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
     result["generation_tokens_per_s"] = [r["generation_tokens_per_s"] for r in history]
