@@ -20,7 +20,6 @@ import importlib.util
 import math
 import os
 import random
-import time
 
 import torch
 
@@ -28,7 +27,7 @@ from grpo_fast.train import checkpoint, distributed, export, lora, plan, precisi
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
-from grpo_fast.train.record import RunFiles, check_output_dir, step_record
+from grpo_fast.train.record import RunFiles, StageClock, check_output_dir, step_record
 from grpo_fast.train.rewards import load_reward, weighted_rewards
 from grpo_fast.train.update import Policy, Rollout, completion_logprobs, policy_update
 from grpo_fast.train.warm_start import supervised_warm_start
@@ -267,15 +266,16 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                     desc="grpo", disable=None if world.is_main else True)
     try:
         for step in progress:
-            started = time.perf_counter()
+            clock = StageClock()
             rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here
             step_samples = tasks.prompts_for_step(samples, step, config.prompts_per_step, config.seed)[
                 first_row:first_row + prompts_per_rank]
             prompts = [tasks.prompt_text(s, tokenizer, config) for s in step_samples]
             generation = generate(engine, prompts, tokenizer, step, first_row, config)
-            generation_seconds = time.perf_counter() - started
+            clock.lap("generation")
             completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
             rewards = score(reward_fns, completions, step_samples, step, config)
+            clock.lap("scoring")
             advantages, reward_stats = group_advantages(rewards, config.group_size, scale=config.scale_rewards,
                                                         estimator=config.advantage_estimator)
             rollout = rollout_for_update(generation, advantages, policy, reference_policy, config, world)
@@ -283,10 +283,11 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
             lr = float(scheduler.get_last_lr()[0])    # the rate this step's updates used
             scheduler.step()
+            clock.lap("update")
             engine.sync_weights(model)
+            clock.lap("sync")
             record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,
-                                 rollout.is_ratio, lr, time.perf_counter() - started, generation_seconds, world,
-                                 device)
+                                 rollout.is_ratio, lr, clock.total(), clock.seconds, world, device)
             history.append(record)
             files.append(record)
             files.add_completions(step + 1, prompts, completions, rewards.tolist(), config.group_size,

@@ -5,18 +5,37 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from typing import Optional
 
 from grpo_fast.train import distributed
 from grpo_fast.variants import masked_mean
 
 
+class StageClock:
+    """The seconds of a step's stages: lap(name) charges the time since the previous lap (or the start) to name."""
+
+    def __init__(self):
+        self.started = self.last = time.perf_counter()
+        self.seconds: dict = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.started
+
+
 def step_record(step: int, generation, loss_mask, rewards, reward_stats: dict, updates: list, is_ratio, lr: float,
-                seconds: float, generation_seconds: float, world, device) -> dict:
+                seconds: float, stages: dict, world, device) -> dict:
     """The metrics line of a finished step, over all ranks: rewards and completion statistics (means over
     ranks), the last update's loss metrics and grad norm, the updates skipped as not finite and the samples no
-    reward scored (NaN rewards), the learning rate the step used, and throughput. generation: the engine's
-    Generation; loss_mask (B, C): the tokens the loss counted; is_ratio: the rollout correction (B, C) or None."""
+    reward scored (NaN rewards), the learning rate the step used, throughput, and the seconds of each stage
+    (`stages`, from StageClock: generation, scoring, update, sync; this rank's) as {stage}_seconds. generation:
+    the engine's Generation; loss_mask (B, C): the tokens the loss counted; is_ratio: the rollout correction
+    (B, C) or None."""
     update = updates[-1]
     totals = distributed.sum_over_ranks({
         "skipped_samples": float(rewards.isnan().sum()),
@@ -33,8 +52,9 @@ def step_record(step: int, generation, loss_mask, rewards, reward_stats: dict, u
               "completion_len": totals["sampled_tokens"] / totals["rows"],
               "truncated": totals["truncated"] / totals["rows"], "grad_norm": update["grad_norm"], "lr": lr,
               "tokens_per_s": totals["tokens"] / seconds, "seconds": seconds,
-              "generation_tokens_per_s": totals["sampled_tokens"] / generation_seconds,
+              "generation_tokens_per_s": totals["sampled_tokens"] / max(stages["generation"], 1e-9),
               "skipped_updates": sum(u["skipped"] for u in updates), "skipped_samples": totals["skipped_samples"]}
+    record.update({f"{stage}_seconds": value for stage, value in stages.items()})
     if is_ratio is not None:
         record["is_ratio_mean"] = totals["is_ratio_mean"] / world.size
     return record
@@ -132,8 +152,12 @@ class RunFiles:
             plot_curves(self.metrics, os.path.join(self.output_dir, "curves.png"))
 
 
+STAGES = ("generation", "scoring", "update", "sync")
+
+
 def plot_curves(metrics_path: str, out_path: str) -> None:
-    """Reward, completion length and KL against step."""
+    """The run on one page: reward, completion length, entropy, loss, KL (when the run has a KL term) and the
+    seconds of each stage against step; noisy per-step values get a 20-step running mean on top."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,19 +165,35 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
 
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    panels = ["reward", "completion_len", "entropy", "loss"]
+    if any(r.get("kl", 0.0) for r in records):
+        panels.append("kl")
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     steps = [r["step"] for r in records]
-    for ax, key in zip(axes, ("reward", "completion_len", "kl")):
-        values = [r[key] for r in records]
+    for ax, key in zip(axes.flat, panels):
+        values = [r.get(key, float("nan")) for r in records]
         ax.plot(steps, values, marker=".", alpha=0.5 if len(values) > 20 else 1.0)
-        if len(values) > 20:                   # per-step values are noisy: a 20-step running mean on top
-            smooth = [sum(values[max(0, i - 19):i + 1]) / len(values[max(0, i - 19):i + 1])
-                      for i in range(len(values))]
-            ax.plot(steps, smooth, color="black", label="20-step mean")
+        if len(values) > 20:
+            ax.plot(steps, _running_mean(values), color="black", label="20-step mean")
             ax.legend()
-        ax.set_xlabel("step")
         ax.set_title(key)
+    stages_ax = axes.flat[len(panels)]
+    for stage in STAGES:
+        if any(f"{stage}_seconds" in r for r in records):
+            stages_ax.plot(steps, _running_mean([r.get(f"{stage}_seconds", float("nan")) for r in records]),
+                           label=stage)
+    stages_ax.set_title("seconds per step by stage (20-step mean)")
+    stages_ax.legend()
+    for ax in axes.flat[len(panels) + 1:]:
+        ax.axis("off")
+    for ax in axes.flat[:len(panels) + 1]:
+        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
+
+
+def _running_mean(values: list, window: int = 20) -> list:
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]

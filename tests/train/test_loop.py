@@ -127,6 +127,8 @@ def test_default_run_learns(tmp_path, memory):
     assert (tmp_path / "curves.png").exists() and (tmp_path / "completions.jsonl").exists()
     record = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert {"step", "reward", "loss", "kl", "completion_len", "tokens_per_s"} <= set(record)
+    stages = [record[f"{stage}_seconds"] for stage in ("generation", "scoring", "update", "sync")]
+    assert all(seconds >= 0 for seconds in stages) and sum(stages) <= record["seconds"] <= sum(stages) + 0.05
 
 
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "examples")) if n.endswith(".yaml")))
