@@ -5,7 +5,8 @@
     engine_weights(model)                          # (name, tensor) of the base with the adapters merged in
 
 The LM head is never adapted (the loss reads its weight directly: two GEMM passes per step, no weight gradient),
-the adapters are fp32 whatever the base's dtype, and a checkpoint holds the adapters alone.
+the adapters are fp32 whatever the base's dtype, and a checkpoint holds the adapters alone (and the base too when
+a warm start trained it: grpo_fast.train.checkpoint.training_state).
 """
 
 from __future__ import annotations

@@ -101,11 +101,17 @@ def completion_hidden(policy: Policy, micro: MicroBatch, offload: bool = False):
     adapters = lora.reference(policy.model) if policy.adapters_off else nullcontext()
     with torch.autocast(device.type, dtype=dtype, enabled=autocast), saved, adapters:
         hidden = completion_hidden_states(policy.forward, micro)
-    head = lm_head(policy.model)
+    return (hidden.to(dtype), *head_in(policy.model, dtype))
+
+
+def head_in(model, dtype: torch.dtype) -> tuple:
+    """(weight, logit kwargs) of the model's LM head with the weight and bias in `dtype`, the dtype of the loss's
+    inputs."""
+    head = lm_head(model)
     kwargs = head.logit_kwargs()
     if kwargs["bias"] is not None:
         kwargs["bias"] = kwargs["bias"].to(dtype)
-    return hidden.to(dtype), head.weight.to(dtype), kwargs
+    return head.weight.to(dtype), kwargs
 
 
 @torch.no_grad()

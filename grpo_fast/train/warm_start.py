@@ -7,18 +7,21 @@ import random
 import torch
 
 import grpo_fast as gf
-from grpo_fast.models import final_hidden_states, lm_head
+from grpo_fast.models import final_hidden_states
 from grpo_fast.train import precision
 from grpo_fast.train.tasks import prompt_text
+from grpo_fast.train.update import Policy, head_in
 
 
 def supervised_warm_start(model, tokenizer, samples: list, config, log, dtype: str = "fp32") -> float:
     """config.sft_steps steps of the configured optimizer on the mean negative log-likelihood of the solution
     tokens (the loss from `token_logprobs`, no logits), in the resolved dtype option `dtype`
-    (grpo_fast.train.precision); trains what requires grad (a LoRA model's adapters). Returns the last loss."""
+    (grpo_fast.train.precision), computed as the policy update computes. The trainer runs it on the whole model,
+    before any LoRA adapters are added. Returns the last loss."""
     # weight decay 0.01: torch AdamW's default, which the warm start has always used
     optimizer = precision.make_optimizer(model.parameters(), config.optimizer, config.sft_learning_rate, 0.01)
-    compute = precision.compute_dtype(dtype)
+    device = next(model.parameters()).device
+    compute, autocast = Policy.of(model, dtype).compute(device)
     rng = random.Random(config.seed)
     loss_value = float("nan")
     for step in range(config.sft_steps):
@@ -27,19 +30,15 @@ def supervised_warm_start(model, tokenizer, samples: list, config, log, dtype: s
         full = [p + s["solution"] + tokenizer.eos_token for p, s in zip(prompts, batch)]
         encoded = tokenizer(full, return_tensors="pt", padding=True, add_special_tokens=False)
         prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-        device = next(model.parameters()).device
         ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].bool().to(device)
         answer = torch.zeros_like(mask)
         for row, (length, valid) in enumerate(zip(prompt_lengths, mask.sum(1).tolist())):
             answer[row, ids.shape[1] - valid + length:] = True          # left padding: answers end each row
-        with torch.autocast(device.type, dtype=compute, enabled=dtype == "bf16-autocast"):
+        with torch.autocast(device.type, dtype=compute, enabled=autocast):
             hidden = final_hidden_states(model, ids, mask.long())[:, :-1]
-        head = lm_head(model)
         targets = torch.where(answer[:, 1:], ids[:, 1:], 0)
-        kwargs = head.logit_kwargs()
-        if kwargs["bias"] is not None:
-            kwargs["bias"] = kwargs["bias"].to(compute)
-        logp = gf.token_logprobs(hidden.to(compute), head.weight.to(compute), targets, **kwargs)
+        weight, kwargs = head_in(model, compute)
+        logp = gf.token_logprobs(hidden.to(compute), weight, targets, **kwargs)
         loss = -(logp * answer[:, 1:]).sum() / answer[:, 1:].sum()
         loss.backward()
         optimizer.step()
