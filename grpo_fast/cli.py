@@ -1,9 +1,10 @@
-"""The `grpo-fast` command: train, export, plan, bench, demo. The loss library never imports this module; it imports
-the trainer, the planner and the benchmark harness (`grpo_fast.benchmarks`, installed from benchmarks/)."""
+"""The `grpo-fast` command: train, eval, export, plan, bench, demo. The loss library never imports this module; it
+imports the trainer, the planner and the benchmark harness (`grpo_fast.benchmarks`, installed from benchmarks/)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -15,6 +16,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
         return _train(argv[1:])                 # free-form --key value pairs: parsed by the config itself
+    if argv[:1] == ["eval"] and argv[1:2] and not {"-h", "--help"} & set(argv[1:]):
+        return _eval(argv[1], argv[2:])
     from grpo_fast.train import plan
 
     try:
@@ -35,6 +38,14 @@ def main(argv=None) -> int:
                                         "(LoRA adapters merged)")
     export_parser.add_argument("run_dir", help="a training run's output_dir")
     export_parser.add_argument("out_dir", help="the folder to create (must not exist)")
+    commands.add_parser(
+        "eval", help="accuracy, pass@k and completion length on held-out problems (a run or a model folder)",
+        usage="grpo-fast eval RUN_DIR|MODEL_DIR [--task T] [--num-samples K] [--engine hf|vllm] [--key value ...]",
+        description="RUN_DIR: a training run, evaluated with its config on the problems it held out (its "
+                    "model/ export, else its newest checkpoint). MODEL_DIR: a Hugging Face model folder, on all "
+                    "problems of --task. --num-samples K: completions per problem (pass@k for k up to K; "
+                    "default eval_samples). Any key of `grpo-fast train` may follow (e.g. --eval-prompts 200 "
+                    "--max-completion-length 512 --prompt-format chat). Prints the record as one JSON line.")
     from grpo_fast.train.config import keys_help
 
     commands.add_parser(
@@ -48,6 +59,9 @@ def main(argv=None) -> int:
         return plan.main(args)
     if args.command == "export":
         return _export(args.run_dir, args.out_dir)
+    if args.command == "eval":                  # here only without a target (else dispatched above)
+        print("grpo-fast eval: name a run folder or a model folder (grpo-fast eval --help)", file=sys.stderr)
+        return 2
     if harness is None:
         print(NOT_INSTALLED.format(command=args.command), file=sys.stderr)
         return 2
@@ -64,6 +78,21 @@ def _export(run_dir: str, out_dir: str) -> int:
         print(f"exported {export_run(os.path.expanduser(run_dir), os.path.expanduser(out_dir))}")
     except (ValueError, OSError) as error:
         print(f"grpo-fast export: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _eval(target: str, arguments: list) -> int:
+    from grpo_fast.train.config import parse_overrides
+    from grpo_fast.train.evaluate import main as evaluate_main
+
+    try:
+        overrides = parse_overrides(arguments)
+        if "num_samples" in overrides:
+            overrides["eval_samples"] = overrides.pop("num_samples")
+        evaluate_main(os.path.expanduser(target), overrides)
+    except (ValueError, OSError) as error:
+        print(f"grpo-fast eval: {error}", file=sys.stderr)
         return 2
     return 0
 
@@ -92,9 +121,18 @@ def _train(arguments: list) -> int:
         print(f"grpo-fast train: {error}", file=sys.stderr)
         return 2
     if history and os.environ.get("RANK", "0") == "0":
-        first, last = history[0]["reward"], history[-1]["reward"]
-        print(f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}; {config.output_dir}/metrics.jsonl, "
-              f"curves.png")
+        tenth = max(1, len(history) // 10)
+        first = sum(r["reward"] for r in history[:tenth]) / tenth
+        last = sum(r["reward"] for r in history[-tenth:]) / tenth
+        line = f"done: {len(history)} steps, mean reward {first:.3f} (first tenth) -> {last:.3f} (last tenth)"
+        evals_path = os.path.join(config.output_dir, "eval.jsonl")
+        if os.path.exists(evals_path):
+            with open(evals_path) as f:
+                evals = [json.loads(text) for text in f if text.strip()]
+            if evals:
+                line += (f", held-out accuracy {evals[0]['accuracy']:.3f} (step {evals[0]['step']}) -> "
+                         f"{evals[-1]['accuracy']:.3f} (step {evals[-1]['step']})")
+        print(f"{line}; {config.output_dir}/metrics.jsonl, eval.jsonl, curves.png, model/")
     return 0
 
 

@@ -21,7 +21,8 @@ from grpo_fast.train import distributed, lora
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
 # dtype, its adapters, its warm start), the optimizer's state, the prompts each step draws and how rewards are
 # grouped. Every other key may change on resume and then applies.
-RESUME_FIXED = ("model", "task", "num_prompts", "max_operand", "seed", "prompt_format", "system_prompt",
+RESUME_FIXED = ("model", "task", "prompt_column", "solution_column", "train_split", "eval_task", "eval_split",
+                "eval_fraction", "num_prompts", "max_operand", "seed", "prompt_format", "system_prompt",
                 "group_size", "prompts_per_step", "max_completion_length", "dtype", "optimizer", "lora_rank",
                 "lora_alpha", "lora_target_modules", "sft_steps")
 

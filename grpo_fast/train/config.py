@@ -12,14 +12,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from grpo_fast.train import precision
+from grpo_fast.train import dataset_files, precision, tracking
 from grpo_fast.train.advantages import ESTIMATORS, SCALES
 from grpo_fast.train.engines import IS_MODES
 from grpo_fast.variants import LOSS_TYPES, LossConfig
 
-GROUPS = ("Model and data", "Rollouts", "Rewards", "Loss", "Optimization", "Memory", "Warm start", "Processes",
-          "Run")
-TASKS = ("arithmetic", "gsm8k")
+GROUPS = ("Model and data", "Rollouts", "Rewards", "Loss", "Optimization", "Memory", "Warm start", "Evaluation",
+          "Processes", "Run")
+TASKS = ("max", "arithmetic", "gsm8k")
 
 
 def _group(name: str):
@@ -34,7 +34,8 @@ def _group(name: str):
     return key
 
 
-_data, _rollouts, _rewards, _loss, _optimization, _memory, _warm_start, _processes, _run = map(_group, GROUPS)
+(_data, _rollouts, _rewards, _loss, _optimization, _memory, _warm_start, _evaluation, _processes,
+ _run) = map(_group, GROUPS)
 
 
 def _one_of(values) -> str:
@@ -58,25 +59,33 @@ class TrainConfig:
     Memory: the weights' dtype and the optimizer (grpo_fast.train.precision has the table), and LoRA adapters
         (PEFT) in place of full training: the same names as `grpo-fast plan`, which predicts their peak.
     Warm start: sft_steps of supervised training on the task's solutions before GRPO (0 to skip).
+    Evaluation: held-out problems (never trained on) answered eval_samples times each, before the first step,
+        every eval_every steps and after the last: accuracy and pass@k in eval.jsonl (grpo_fast.train.evaluate).
     Processes: under torchrun each rank takes prompts_per_step / world_size prompts per step.
-    Run: output_dir gets metrics.jsonl, curves.png, completions.jsonl and checkpoints. A step whose loss or
+    Run: output_dir gets metrics.jsonl, eval.jsonl, curves.png, completions.jsonl, checkpoints, model/ (the
+        export) and what the report_to trackers write. A step whose loss or
         gradient norm is not finite is skipped (the weights stay as they were); max_bad_steps such steps in a row
         stop the run.
     """
 
     model: str = _data("tiny", '"tiny" (a Qwen2-style model and tokenizer built in code), a Hugging Face model '
                                "directory or hub id")
-    task: str = _data("arithmetic", '"arithmetic" (generated), "gsm8k" (vendored 200-problem subset) or a .jsonl '
-                                    "file with prompt / solution")
+    task: str = _data("max", '"max" (generated: the largest of four numbers), "arithmetic" (generated), "gsm8k" '
+                             "(vendored 200-problem subset) or a dataset on disk: a .jsonl / .json / .parquet / .csv "
+                             "file or a save_to_disk folder")
+    prompt_column: str = _data("prompt", "the dataset's prompt column: text, or a list of chat messages "
+                                         "({role, content}, rendered with the chat template)")
+    solution_column: str = _data("solution", "the dataset's gold-answer column (text or a number)")
+    train_split: str = _data("train", "the split trained on, for a save_to_disk folder of several splits")
     prompt_format: str = _data("plain", '"plain" (the prompt text) or "chat" (the chat template, as a user turn)')
     system_prompt: Optional[str] = _data(None, "the system turn (chat) or a line before the prompt (plain)")
     device: str = _data("auto", '"auto" (CUDA when available), "cpu" or "cuda[:i]"')
-    num_prompts: int = _data(2000, "how many arithmetic problems are generated")
-    max_operand: int = _data(9, "arithmetic operands are 0..max_operand")
+    num_prompts: int = _data(2000, "how many max / arithmetic problems are generated")
+    max_operand: int = _data(9, "max / arithmetic numbers are 0..max_operand")
     engine: str = _rollouts("hf", '"hf" (model.generate) or "vllm" (offline vLLM in this process, weights pushed '
                                   "after every step)")
     group_size: int = _rollouts(8, "completions per prompt (>= 2: advantages compare them)")
-    prompts_per_step: int = _rollouts(8, "prompts per step, split across processes")
+    prompts_per_step: int = _rollouts(16, "prompts per step, split across processes")
     max_completion_length: int = _rollouts(6, "tokens sampled per completion at most")
     temperature: float = _rollouts(1.0, "sampling temperature")
     top_p: float = _rollouts(1.0, "nucleus sampling probability mass, in (0, 1]")
@@ -84,7 +93,7 @@ class TrainConfig:
     vllm_gpu_memory_utilization: float = _rollouts(0.3, "vLLM's share of the GPU memory, in (0, 1]")
     importance_sampling: str = _rollouts("sequence_mask", f"rollout correction: {_one_of(IS_MODES)}")
     importance_sampling_cap: float = _rollouts(3.0, "cap of the rollout correction's ratio")
-    rewards: list[str] = _rewards(["accuracy"], 'names from grpo_fast.train.rewards.REWARDS or "module:function" '
+    rewards: list[str] = _rewards(["exact_match"], 'names from grpo_fast.train.rewards.REWARDS or "module:function" '
                                                 "(comma-separated)")
     reward_weights: Optional[list[float]] = _rewards(None, "one weight per reward (comma-separated); None: all 1")
     scale_rewards: str = _rewards("group", f"advantages divided by the reward std of: {_one_of(SCALES)}")
@@ -121,9 +130,21 @@ class TrainConfig:
     lora_target_modules: list[str] = _memory(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"], "names of the linear layers that get adapters "
                                                             "(comma-separated; never the LM head)")
-    sft_steps: int = _warm_start(300, "supervised steps on the task's solutions before GRPO (0 to skip); the "
+    sft_steps: int = _warm_start(10, "supervised steps on the task's solutions before GRPO (0 to skip); the "
                                       "whole model, before any LoRA adapters are added")
     sft_learning_rate: float = _warm_start(3e-3, "learning rate of the supervised steps")
+    eval_every: int = _evaluation(50, "steps between evaluations on the held-out problems (also before the first "
+                                      "step and after the last; 0: none)")
+    eval_prompts: int = _evaluation(100, "held-out problems per evaluation at most")
+    eval_samples: int = _evaluation(4, "completions per held-out problem: accuracy is their mean, pass@k for k "
+                                       "up to this")
+    eval_reward: Optional[str] = _evaluation(None, "the reward that scores an evaluation, 1.0 or more counting as "
+                                                   "correct (None: the first of rewards)")
+    eval_task: Optional[str] = _evaluation(None, "where the held-out problems come from, as task (arithmetic, "
+                                                 "gsm8k, a file or folder); None: eval_split or eval_fraction")
+    eval_split: Optional[str] = _evaluation(None, "the held-out split of a save_to_disk folder (e.g. test)")
+    eval_fraction: float = _evaluation(0.1, "share of the task's distinct problems held out (never trained on) "
+                                            "when neither eval_task nor eval_split is set")
     distributed: str = _processes("ddp", 'under torchrun: "ddp" (DistributedDataParallel) or "fsdp2" '
                                          "(fully_shard per decoder layer)")
     max_steps: int = _run(300, "GRPO steps")
@@ -133,11 +154,13 @@ class TrainConfig:
                                              "resuming)")
     save_every: int = _run(20, "steps between checkpoints")
     log_completions: int = _run(4, "prompts per step whose first completion goes to completions.jsonl")
+    report_to: list[str] = _run([], "experiment trackers for the metrics: tensorboard, wandb, trackio "
+                                    "(comma-separated; none by default)")
     max_bad_steps: int = _run(3, "non-finite steps in a row (each skipped) that stop the run")
 
     def __post_init__(self):
         hints = _hints()
-        for name in ("model", "task", "output_dir"):          # paths: "~" is the home folder, as in a shell
+        for name in ("model", "task", "eval_task", "output_dir"):     # paths: "~" is the home folder, as in a shell
             if isinstance(getattr(self, name), str):
                 setattr(self, name, os.path.expanduser(getattr(self, name)))
         for item in dataclasses.fields(self):
@@ -159,9 +182,24 @@ class TrainConfig:
         for name in ("model", "output_dir"):
             if not getattr(self, name).strip():
                 raise ValueError(f"{name} must not be empty, got {getattr(self, name)!r}")
-        if self.task not in TASKS and not os.path.isfile(self.task):
-            why = "a folder" if os.path.isdir(self.task) else "no such file"
-            raise ValueError(f"task must be 'arithmetic', 'gsm8k' or a .jsonl file; got {self.task!r} ({why})")
+        for name in ("task", "eval_task"):
+            if getattr(self, name) is not None and getattr(self, name) not in TASKS:
+                try:
+                    dataset_files.check_source(getattr(self, name), name)
+                except ValueError as error:
+                    raise ValueError(f"{error} ({name} is one of {', '.join(TASKS)} or a dataset on disk)") from None
+        eval_source = self.task if self.eval_task is None else self.eval_task
+        if self.eval_split is not None and (eval_source in TASKS or not os.path.isdir(eval_source)):
+            key = "task" if self.eval_task is None else "eval_task"
+            raise ValueError(f"eval_split={self.eval_split!r} names a split of a dataset folder, but {key} is "
+                             f"{eval_source!r}: use eval_task or eval_fraction")
+        for name, folder in (("train_split", self.task), ("eval_split", eval_source)):
+            split = getattr(self, name)
+            if split is not None and folder not in TASKS and os.path.isdir(folder):
+                found = dataset_files.splits(folder)
+                if len(found) > 1 and split not in found:
+                    raise ValueError(f"{name}={split!r}: {folder!r} has the splits {found}")
+        tracking.check_report_to(self.report_to)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {self.device!r}")
         if not self.rewards or not all(isinstance(name, str) and name.strip() for name in self.rewards):
@@ -216,6 +254,8 @@ RULES = {
     "lora_dropout": _rule("in [0, 1)", lambda v: 0 <= v < 1), "sft_steps": _NON_NEGATIVE,
     "sft_learning_rate": _POSITIVE, "max_steps": _POSITIVE,
     "seed": _rule("in [0, 2**32)", lambda v: 0 <= v < 2**32),     # the engines' and numpy's seed range
+    "eval_every": _NON_NEGATIVE, "eval_prompts": _POSITIVE, "eval_samples": _POSITIVE,
+    "eval_fraction": _rule("in [0, 1)", lambda v: 0 <= v < 1),
     "save_every": _POSITIVE, "log_completions": _NON_NEGATIVE, "max_bad_steps": _rule(">= 1", lambda v: v >= 1),
 }
 

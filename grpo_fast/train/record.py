@@ -1,4 +1,5 @@
-"""What a run leaves to read: metrics.jsonl (one line per step), completions.jsonl (samples) and curves.png."""
+"""What a run leaves to read: metrics.jsonl (one line per step), eval.jsonl (one line per evaluation),
+completions.jsonl (samples) and curves.png."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def step_record(step: int, generation, loss_mask, rewards, reward_stats: dict, u
     return record
 
 
-RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png", "model")       # model/: the export
+# model/: the export; tensorboard/ and wandb/: the trackers' files (grpo_fast.train.tracking)
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "completions.jsonl", "curves.png", "model", "tensorboard", "wandb",
+             "wandb_run_id.txt")
 
 
 def run_contents(output_dir: str) -> list:
@@ -111,6 +114,7 @@ class RunFiles:
         self.output_dir, self.is_main = output_dir, is_main
         self.metrics = os.path.join(output_dir, "metrics.jsonl")
         self.completions = os.path.join(output_dir, "completions.jsonl")
+        self.evals = os.path.join(output_dir, "eval.jsonl")
 
     def start(self, resumed_step: Optional[int]) -> None:
         """The first write of a run. A new run clears what a previous run left (check_output_dir allowed it), a
@@ -125,7 +129,7 @@ class RunFiles:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             open(self.metrics, "w").close()
             return
-        for path in (self.metrics, self.completions):
+        for path in (self.metrics, self.completions, self.evals):
             if os.path.exists(path):
                 kept = _lines_up_to(path, resumed_step)
                 with open(path, "w") as f:
@@ -136,28 +140,34 @@ class RunFiles:
             with open(self.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def add_eval(self, record: dict) -> None:
+        if self.is_main:
+            with open(self.evals, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
     def add_completions(self, step: int, prompts: list, completions: list, rewards: list, group_size: int,
-                        count: int) -> None:
-        """The first completion of each of the first `count` prompts, with its reward."""
-        if not (self.is_main and count):
-            return
+                        count: int) -> list:
+        """Writes the first completion of each of the first `count` prompts, with its reward; returns those rows
+        ({step, prompt, completion, reward}) for the trackers."""
         firsts = list(zip(prompts, completions[::group_size], rewards[::group_size]))[:count]
-        with open(self.completions, "a") as f:
-            for prompt, completion, reward in firsts:
-                f.write(json.dumps({"step": step, "prompt": prompt, "completion": completion, "reward": reward})
-                        + "\n")
+        rows = [{"step": step, "prompt": p, "completion": c, "reward": r} for p, c, r in firsts]
+        if self.is_main and rows:
+            with open(self.completions, "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        return rows
 
     def plot(self) -> None:
         if self.is_main:
-            plot_curves(self.metrics, os.path.join(self.output_dir, "curves.png"))
+            plot_curves(self.metrics, os.path.join(self.output_dir, "curves.png"), self.evals)
 
 
 STAGES = ("generation", "scoring", "update", "sync")
 
 
-def plot_curves(metrics_path: str, out_path: str) -> None:
-    """The run on one page: reward, completion length, entropy, loss, KL (when the run has a KL term) and the
-    seconds of each stage against step; noisy per-step values get a 20-step running mean on top."""
+def plot_curves(metrics_path: str, out_path: str, eval_path: Optional[str] = None) -> None:
+    """The run on one page: reward, held-out accuracy and pass@k (when eval_path has evaluations), completion
+    length, entropy, loss, KL (when the run has a KL term) and the seconds of each stage against step; noisy
+    per-step values get a 20-step running mean on top."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,12 +175,20 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
 
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    panels = ["reward", "completion_len", "entropy", "loss"]
+    evals = []
+    if eval_path and os.path.exists(eval_path):
+        with open(eval_path) as f:
+            evals = [json.loads(line) for line in f if line.strip()]
+    panels = ["reward"] + (["held-out accuracy"] if evals else []) + ["completion_len", "entropy", "loss"]
     if any(r.get("kl", 0.0) for r in records):
         panels.append("kl")
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    columns = 3 if len(panels) < 6 else 4                          # the stage panel takes one more
+    fig, axes = plt.subplots(2, columns, figsize=(4.4 * columns, 7))
     steps = [r["step"] for r in records]
     for ax, key in zip(axes.flat, panels):
+        if key == "held-out accuracy":
+            _plot_evals(ax, evals)
+            continue
         values = [r.get(key, float("nan")) for r in records]
         ax.plot(steps, values, marker=".", alpha=0.5 if len(values) > 20 else 1.0)
         if len(values) > 20:
@@ -192,6 +210,18 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
+
+
+def _plot_evals(ax, evals: list) -> None:
+    """Accuracy (the mean over samples) and the largest pass@k of each evaluation against step."""
+    steps = [r["step"] for r in evals]
+    ax.plot(steps, [r["accuracy"] for r in evals], marker="o", label="accuracy")
+    passes = sorted((key for key in evals[-1] if key.startswith("pass@")), key=lambda key: int(key[5:]))
+    if passes and passes[-1] != "pass@1":
+        ax.plot(steps, [r.get(passes[-1], float("nan")) for r in evals], marker="s", label=passes[-1])
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"held-out accuracy ({evals[-1]['problems']} problems)")
+    ax.legend()
 
 
 def _running_mean(values: list, window: int = 20) -> list:

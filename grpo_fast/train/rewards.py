@@ -343,6 +343,13 @@ def accuracy_reward(completions, solution, **kwargs) -> list:
     return [None if v is None else float(v) for v in _verdicts("accuracy_reward", texts, solution)]
 
 
+def exact_match_reward(completions, solution, **kwargs) -> list:
+    """1.0 when the completion, without surrounding whitespace, is the gold solution's text, else 0.0: for
+    short-answer tasks where anything but the answer scores nothing (the built-in max task). math-verify's
+    accuracy reads the first number of "8<junk>9" as 8, and a tiny policy learns to stop ending its answers."""
+    return [1.0 if _text(c).strip() == str(s).strip() else 0.0 for c, s in zip(completions, solution)]
+
+
 def format_reward(completions, **kwargs) -> list:
     """1.0 for `<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>`, else 0.0."""
     return [1.0 if FORMAT_RE.match(_text(c)) else 0.0 for c in completions]
@@ -418,6 +425,7 @@ def repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0) ->
 
 REWARDS = {
     "accuracy": lambda **_: accuracy_reward,
+    "exact_match": lambda **_: exact_match_reward,
     "format": lambda **_: format_reward,
     "tag_count": lambda **_: tag_count_reward,
     "reasoning_steps": lambda **_: reasoning_steps_reward,

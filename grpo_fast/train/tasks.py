@@ -1,7 +1,8 @@
-"""Prompt sources (a built-in arithmetic task generated in code, the vendored GSM8K subset, JSONL files of
-prompts with solutions) and the prompts of each training step.
+"""Prompt sources (built-in max and arithmetic tasks generated in code, the vendored GSM8K subset, datasets on
+disk), the held-out problems of evaluation, and the prompts of each training step.
 
-A sample is a dict with "prompt" (text) and "solution" (the gold answer, a string math-verify can parse).
+A sample is a dict with "prompt" (text, or a list of chat messages) and "solution" (the gold answer, a string
+math-verify can parse).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import os
 import random
 import re
+
+from grpo_fast.train import dataset_files
 
 GSM8K_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_test_200.jsonl")
 GSM8K_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")
@@ -31,36 +34,22 @@ def arithmetic_task(num_samples: int, *, seed: int = 0, max_operand: int = 20, o
     return samples
 
 
-def load_jsonl(path: str, *, prompt_key: str = "prompt", solution_key: str = "solution") -> list:
-    """Samples from a JSONL file of objects with a string prompt and a string or number solution; a bad line
-    raises a ValueError naming the file, the line and what is wrong with it."""
+def max_task(num_samples: int, *, seed: int = 0, max_operand: int = 9, count: int = 4) -> list:
+    """`num_samples` problems "max(a,b,c,d)=" (`count` numbers in 0..max_operand, the largest drawn uniformly)
+    with the largest as answer, reproducible from `seed`. The built-in default: a comparison a tiny model learns
+    from reward alone once a short warm start has taught it the answer format."""
+    if num_samples <= 0 or max_operand <= 0 or count < 2:
+        raise ValueError(f"num_samples and max_operand must be positive and count >= 2, got {num_samples}, "
+                         f"{max_operand} and {count}")
+    rng = random.Random(seed)
     samples = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            for key in (prompt_key, solution_key):
-                if key not in record:
-                    raise ValueError(f"{path}:{number}: missing key {key!r} (has {sorted(record)})")
-            prompt, solution = record[prompt_key], record[solution_key]
-            if not isinstance(prompt, str):
-                raise ValueError(f"{path}:{number}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
-            if isinstance(solution, bool) or not isinstance(solution, (str, int, float)):
-                raise ValueError(f"{path}:{number}: {solution_key!r} must be a string or a number, got "
-                                 f"{type(solution).__name__}")
-            samples.append({"prompt": prompt, "solution": str(solution)})
-    if not samples:
-        raise ValueError(f"{path}: no samples")
+    for _ in range(num_samples):
+        # the largest is uniform over 0..max_operand (else 9 would be the answer a third of the time with four
+        # digits, and "answer 9, else 8" a policy's easy way out of learning to compare)
+        largest = rng.randint(0, max_operand)
+        numbers = [rng.randint(0, largest) for _ in range(count)]
+        numbers[rng.randrange(count)] = largest
+        samples.append({"prompt": f"max({','.join(map(str, numbers))})=", "solution": str(max(numbers))})
     return samples
 
 
@@ -71,18 +60,76 @@ def gsm8k(num_samples=None) -> list:
     with open(GSM8K_PATH) as f:
         for line in f:
             record = json.loads(line)
-            answer = GSM8K_ANSWER_RE.search(record["answer"]).group(1).replace(",", "")
-            samples.append({"prompt": record["question"], "solution": answer})
+            samples.append({"prompt": record["question"], "solution": final_answer(record["answer"])})
     return samples if num_samples is None else samples[:num_samples]
 
 
-def load_samples(config) -> list:
-    """The samples of `config.task` (a TrainConfig): "arithmetic", "gsm8k" or a JSONL path."""
-    if config.task == "arithmetic":
+def load_source(source: str, config, split=None) -> list:
+    """The samples of one source: "max" or "arithmetic" (config.num_prompts problems), "gsm8k", or a dataset file or
+    save_to_disk folder read with config.prompt_column / solution_column (grpo_fast.train.dataset_files), its
+    GSM8K-style worked solutions cut to their final answer."""
+    if source == "max":
+        return max_task(config.num_prompts, seed=config.seed, max_operand=config.max_operand)
+    if source == "arithmetic":
         return arithmetic_task(config.num_prompts, seed=config.seed, max_operand=config.max_operand)
-    if config.task == "gsm8k":
+    if source == "gsm8k":
         return gsm8k()
-    return load_jsonl(config.task)
+    samples = dataset_files.load_samples(source, prompt_column=config.prompt_column,
+                                         solution_column=config.solution_column, split=split)
+    return [{**sample, "solution": final_answer(sample["solution"])} for sample in samples]
+
+
+def final_answer(solution: str) -> str:
+    """The number after "#### " when `solution` is a worked solution in GSM8K's form (commas removed), else
+    `solution` as it is."""
+    match = GSM8K_ANSWER_RE.search(solution)
+    return match.group(1).replace(",", "") if match else solution
+
+
+def problem_key(sample: dict) -> str:
+    """What makes two samples the same problem: the prompt (text, or the messages as JSON)."""
+    prompt = sample["prompt"]
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def hold_out(samples: list, fraction: float, seed: int) -> tuple:
+    """(training samples, held-out samples): round(fraction x distinct problems) of the distinct prompts, drawn by
+    `seed`, are held out (one sample each, in drawn order) and every sample of them leaves the training set."""
+    keys = list(dict.fromkeys(problem_key(s) for s in samples))
+    count = round(fraction * len(keys))
+    if fraction > 0 and count == 0 and len(keys) > 1:
+        count = 1                                    # a small dataset still gets a held-out problem
+    random.Random(seed).shuffle(keys)
+    held = set(keys[:count])
+    first = {}
+    for sample in samples:
+        first.setdefault(problem_key(sample), sample)
+    return [s for s in samples if problem_key(s) not in held], [first[key] for key in keys[:count]]
+
+
+def load_eval_task(config) -> list:
+    """The problems of config.eval_task, all held out (its eval_split when it is a folder of several splits)."""
+    return load_source(config.eval_task, config, split=config.eval_split if os.path.isdir(config.eval_task) else None)
+
+
+def load_task(config) -> tuple:
+    """(training samples, held-out samples) of config.task. The held-out problems are config.eval_task's (see
+    load_eval_task), else the eval_split of the task's folder, else eval_fraction of its distinct problems; no
+    training sample shares a prompt with them. Raises ValueError when nothing is left to train on."""
+    train_split = config.train_split if os.path.isdir(config.task) else None
+    samples = load_source(config.task, config, split=train_split)
+    if config.eval_task is not None:
+        held_out = load_eval_task(config)
+    elif config.eval_split is not None:
+        held_out = load_source(config.task, config, split=config.eval_split)
+    else:
+        samples, held_out = hold_out(samples, config.eval_fraction, config.seed)
+    held_keys = {problem_key(s) for s in held_out}
+    training = [s for s in samples if problem_key(s) not in held_keys]
+    if not training:
+        raise ValueError(f"task {config.task!r}: every problem is among the held-out ones "
+                         f"({len(held_out)} problems); nothing is left to train on")
+    return training, held_out
 
 
 def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:
@@ -99,12 +146,16 @@ def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:
 
 
 def prompt_text(sample: dict, tokenizer, config) -> str:
-    """The text the policy is prompted with: the chat template (prompt_format "chat") or the plain prompt, with
-    config.system_prompt as the system turn or a line before it."""
-    if config.prompt_format == "chat":
+    """The text the policy is prompted with: the chat template (prompt_format "chat", or a prompt that is a list of
+    messages) or the plain prompt, with config.system_prompt as the system turn (unless the messages open with
+    one) or a line before it."""
+    prompt = sample["prompt"]
+    if config.prompt_format == "chat" or not isinstance(prompt, str):
         system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-        return tokenizer.apply_chat_template(system + [{"role": "user", "content": sample["prompt"]}],
-                                             tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if messages and messages[0]["role"] == "system":      # the dataset's own system turn wins
+            system = []
+        return tokenizer.apply_chat_template(system + messages, tokenize=False, add_generation_prompt=True)
     if config.system_prompt:
         return config.system_prompt + "\n" + sample["prompt"]
     return sample["prompt"]

@@ -149,9 +149,12 @@ def test_unreadable_config_files_are_one_line_errors(tmp_path, capsys):
 def test_task_is_a_known_name_or_an_existing_file(tmp_path):
     with pytest.raises(ValueError) as error:
         load_config(None, {"task": "gms8k"})
-    assert str(error.value) == "task must be 'arithmetic', 'gsm8k' or a .jsonl file; got 'gms8k' (no such file)"
-    with pytest.raises(ValueError, match=r"got '.*' \(a folder\)"):
+    assert str(error.value) == ("task='gms8k': no such file or folder (task is one of max, arithmetic, gsm8k or a "
+                                "dataset on disk)")
+    with pytest.raises(ValueError, match=r"is a folder but not one written by datasets' save_to_disk"):
         TrainConfig(task=str(tmp_path))
+    with pytest.raises(ValueError, match=r"eval_task='nope.txt': no such file or folder"):
+        TrainConfig(eval_task="nope.txt")
     path = tmp_path / "mine.jsonl"
     path.write_text('{"prompt": "1+1=", "solution": "2"}\n')
     assert TrainConfig(task=str(path)).task == str(path)

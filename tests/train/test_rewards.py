@@ -32,6 +32,12 @@ def test_accuracy_off_the_main_thread():
     assert out["r"] == [1.0]
 
 
+def test_exact_match():
+    completions = ["8", " 8\n", "8\ufffd9", "08", "", [{"role": "assistant", "content": "8"}]]
+    assert R.exact_match_reward(completions, solution=["8"] * 6) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert R.accuracy_reward(completions[2:3], solution=["8"]) == [1.0]      # what exact_match is for
+
+
 def test_format_and_tag_count():
     assert R.format_reward([GOOD, "<answer>\n18\n</answer>", GOOD + " trailing"]) == [1.0, 0.0, 0.0]
     assert R.tag_count_reward([GOOD, "<think>\nx\n</think>\n", "nothing"]) == [1.0, 0.5, 0.0]

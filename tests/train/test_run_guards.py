@@ -17,7 +17,7 @@ from grpo_fast.train.config import TrainConfig  # noqa: E402
 from tests import helpers  # noqa: E402
 
 FAST = dict(sft_steps=10, max_steps=3, save_every=1, group_size=4, prompts_per_step=4, log_completions=0,
-            rewards=["tests.helpers:counting_reward"])
+            rewards=["tests.helpers:counting_reward"], eval_every=0)      # the evaluation would count calls too
 QUIET = dict(log=lambda *_: None)
 
 
@@ -169,10 +169,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt": "1+1=", "solution": "2"}\n{"prompt": "\xff", "solution": "1"}\n')
     assert cli(["train", "--task", str(bad), "--output-dir", str(tmp_path / "b")]) == 2
-    assert "bad.jsonl:2: not UTF-8 text" in capsys.readouterr().err
+    assert "bad.jsonl: not UTF-8 text (invalid start byte at byte 48, line 2)" in capsys.readouterr().err
     bad.write_text('{"prompt": ["1+1="], "solution": "2"}\n')
     assert cli(["train", "--task", str(bad), "--output-dir", str(tmp_path / "c")]) == 2
-    assert "bad.jsonl:1: 'prompt' must be a string, got list" in capsys.readouterr().err
+    assert "bad.jsonl: row 0 (line 1), column 'prompt' (prompt_column): message 0 is not a" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "abc")            # nothing written
 
 

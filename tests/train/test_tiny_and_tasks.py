@@ -42,14 +42,17 @@ def test_arithmetic_task_is_reproducible_and_correct():
         tasks.arithmetic_task(3, operations="/")
 
 
-def test_load_jsonl(tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text('{"question": "1+1=", "answer": 2}\n\n{"question": "2+2=", "answer": "4"}\n')
-    assert tasks.load_jsonl(str(path), prompt_key="question", solution_key="answer") == [
-        {"prompt": "1+1=", "solution": "2"}, {"prompt": "2+2=", "solution": "4"}]
-    path.write_text('{"question": "1+1="}\n')
-    with pytest.raises(ValueError, match=r"data.jsonl:1: missing key 'answer'"):
-        tasks.load_jsonl(str(path), prompt_key="question", solution_key="answer")
+def test_max_task_is_reproducible_and_correct():
+    first = tasks.max_task(50, seed=3)
+    assert first == tasks.max_task(50, seed=3) and first != tasks.max_task(50, seed=4)
+    for sample in tasks.max_task(200, max_operand=12, count=5):
+        numbers = [int(n) for n in sample["prompt"].removeprefix("max(").removesuffix(")=").split(",")]
+        assert len(numbers) == 5 and all(0 <= n <= 12 for n in numbers)
+        assert sample["solution"] == str(max(numbers))
+    answers = [int(s["solution"]) for s in tasks.max_task(5000)]
+    assert all(400 <= answers.count(value) <= 600 for value in range(10))      # the largest is uniform
+    with pytest.raises(ValueError, match="count >= 2"):
+        tasks.max_task(3, count=1)
 
 
 def test_gsm8k_subset():

@@ -211,3 +211,19 @@ def test_trackio_records_the_scalars_and_the_completions(tmp_path):
     assert not any(key.startswith("train/") and key != "train/loss" for key in values)
     assert [row["completion"] for row in values["completions"]["_value"]] == [row["completion"] for row in ROWS]
 
+
+def test_a_training_run_reports_its_metrics_and_evaluations_to_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.train.loop import train
+
+    output_dir = str(tmp_path / "run")
+    history = train(TrainConfig(sft_steps=5, max_steps=3, save_every=3, group_size=2, prompts_per_step=2,
+                                eval_every=2, eval_prompts=3, eval_samples=2, log_completions=1,
+                                report_to=["tensorboard"], output_dir=output_dir), log=lambda *_: None)
+    accumulator = _events(output_dir)
+    assert _scalars(accumulator, "train/reward") == [(r["step"], pytest.approx(r["reward"])) for r in history]
+    evals = [json.loads(line) for line in open(os.path.join(output_dir, "eval.jsonl"))]
+    assert _scalars(accumulator, "eval/accuracy") == [(r["step"], pytest.approx(r["accuracy"])) for r in evals]
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    assert accumulator.Tags()["tensors"]          # the completions table at the checkpoint

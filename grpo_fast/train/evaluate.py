@@ -1,0 +1,157 @@
+"""Evaluation on held-out problems: accuracy (the mean over samples), unbiased pass@k and completion length.
+
+    grpo-fast eval runs/default                      # a run's model on the problems its training never saw
+    grpo-fast eval runs/default --num-samples 8      # pass@1, 2, 4 and 8
+    grpo-fast eval path/to/model --task gsm8k --prompt-format chat --max-completion-length 512 --engine vllm
+
+During training (eval_every > 0) the same record goes to output_dir/eval.jsonl before the first step, every
+eval_every steps and after the last, so a run shows its gain over the model it started from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+import time
+
+from grpo_fast.train import distributed, tasks
+from grpo_fast.train.rewards import load_reward, weighted_rewards
+
+EVAL_SEED_OFFSET = 7_777_777        # evaluation draws its own seeds: it never shares one with a training step
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """1 - C(n - correct, k) / C(n, k): the chance that k of the n sampled completions, drawn without replacement,
+    hold at least one correct one; the unbiased estimator of pass@k (Chen et al., 2021, "Evaluating Large
+    Language Models Trained on Code")."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= correct <= n and 1 <= k <= n, got n={n}, correct={correct}, k={k}")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def k_values(n: int) -> list:
+    """The k of the pass@k columns for n samples per problem: 1, 2, 4, ... up to n, and n."""
+    values = [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
+    return values if values[-1] == n else values + [n]
+
+
+def evaluate(engine, samples: list, tokenizer, config, world=distributed.World(), device="cpu") -> dict:
+    """The record of one evaluation: config.eval_samples completions of each of `samples` (with the config's
+    prompt format, temperature and length) scored by config.eval_reward (None: the first of config.rewards); a
+    completion is correct when that reward gives it 1.0 or more.
+
+    accuracy: the mean of all completions' scores (= pass@1); pass@k for k in k_values(eval_samples), averaged
+    over problems; completion_len: mean sampled tokens; truncated: the share cut at max_completion_length;
+    problems: how many were scored (one whose gold the reward cannot score, None or NaN, is left out and counted
+    in unscored).
+    Under torchrun each rank takes an equal share of the problems (the remainder is left out) and the record
+    covers them all. The seeds are the same at every evaluation, so two records differ by the model alone."""
+    n = config.eval_samples
+    share = len(samples) // world.size
+    mine = samples[world.rank * share:(world.rank + 1) * share]
+    started = time.perf_counter()
+    prompts = [tasks.prompt_text(s, tokenizer, config) for s in mine]
+    seed = config.seed * 1_000_003 + EVAL_SEED_OFFSET + world.rank * share
+    generation = engine.generate(tasks.prompt_ids(prompts, tokenizer), seed=seed, n=n)
+    completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
+    reward = load_reward(config.eval_reward or config.rewards[0])
+    scores = weighted_rewards([reward], None, completions, solution=[s["solution"] for s in mine for _ in range(n)])
+    ks = k_values(n)
+    totals = {"problems": 0.0, "unscored": 0.0, "correct": 0.0, **{f"pass@{k}": 0.0 for k in ks},
+              "tokens": float(generation.completion_mask.sum()), "truncated": float(generation.truncated.sum()),
+              "rows": float(len(completions))}
+    for index in range(len(mine)):
+        problem = scores[index * n:(index + 1) * n]
+        if any(math.isnan(score) for score in problem):
+            totals["unscored"] += 1
+            continue
+        correct = sum(score >= 1.0 for score in problem)
+        totals["problems"] += 1
+        totals["correct"] += correct
+        for k in ks:
+            totals[f"pass@{k}"] += pass_at_k(n, correct, k)
+    totals = distributed.sum_over_ranks(totals, world, device)
+    problems = max(totals["problems"], 1.0)
+    record = {"accuracy": totals["correct"] / (problems * n),
+              **{f"pass@{k}": totals[f"pass@{k}"] / problems for k in ks},
+              "completion_len": totals["tokens"] / max(totals["rows"], 1.0),
+              "truncated": totals["truncated"] / max(totals["rows"], 1.0),
+              "problems": int(totals["problems"]), "unscored": int(totals["unscored"]), "samples": n,
+              "seconds": time.perf_counter() - started}
+    if not totals["problems"]:
+        record.update({key: float("nan") for key in ["accuracy"] + [f"pass@{k}" for k in ks]})
+    return record
+
+
+def eval_config(target: str, overrides: dict):
+    """(TrainConfig, model folder or None, run checkpoint folder or None) for `grpo-fast eval TARGET`.
+
+    A run folder (one with checkpoints) is evaluated with its own config on its held-out problems, its model
+    taken from output_dir/model (the export at the end of the run) or else its newest checkpoint. A Hugging Face
+    model folder is evaluated with the trainer's defaults and needs --task. overrides: TrainConfig keys."""
+    from grpo_fast.train import checkpoint
+    from grpo_fast.train.config import TrainConfig, load_config
+
+    if not os.path.isdir(target):
+        raise ValueError(f"{target!r} is neither a run folder nor a model folder (no such folder)")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        if "task" not in overrides:
+            raise ValueError(f"{target!r} is a model folder: name the problems with --task (arithmetic, gsm8k, or a "
+                             ".jsonl / .json / .parquet / .csv file or a save_to_disk folder)")
+        overrides = {**overrides, "model": target, "eval_task": overrides["task"]}
+        return load_config(None, overrides), target, None
+    folder, state = checkpoint.load_latest(target)
+    if state is None:
+        raise ValueError(f"{target!r} holds no checkpoint and no model (config.json): nothing to evaluate (a run "
+                         "writes a checkpoint every save_every steps and at its end)")
+    if state.get("config") is None:
+        raise ValueError(f"{folder} was written by an older version without its config: evaluate its export "
+                         "instead (grpo-fast export, then grpo-fast eval on that folder)")
+    saved = TrainConfig(**state["config"])
+    values = {key: getattr(saved, key) for key in state["config"]}
+    if "task" in overrides:                          # another task: all of its problems are held out
+        overrides = {"eval_task": overrides.pop("task"), **overrides}
+    config = load_config(None, {**values, **overrides})
+    exported = os.path.join(target, "model")
+    return config, exported if os.path.isfile(os.path.join(exported, "config.json")) else None, folder
+
+
+def main(target: str, overrides: dict, log=print) -> dict:
+    """`grpo-fast eval`: loads the model, evaluates it on the held-out problems (eval_prompts of them), prints the
+    record as one JSON line (through `log`) and returns it."""
+    import json
+
+    import torch
+
+    from grpo_fast.train import export, precision
+    from grpo_fast.train.engines import make_engine
+    from grpo_fast.train.loop import load_model
+
+    config, model_dir, run_folder = eval_config(target, overrides)
+    # eval_task's problems are all held out; otherwise the run's split of its task says which were
+    held_out = tasks.load_eval_task(config) if config.eval_task else tasks.load_task(config)[1]
+    held_out = held_out[:config.eval_prompts]
+    if not held_out:
+        raise ValueError("no held-out problems to evaluate: set --task, or eval_task / eval_split / eval_fraction")
+    device = distributed.resolve_device(config.device)
+    dtype = precision.weights_dtype(precision.resolve(config.dtype, device.type, 0))
+    with tempfile.TemporaryDirectory() as scratch:
+        if model_dir is None:                        # a run without its export: export its newest checkpoint
+            model_dir = export.export_run(target, os.path.join(scratch, "model"))
+        model, tokenizer = load_model(dataclasses.replace(config, model=model_dir), held_out, dtype=dtype)
+        model.to(device).eval()
+        max_prompt_tokens = max(map(len, tasks.prompt_ids([tasks.prompt_text(s, tokenizer, config)
+                                                           for s in held_out], tokenizer)))
+        engine = make_engine(config, model, tokenizer, max_prompt_tokens, model_dir=model_dir)
+        with torch.no_grad():
+            record = evaluate(engine, held_out, tokenizer, config, device=device)
+    source = config.eval_task or config.task
+    print(f"{target}: {record['problems']} held-out problems of {source!r} x {config.eval_samples} samples, "
+          f"model {model_dir if run_folder is None else run_folder}", file=sys.stderr)
+    log(json.dumps(record))
+    return record
