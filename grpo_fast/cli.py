@@ -38,6 +38,8 @@ def main(argv=None) -> int:
                                         "(LoRA adapters merged)")
     export_parser.add_argument("run_dir", help="a training run's output_dir")
     export_parser.add_argument("out_dir", help="the folder to create (must not exist)")
+    export_parser.add_argument("--peft-adapter", action="store_true",
+                               help="a LoRA run's adapters also as a PEFT adapter in OUT_DIR/adapter")
     commands.add_parser(
         "eval", help="accuracy, pass@k and completion length on held-out problems (a run or a model folder)",
         usage="grpo-fast eval RUN_DIR|MODEL_DIR [--task T] [--num-samples K] [--engine hf|vllm] [--key value ...]",
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     if args.command == "plan":
         return plan.main(args)
     if args.command == "export":
-        return _export(args.run_dir, args.out_dir)
+        return _export(args.run_dir, args.out_dir, args.peft_adapter)
     if args.command == "eval":                  # here only without a target (else dispatched above)
         print("grpo-fast eval: name a run folder or a model folder (grpo-fast eval --help)", file=sys.stderr)
         return 2
@@ -71,11 +73,11 @@ def main(argv=None) -> int:
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def _export(run_dir: str, out_dir: str) -> int:
+def _export(run_dir: str, out_dir: str, adapter: bool = False) -> int:
     from grpo_fast.train.export import export_run
 
     try:
-        print(f"exported {export_run(os.path.expanduser(run_dir), os.path.expanduser(out_dir))}")
+        print(f"exported {export_run(os.path.expanduser(run_dir), os.path.expanduser(out_dir), adapter)}")
     except (ValueError, OSError) as error:
         print(f"grpo-fast export: {error}", file=sys.stderr)
         return 2

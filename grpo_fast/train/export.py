@@ -1,6 +1,7 @@
 """The trained policy as a Hugging Face model folder, for transformers, vLLM or the hub.
 
     grpo-fast export RUN_DIR OUT_DIR             # from a run's newest checkpoint
+    grpo-fast export RUN_DIR OUT_DIR --peft-adapter   # and, for a LoRA run, the adapters in OUT_DIR/adapter
     output_dir/model/                            # written by `grpo-fast train` at the end of every run
 
 The folder holds config.json, model.safetensors, the tokenizer and generation_config.json; a LoRA run's adapters
@@ -27,11 +28,13 @@ def check_target(out_dir: str) -> None:
         raise ValueError(f"export target {out_dir!r} already exists (a {kind}); remove it or choose another folder")
 
 
-def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: bool = False) -> str:
+def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: bool = False,
+                      adapter: bool = False) -> str:
     """Writes `model` (a causal LM, PEFT-wrapped or not) and `tokenizer` to out_dir as a Hugging Face folder, the
     LoRA adapters merged. weights: the state dict to write (default `engine_weights(model)`; pass it when every
     rank of a sharded model had to gather it). replace: an existing out_dir is replaced once the new folder is
-    complete (a run's own output_dir/model); otherwise it is refused. Returns out_dir."""
+    complete (a run's own output_dir/model); otherwise it is refused. adapter: also write the PEFT adapters
+    (adapter_config.json, adapter_model.safetensors) to out_dir/adapter. Returns out_dir."""
     if not replace:
         check_target(out_dir)
     weights = engine_weights(model) if weights is None else weights
@@ -41,6 +44,8 @@ def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: boo
     try:
         base.save_pretrained(temporary, state_dict={name: tensor.contiguous() for name, tensor in weights.items()})
         tokenizer.save_pretrained(temporary)
+        if adapter:
+            model.save_pretrained(os.path.join(temporary, "adapter"))      # PEFT: the adapters alone
         if replace and os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.replace(temporary, out_dir)
@@ -50,10 +55,12 @@ def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: boo
     return out_dir
 
 
-def export_run(run_dir: str, out_dir: str) -> str:
-    """The newest checkpoint of the run in run_dir, exported to out_dir (see `save_model_folder`). Raises
-    ValueError naming what is missing: no run folder, no checkpoint, or a checkpoint without the config and
-    tokenizer that rebuild its model."""
+def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
+    """The newest checkpoint of the run in run_dir, exported to out_dir (see `save_model_folder`). adapter: a
+    LoRA run's adapters also as a PEFT adapter in out_dir/adapter, for the base the run started from. Raises
+    ValueError naming what is missing: no run folder, no checkpoint, a checkpoint without the config and
+    tokenizer that rebuild its model, or an adapter that does not exist (full training) or would not reproduce
+    the policy on its base (a warm start trained the base first)."""
     from grpo_fast.train import checkpoint, lora, precision
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.loop import load_model
@@ -70,6 +77,13 @@ def export_run(run_dir: str, out_dir: str) -> str:
         raise ValueError(f"{folder} was written by an older version without its config and tokenizer: it cannot "
                          "be rebuilt for export")
     config = TrainConfig(**state["config"])
+    if adapter and not config.lora_rank:
+        raise ValueError(f"--peft-adapter: the run in {run_dir!r} trained the whole model (lora_rank 0); there are no "
+                         "adapters to save")
+    if adapter and config.sft_steps:
+        raise ValueError(f"--peft-adapter: the warm start (sft_steps {config.sft_steps}) trained the base before the "
+                         f"adapters were added, so the adapters alone on {config.model!r} are not the policy; export "
+                         "the merged model only")
     # the weights' dtype as trained: the saved base weights', else (LoRA adapters alone) the config's on this machine
     base = [t for name, t in state["model"].items() if ".lora_" not in name and t.is_floating_point()]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,4 +93,4 @@ def export_run(run_dir: str, out_dir: str) -> str:
     if config.lora_rank:
         model = lora.add_adapters(model, config)
     checkpoint.restore_model(model, state)
-    return save_model_folder(model, tokenizer, out_dir)
+    return save_model_folder(model, tokenizer, out_dir, adapter=adapter)

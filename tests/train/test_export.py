@@ -59,3 +59,32 @@ def test_export_refuses_what_it_cannot_do(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"run folder '.*missing' does not exist"):
         export_run(str(tmp_path / "missing"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()    # nothing half-written
+
+
+def test_a_lora_run_exports_its_adapters_for_peft(tmp_path, capsys):
+    """--peft-adapter: PEFT loads out/adapter on the base the run started from and gives the merged export's
+    log-probs; a full-training run and a run whose warm start changed the base are refused."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = TrainConfig(**{**FAST, "lora_rank": 4, "learning_rate": 0.05, "sft_steps": 0},
+                         output_dir=str(tmp_path / "run"))
+    T.train(config, log=lambda *_: None)
+    assert cli(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--peft-adapter"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "out" / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    base = T.load_model(config, [], tokenizer)[0]            # the tiny base the run started from (its seed)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter")
+    vocab = merged.config.vocab_size
+    torch.testing.assert_close(logprobs_of(adapted, config, vocab), logprobs_of(merged, config, vocab),
+                               rtol=0, atol=1e-5)
+
+    T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "full")), log=lambda *_: None)
+    assert cli(["export", str(tmp_path / "full"), str(tmp_path / "out2"), "--peft-adapter"]) == 2
+    assert "trained the whole model (lora_rank 0)" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out2")
+    T.train(TrainConfig(**{**FAST, "lora_rank": 4, "max_steps": 1, "save_every": 1}, output_dir=str(tmp_path / "ws")),
+            log=lambda *_: None)
+    with pytest.raises(ValueError, match=r"the warm start \(sft_steps 20\) trained the base before the adapters"):
+        export_run(str(tmp_path / "ws"), str(tmp_path / "out3"), adapter=True)
