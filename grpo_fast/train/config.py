@@ -210,6 +210,13 @@ class TrainConfig:
             if len(self.reward_weights) != len(self.rewards):
                 raise ValueError(f"reward_weights must have one weight per reward ({len(self.rewards)}), "
                                  f"got {self.reward_weights}")
+        if self.engine == "vllm" and self.importance_sampling != "none" and self.top_p < 1:
+            # vLLM's sampled-token log-probs are renormalized over the nucleus, the trainer's are over the whole
+            # vocabulary: exp(trainer - engine) would be off by the kept mass on every token, not by the mismatch
+            raise ValueError(f"top_p={self.top_p} with engine 'vllm' and importance_sampling="
+                             f"{self.importance_sampling!r}: the engine's log-probs are over the top-p nucleus and "
+                             "the trainer's over the whole vocabulary, so the correction's ratio would be biased by "
+                             "the kept probability mass; set top_p: 1.0 or importance_sampling: none")
         precision.check(self.dtype, self.optimizer, self.lora_rank)
         if self.lora_rank:
             if not self.lora_target_modules or not all(isinstance(n, str) and n.strip()

@@ -183,3 +183,11 @@ def test_keys_help_lists_every_key_with_its_type_default_and_help():
         assert f" = {default!r} " in line and line.endswith(help_text), line
     assert [line for line in lines if not line.startswith(" ")] == [f"{group}:" for group in GROUPS]
     assert "  max_grad_norm: float = 1.0 " in text and "  reward_weights: list[float] or None = None " in text
+
+
+def test_top_p_with_the_rollout_correction_is_refused():
+    with pytest.raises(ValueError, match=r"top_p=0.9 with engine 'vllm' and importance_sampling='sequence_mask': .* "
+                                         r"biased by the kept probability mass"):
+        TrainConfig(engine="vllm", top_p=0.9)
+    assert TrainConfig(engine="vllm", top_p=0.9, importance_sampling="none").top_p == 0.9
+    assert TrainConfig(engine="hf", top_p=0.9).top_p == 0.9         # no engine log-probs, no correction

@@ -98,3 +98,4 @@ def test_vllm_engine_for_real(tmp_path):
         assert (length == 8 and truncated) or (ends and not truncated), result
     assert result["train_steps"] == [1, 2]
     assert all(abs(ratio - 1.0) < 1e-3 for ratio in result["is_ratio_mean"]), result
+    assert result["evals"] == [[0, 100, 4], [2, 100, 4]] and result["cli_eval"] == [10, 4, True], result

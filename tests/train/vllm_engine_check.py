@@ -93,6 +93,13 @@ def main(output_dir: str) -> None:
     result["train_steps"] = [r["step"] for r in history]
     result["is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
     result["generation_tokens_per_s"] = [r["generation_tokens_per_s"] for r in history]
+    # the run's evaluations went through the vLLM engine; `grpo-fast eval --engine vllm` loads the export in one
+    with open(output_dir + "/run/eval.jsonl") as f:
+        result["evals"] = [[r["step"], r["problems"], r["samples"]] for r in map(json.loads, f)]
+    from grpo_fast.train import evaluate
+
+    record = evaluate.main(output_dir + "/run", {"engine": "vllm", "eval_prompts": 10}, log=lambda *_: None)
+    result["cli_eval"] = [record["problems"], record["samples"], 0 <= record["accuracy"] <= 1]
     print("RESULT " + json.dumps(result))
 
 
