@@ -57,7 +57,10 @@ def evaluate(engine, samples: list, tokenizer, config, world=distributed.World()
     started = time.perf_counter()
     prompts = [tasks.prompt_text(s, tokenizer, config) for s in mine]
     seed = config.seed * 1_000_003 + EVAL_SEED_OFFSET + world.rank * share
-    generation = engine.generate(tasks.prompt_ids(prompts, tokenizer), seed=seed, n=n)
+    try:
+        generation = engine.generate(tasks.prompt_ids(prompts, tokenizer), seed=seed, n=n)
+    except Exception as error:
+        raise RuntimeError(f"the {config.engine} engine failed on {len(mine)} held-out problems: {error}") from error
     completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
     reward = load_reward(config.eval_reward or config.rewards[0])
     scores = weighted_rewards([reward], None, completions, solution=[s["solution"] for s in mine for _ in range(n)])

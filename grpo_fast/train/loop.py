@@ -275,9 +275,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         """Evaluates the policy on the held-out problems: eval.jsonl, the trackers, the progress bar."""
         try:
             last_eval.update(step=steps_done, **evaluate(engine, eval_problems, tokenizer, config, world, device))
-        except Exception as error:
-            raise RunError(f"evaluation at step {steps_done}: the {config.engine} engine failed on "
-                           f"{len(eval_problems)} held-out problems: {error}") from error
+        except (RuntimeError, TypeError, ValueError) as error:     # the engine's or the reward's, named
+            raise RunError(f"evaluation at step {steps_done}: {error}") from error
         files.add_eval(dict(last_eval))
         trackers.log(last_eval, steps_done, prefix="eval/")
 

@@ -16,7 +16,7 @@ from tests import helpers  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
-            rewards=["tests.helpers:counting_reward"])
+            rewards=["tests.helpers:counting_reward"], eval_every=0)      # an evaluation would count calls too
 
 
 def test_config_overrides_and_errors(tmp_path):
@@ -95,12 +95,16 @@ def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save_checkpoint(str(tmp_path), 3, {"model": torch.nn.Linear(2, 2).state_dict()})
     assert good.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "curves.png", "eval.jsonl", "metrics.jsonl", "model"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "curves.png", "metrics.jsonl", "model"]
 
 
 def test_a_failing_reward_names_the_step(tmp_path):
     config = TrainConfig(**{**FAST, "rewards": ["tests.helpers:broken_reward"]}, output_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="step 0: reward broken_reward failed on a batch of 16 completions"):
+        T.train(config, log=lambda *_: None)
+    config = TrainConfig(**{**FAST, "rewards": ["tests.helpers:broken_reward"], "eval_every": 50, "eval_prompts": 5},
+                         output_dir=str(tmp_path / "eval"))
+    with pytest.raises(RuntimeError, match="evaluation at step 0: reward broken_reward failed on a batch of 20 "):
         T.train(config, log=lambda *_: None)
 
 
@@ -179,7 +183,7 @@ def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
     config = TrainConfig(**{**FAST, "sft_steps": 0, "eval_every": 0}, output_dir=str(tmp_path / "a"))
     with pytest.raises(RuntimeError, match=r"step 0: the hf engine failed to generate for prompts \[.*\]: out of KV"):
         T.train(config, log=lambda *_: None)
-    config = TrainConfig(**{**FAST, "sft_steps": 0}, output_dir=str(tmp_path / "b"))
+    config = TrainConfig(**{**FAST, "sft_steps": 0, "eval_every": 50}, output_dir=str(tmp_path / "b"))
     with pytest.raises(RuntimeError, match=r"evaluation at step 0: the hf engine failed on 100 held-out problems: "
                                            r"out of KV"):
         T.train(config, log=lambda *_: None)
