@@ -50,7 +50,7 @@ class TrainConfig:
     Model and data: the policy (the tiny model built in code or a Hugging Face model) and the prompts it answers.
     Rollouts: group_size completions for each of prompts_per_step prompts, sampled by the `engine`. vLLM samples
         with its own numerics, so each token's loss is weighted by the rollout correction `importance_sampling` of
-        exp(trainer log-prob - engine log-prob), capped at importance_sampling_cap.
+        exp(trainer log-prob - engine log-prob), bounded by importance_sampling_min and importance_sampling_cap.
     Rewards: reward functions, their weights, and how rewards become advantages.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
     Optimization: AdamW, warm-up then decay, grad-norm clipping, gradient checkpointing. Micro-batches hold at most
@@ -93,6 +93,8 @@ class TrainConfig:
     vllm_gpu_memory_utilization: float = _rollouts(0.3, "vLLM's share of the GPU memory, in (0, 1]")
     importance_sampling: str = _rollouts("sequence_mask", f"rollout correction: {_one_of(IS_MODES)}")
     importance_sampling_cap: float = _rollouts(3.0, "cap of the rollout correction's ratio")
+    importance_sampling_min: float = _rollouts(0.0, "lower bound of the rollout correction's ratio: truncated up "
+                                                    "to it, or masked below it (0: none)")
     rewards: list[str] = _rewards(["exact_match"], 'names from grpo_fast.train.rewards.REWARDS or "module:function" '
                                                 "(comma-separated)")
     reward_weights: Optional[list[float]] = _rewards(None, "one weight per reward (comma-separated); None: all 1")
@@ -210,6 +212,9 @@ class TrainConfig:
             if len(self.reward_weights) != len(self.rewards):
                 raise ValueError(f"reward_weights must have one weight per reward ({len(self.rewards)}), "
                                  f"got {self.reward_weights}")
+        if self.importance_sampling_min >= self.importance_sampling_cap:
+            raise ValueError(f"importance_sampling_min ({self.importance_sampling_min}) must be below "
+                             f"importance_sampling_cap ({self.importance_sampling_cap})")
         if self.engine == "vllm" and self.importance_sampling != "none" and self.top_p < 1:
             # vLLM's sampled-token log-probs are renormalized over the nucleus, the trainer's are over the whole
             # vocabulary: exp(trainer - engine) would be off by the kept mass on every token, not by the mismatch
@@ -254,6 +259,7 @@ RULES = {
     "group_size": _rule(">= 2 (advantages compare completions)", lambda v: v >= 2),
     "prompts_per_step": _POSITIVE, "max_completion_length": _POSITIVE, "temperature": _POSITIVE,
     "top_p": _FRACTION, "vllm_gpu_memory_utilization": _FRACTION, "importance_sampling_cap": _POSITIVE,
+    "importance_sampling_min": _NON_NEGATIVE,
     "beta": _NON_NEGATIVE, "epsilon_low": _NON_NEGATIVE, "epsilon_high": _NON_NEGATIVE, "num_iterations": _POSITIVE,
     "entropy_coef": _ANY, "learning_rate": _POSITIVE, "weight_decay": _NON_NEGATIVE, "warmup_steps": _NON_NEGATIVE,
     "max_grad_norm": _POSITIVE, "micro_batch_size": _POSITIVE, "micro_batch_tokens": _POSITIVE,

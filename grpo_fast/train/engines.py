@@ -211,17 +211,19 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
 
 
 def importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-                       cap: float) -> torch.Tensor:
+                       cap: float, floor: float = 0.0) -> torch.Tensor:
     """The rollout correction for sampling with the engine's numerics instead of the trainer's: per token
     `exp(old_logps - sampling_logps)` (mode token_*) or per sequence the exp of the masked sum (sequence_*), then
-    clamped to `cap` (*_truncate) or zeroed above it (*_mask). (B, C) fp32, a constant factor of the loss."""
+    clamped to [floor, cap] (*_truncate) or zeroed outside it (*_mask: both-sided, as IcePop masks tokens whose
+    ratio is too low as well as too high). floor 0 bounds nothing from below. (B, C) fp32, a constant factor of
+    the loss."""
     log_ratio = (old_logps.float() - sampling_logps.float()) * mask
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
     ratio = torch.exp(log_ratio)
     if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
-    return ratio.masked_fill(ratio > cap, 0.0)
+        return ratio.clamp(min=floor, max=cap)
+    return ratio.masked_fill((ratio > cap) | (ratio < floor), 0.0)
 
 
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

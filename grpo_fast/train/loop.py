@@ -193,7 +193,8 @@ def rollout_for_update(generation, advantages, policy: Policy, reference_policy,
         rollout.old_logps = completion_logprobs(policy, rollout, config, world)
     if correct:
         rollout.is_ratio = importance_weights(rollout.old_logps, generation.sampling_logps, loss_mask,
-                                              config.importance_sampling, config.importance_sampling_cap)
+                                              config.importance_sampling, config.importance_sampling_cap,
+                                              config.importance_sampling_min)
     if reference_policy is not None:
         rollout.ref_logps = completion_logprobs(reference_policy, rollout, config)
     return rollout

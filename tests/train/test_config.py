@@ -191,3 +191,11 @@ def test_top_p_with_the_rollout_correction_is_refused():
         TrainConfig(engine="vllm", top_p=0.9)
     assert TrainConfig(engine="vllm", top_p=0.9, importance_sampling="none").top_p == 0.9
     assert TrainConfig(engine="hf", top_p=0.9).top_p == 0.9         # no engine log-probs, no correction
+
+
+def test_the_rollout_correction_bounds():
+    assert TrainConfig(importance_sampling_min=0.5).importance_sampling_min == 0.5
+    with pytest.raises(ValueError, match=r"importance_sampling_min \(3.0\) must be below importance_sampling_cap"):
+        TrainConfig(importance_sampling_min=3.0)
+    with pytest.raises(ValueError, match="importance_sampling_min must be a finite number >= 0, got -0.1"):
+        TrainConfig(importance_sampling_min=-0.1)

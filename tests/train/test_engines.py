@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.train.engines import HFEngine, importance_weights, pack  # noqa: E402
+from grpo_fast.train.engines import IS_MODES, HFEngine, importance_weights, pack  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -44,6 +44,17 @@ def test_importance_weights_modes():
     assert torch.allclose(importance_weights(old, sampling, mask, "sequence_truncate", 3.0), sequence.clamp(max=3.0))
     assert torch.allclose(importance_weights(old, sampling, mask, "sequence_mask", 3.0),
                           torch.where(sequence > 3.0, 0.0, sequence))
+    # a lower bound too: truncated up to it, or masked below it (both-sided); 0 changes nothing
+    assert torch.allclose(importance_weights(old, sampling, mask, "token_truncate", 2.0, 0.5),
+                          token.clamp(min=0.5, max=2.0))
+    assert torch.allclose(importance_weights(old, sampling, mask, "token_mask", 2.0, 0.5),
+                          torch.where((token > 2.0) | (token < 0.5), 0.0, token))
+    assert token.min() < 0.5 and (token > 2.0).any()                  # both bounds bite on these inputs
+    assert torch.allclose(importance_weights(old, sampling, mask, "sequence_mask", 9.0, 0.7),
+                          torch.where(sequence < 0.7, 0.0, sequence))
+    for mode in IS_MODES[1:]:
+        assert torch.equal(importance_weights(old, sampling, mask, mode, 2.0, 0.0),
+                           importance_weights(old, sampling, mask, mode, 2.0))
 
 
 def test_hf_engine_cuts_at_the_first_eos():
