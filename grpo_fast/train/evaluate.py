@@ -98,7 +98,7 @@ def eval_config(target: str, overrides: dict):
     taken from output_dir/model (the export at the end of the run) or else its newest checkpoint. A Hugging Face
     model folder is evaluated with the trainer's defaults and needs --task. overrides: TrainConfig keys."""
     from grpo_fast.train import checkpoint
-    from grpo_fast.train.config import TrainConfig, load_config
+    from grpo_fast.train.config import load_config
 
     if not os.path.isdir(target):
         raise ValueError(f"{target!r} is neither a run folder nor a model folder (no such folder)")
@@ -115,11 +115,9 @@ def eval_config(target: str, overrides: dict):
     if state.get("config") is None:
         raise ValueError(f"{folder} was written by an older version without its config: evaluate its export "
                          "instead (grpo-fast export, then grpo-fast eval on that folder)")
-    saved = TrainConfig(**state["config"])
-    values = {key: getattr(saved, key) for key in state["config"]}
     if "task" in overrides:                          # another task: all of its problems are held out
         overrides = {"eval_task": overrides.pop("task"), **overrides}
-    config = load_config(None, {**values, **overrides})
+    config = load_config(None, {**state["config"], **overrides})
     exported = os.path.join(target, "model")
     return config, exported if os.path.isfile(os.path.join(exported, "config.json")) else None, folder
 
@@ -148,9 +146,8 @@ def main(target: str, overrides: dict, log=print) -> dict:
             model_dir = export.export_run(target, os.path.join(scratch, "model"))
         model, tokenizer = load_model(dataclasses.replace(config, model=model_dir), held_out, dtype=dtype)
         model.to(device).eval()
-        max_prompt_tokens = max(map(len, tasks.prompt_ids([tasks.prompt_text(s, tokenizer, config)
-                                                           for s in held_out], tokenizer)))
-        engine = make_engine(config, model, tokenizer, max_prompt_tokens, model_dir=model_dir)
+        engine = make_engine(config, model, tokenizer, tasks.longest_prompt(held_out, tokenizer, config),
+                             model_dir=model_dir)
         with torch.no_grad():
             record = evaluate(engine, held_out, tokenizer, config, device=device)
     source = config.eval_task or config.task

@@ -253,8 +253,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     state = None                                  # the checkpoint's tensors are loaded: free them
     files = RunFiles(config.output_dir, world.is_main)
     files.start(resumed_step=start_step if folder else None)    # the run's first write
-    max_prompt_tokens = max(map(len, tasks.prompt_ids([tasks.prompt_text(s, tokenizer, config)
-                                                       for s in samples + eval_problems], tokenizer)))
+    max_prompt_tokens = tasks.longest_prompt(samples + eval_problems, tokenizer, config)
     sharded = config.distributed == "fsdp2" and world.size > 1
     engine = make_engine(config, model, tokenizer, max_prompt_tokens,
                          model_dir=None if config.model == "tiny" else config.model,

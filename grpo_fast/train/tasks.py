@@ -161,5 +161,11 @@ def prompt_text(sample: dict, tokenizer, config) -> str:
     return sample["prompt"]
 
 
+def longest_prompt(samples: list, tokenizer, config) -> int:
+    """The most tokens any of `samples` takes as a prompt (prompt_text, then the tokenizer): what an engine must
+    make room for beside max_completion_length."""
+    return max(map(len, prompt_ids([prompt_text(s, tokenizer, config) for s in samples], tokenizer)))
+
+
 def prompt_ids(texts: list, tokenizer) -> list:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
