@@ -125,3 +125,17 @@ def inf_once_reward(completions, solution, **kwargs):
     if INF_AT["n"] == INF_AT["call"]:
         scores[0] = float("inf")
     return scores
+
+
+def rollout_killing_reward(completions, solution, **kwargs):
+    """counting_reward that, at call CALLS["kill_at"], kills the trainer's rollout process (SIGKILL): a real
+    engine death in the middle of a run."""
+    import multiprocessing
+    import signal
+
+    CALLS["n"] += 1
+    if CALLS["n"] == CALLS.get("kill_at"):
+        for child in multiprocessing.active_children():
+            if child.name == "grpo-fast-rollouts":
+                os.kill(child.pid, signal.SIGKILL)
+    return [float(c.strip() == s) for c, s in zip(completions, solution)]

@@ -51,6 +51,8 @@ class TrainConfig:
     Rollouts: group_size completions for each of prompts_per_step prompts, sampled by the `engine`. vLLM samples
         with its own numerics, so each token's loss is weighted by the rollout correction `importance_sampling` of
         exp(trainer log-prob - engine log-prob), bounded by importance_sampling_min and importance_sampling_cap.
+        With max_staleness k >= 1 the engine runs in its own process, k steps ahead of the update: the same
+        correction weighs each sample by the current policy over the (older) one that sampled it.
     Rewards: reward functions, their weights, and how rewards become advantages.
     Loss: as grpo_fast.grpo_loss; num_iterations > 1 reuses each rollout with old log-probs.
     Optimization: AdamW, warm-up then decay, grad-norm clipping, gradient checkpointing. Micro-batches hold at most
@@ -84,6 +86,9 @@ class TrainConfig:
     max_operand: int = _data(9, "max / arithmetic numbers are 0..max_operand")
     engine: str = _rollouts("hf", '"hf" (model.generate) or "vllm" (offline vLLM in this process, weights pushed '
                                   "after every step)")
+    max_staleness: int = _rollouts(0, "0: generate, then update, in turn. k >= 1: the engine runs in its own "
+                                      "process and generates the next k steps' rollouts while the trainer "
+                                      "updates, from a policy at most k optimizer steps old")
     group_size: int = _rollouts(8, "completions per prompt (>= 2: advantages compare them)")
     prompts_per_step: int = _rollouts(16, "prompts per step, split across processes")
     max_completion_length: int = _rollouts(6, "tokens sampled per completion at most")
@@ -215,6 +220,11 @@ class TrainConfig:
         if self.importance_sampling_min >= self.importance_sampling_cap:
             raise ValueError(f"importance_sampling_min ({self.importance_sampling_min}) must be below "
                              f"importance_sampling_cap ({self.importance_sampling_cap})")
+        if self.max_staleness and self.importance_sampling == "none":
+            # the rollout correction is what weighs a stale sample: exp(current policy - the policy that sampled)
+            raise ValueError(f"max_staleness={self.max_staleness} needs a rollout correction to weigh samples from "
+                             "older policies (exp(trainer log-prob - sampling log-prob)); importance_sampling is "
+                             f"'none': set one of {_one_of(IS_MODES[1:])}, or max_staleness: 0")
         if self.engine == "vllm" and self.importance_sampling != "none" and self.top_p < 1:
             # vLLM's sampled-token log-probs are renormalized over the nucleus, the trainer's are over the whole
             # vocabulary: exp(trainer - engine) would be off by the kept mass on every token, not by the mismatch
@@ -238,6 +248,9 @@ class TrainConfig:
         if self.prompts_per_step % world_size:
             raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({world_size}) so "
                              f"that each rank scores whole groups, got {self.prompts_per_step}")
+        if self.max_staleness and world_size > 1:
+            raise ValueError(f"max_staleness={self.max_staleness} runs one rollout process for one trainer process; "
+                             f"under torchrun ({world_size} processes) use max_staleness: 0")
         if self.scale_rewards == "batch" and world_size > 1:
             raise ValueError("scale_rewards='batch' needs the rewards of all ranks; use 'group' or 'none'")
 
@@ -259,7 +272,7 @@ RULES = {
     "group_size": _rule(">= 2 (advantages compare completions)", lambda v: v >= 2),
     "prompts_per_step": _POSITIVE, "max_completion_length": _POSITIVE, "temperature": _POSITIVE,
     "top_p": _FRACTION, "vllm_gpu_memory_utilization": _FRACTION, "importance_sampling_cap": _POSITIVE,
-    "importance_sampling_min": _NON_NEGATIVE,
+    "importance_sampling_min": _NON_NEGATIVE, "max_staleness": _NON_NEGATIVE,
     "beta": _NON_NEGATIVE, "epsilon_low": _NON_NEGATIVE, "epsilon_high": _NON_NEGATIVE, "num_iterations": _POSITIVE,
     "entropy_coef": _ANY, "learning_rate": _POSITIVE, "weight_decay": _NON_NEGATIVE, "warmup_steps": _NON_NEGATIVE,
     "max_grad_norm": _POSITIVE, "micro_batch_size": _POSITIVE, "micro_batch_tokens": _POSITIVE,

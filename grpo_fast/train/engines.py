@@ -75,12 +75,16 @@ class HFEngine:
     generation and every rank steps in lockstep (`synced_gpus`), since each forward is a collective.
     """
 
-    def __init__(self, model, tokenizer, config, sharded_root=None):
+    def __init__(self, model, tokenizer, config, sharded_root=None, sampling_logps: bool = False):
         self.model, self.tokenizer, self.config, self.sharded_root = model, tokenizer, config, sharded_root
+        self.sampling_logps = sampling_logps
 
     @torch.no_grad()
     def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
-        """n completions of each prompt (default group_size), n consecutive rows per prompt."""
+        """n completions of each prompt (default group_size), n consecutive rows per prompt; with
+        sampling_logps, each sampled token's log-prob under the generating weights (full vocabulary, at the
+        temperature: the trainer's definition), for a policy that is not the one being trained (a rollout
+        process's copy)."""
         config, tokenizer = self.config, self.tokenizer
         n = n or config.group_size
         device = next(self.model.parameters()).device
@@ -88,7 +92,7 @@ class HFEngine:
         self.model.eval()
         if self.sharded_root is not None:
             self.sharded_root.unshard()
-        rows, completions, truncated = [], [], []
+        rows, completions, truncated, logps = [], [], [], []
         try:
             for index, ids in enumerate(prompt_ids):
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -100,17 +104,26 @@ class HFEngine:
                         max_new_tokens=config.max_completion_length, use_cache=True,
                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                         min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
-                        synced_gpus=self.sharded_root is not None)
-                for sampled in output[:, len(ids):].tolist():
+                        synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
+                        return_dict_in_generate=True)
+                sampled_ids = output.sequences[:, len(ids):]
+                if self.sampling_logps:       # the raw logits, before top-p: log-probs over the whole vocabulary
+                    logits = torch.stack(output.logits, dim=1).float() / config.temperature
+                    token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
+                for row, sampled in enumerate(sampled_ids.tolist()):
                     ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
+                    kept = sampled.index(tokenizer.eos_token_id) + 1 if ended else len(sampled)
                     rows.append(ids)
-                    completions.append(sampled[:sampled.index(tokenizer.eos_token_id) + 1] if ended else sampled)
+                    completions.append(sampled[:kept])
                     truncated.append(not ended)
+                    if self.sampling_logps:
+                        logps.append(token_logps[row][:kept])
         finally:
             if self.sharded_root is not None:
                 self.sharded_root.reshard()
             self.model.train(was_training)
-        return pack(rows, completions, truncated, tokenizer.pad_token_id, device=device)
+        return pack(rows, completions, truncated, tokenizer.pad_token_id, logps if self.sampling_logps else None,
+                    device=device)
 
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generation samples from the policy itself."""
@@ -190,11 +203,12 @@ class VLLMEngine:
 
 
 def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Optional[str] = None,
-                sharded_root=None):
+                sharded_root=None, policy_version: int = 0):
     """The configured engine. vLLM loads `model_dir` (default: the policy saved to output_dir/engine_model first,
-    by rank 0 when distributed) and gets the policy's current weights before returning. sharded_root: see
-    HFEngine."""
-    if config.engine == "hf":
+    by rank 0 when distributed) and gets the policy's current weights before returning. With max_staleness > 0
+    the engine runs in its own process (grpo_fast.train.rollout_worker.RolloutProcess: HF loads the folder too)
+    and gets the weights as `policy_version` (the optimizer steps they have had). sharded_root: see HFEngine."""
+    if config.engine == "hf" and not config.max_staleness:
         return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
     device = next(model.parameters()).device
     if model_dir is None:
@@ -205,7 +219,14 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
         tokenizer.save_pretrained(model_dir)           # both write on rank 0 only when distributed
         if distributed.initialized():
             torch.distributed.barrier()                # the other ranks' engines read rank 0's folder
-    engine = VLLMEngine(model_dir, config, max_prompt_tokens + config.max_completion_length, device)
+    max_model_len = max_prompt_tokens + config.max_completion_length
+    if config.max_staleness:
+        from grpo_fast.train.rollout_worker import RolloutProcess
+
+        engine = RolloutProcess(config, model_dir, next(unwrap(model).parameters()).dtype, max_model_len, device,
+                                policy_version)
+    else:
+        engine = VLLMEngine(model_dir, config, max_model_len, device)
     engine.sync_weights(model)
     return engine
 

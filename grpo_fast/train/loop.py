@@ -33,6 +33,7 @@ from grpo_fast.train.engines import importance_weights, make_engine
 from grpo_fast.train.evaluate import evaluate
 from grpo_fast.train.record import RunFiles, StageClock, check_output_dir, step_record
 from grpo_fast.train.rewards import load_reward, weighted_rewards
+from grpo_fast.train.rollout_worker import EngineError
 from grpo_fast.train.update import Policy, Rollout, completion_logprobs, policy_update
 from grpo_fast.train.warm_start import supervised_warm_start
 
@@ -159,11 +160,15 @@ def optimizer_for(policy: Policy, config: TrainConfig, state):
 
 
 # ------------------------------------------------------------------------------------ the stages of a step
+def rollout_seed(step: int, first_row: int, config: TrainConfig) -> int:
+    """The sampling seed of a step's rollouts (one per prompt follows it), so that a resume redraws them."""
+    return config.seed * 1_000_003 + step * 997 + first_row
+
+
 def generate(engine, prompts: list, tokenizer, step: int, first_row: int, config: TrainConfig):
-    """The engine's Generation for `prompts` (texts), seeded by step and row so that a resume redraws it."""
+    """The engine's Generation for `prompts` (texts), seeded by step and row."""
     try:
-        return engine.generate(tasks.prompt_ids(prompts, tokenizer),
-                               seed=config.seed * 1_000_003 + step * 997 + first_row)
+        return engine.generate(tasks.prompt_ids(prompts, tokenizer), seed=rollout_seed(step, first_row, config))
     except Exception as error:
         raise RunError(f"step {step}: the {config.engine} engine failed to generate for prompts "
                            f"{[p[:60] for p in prompts]}: {error}") from error
@@ -257,7 +262,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     sharded = config.distributed == "fsdp2" and world.size > 1
     engine = make_engine(config, model, tokenizer, max_prompt_tokens,
                          model_dir=None if config.model == "tiny" else config.model,
-                         sharded_root=policy.forward if sharded else None)
+                         sharded_root=policy.forward if sharded else None, policy_version=start_step)
 
     def save(steps_done: int, rng=None) -> str:
         snapshot = checkpoint.training_state(policy, optimizer, scheduler, ref_model, rng, config)  # all ranks
@@ -282,22 +287,45 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
 
     prompts_per_rank = config.prompts_per_step // world.size
     first_row = world.rank * prompts_per_rank         # this rank's share of each step's prompts: whole groups
+
+    def step_prompts(step: int) -> tuple:
+        """(samples, prompt texts) of this rank's share of a step."""
+        step_samples = tasks.prompts_for_step(samples, step, config.prompts_per_step, config.seed)[
+            first_row:first_row + prompts_per_rank]
+        return step_samples, [tasks.prompt_text(s, tokenizer, config) for s in step_samples]
+
+    def submit(step: int) -> None:
+        """Asks the rollout process for a step's rollouts from the weights pushed last (max_staleness > 0)."""
+        if step < config.max_steps:
+            engine.submit(step, tasks.prompt_ids(step_prompts(step)[1], tokenizer),
+                          rollout_seed(step, first_row, config))
+
+    def take(step: int):
+        """A submitted step's Generation and its staleness metrics (max_staleness > 0)."""
+        generation, info = engine.take(step)
+        info["staleness"] = step - info["policy_version"]
+        return generation, info
     history, bad_steps = [], 0
     progress = tqdm(range(start_step, config.max_steps), initial=start_step, total=config.max_steps,
                     desc="grpo", disable=None if world.is_main else True)
     rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here (the next step's)
+    step = start_step
     try:
         if eval_problems and start_step == 0:
             run_eval(0)                               # the model as GRPO starts: the gain is measured from here
             log(f"held-out accuracy before GRPO: {last_eval['accuracy']:.3f} ({last_eval['problems']} problems x "
                 f"{config.eval_samples} samples)")
+        if config.max_staleness:      # the first k + 1 steps from the weights as they are (a resume regenerates)
+            for ahead in range(start_step, start_step + config.max_staleness + 1):
+                submit(ahead)
         for step in progress:
             clock = StageClock()
-            step_samples = tasks.prompts_for_step(samples, step, config.prompts_per_step, config.seed)[
-                first_row:first_row + prompts_per_rank]
-            prompts = [tasks.prompt_text(s, tokenizer, config) for s in step_samples]
-            generation = generate(engine, prompts, tokenizer, step, first_row, config)
-            clock.lap("generation")
+            step_samples, prompts = step_prompts(step)
+            if config.max_staleness:
+                generation, staleness = take(step)
+            else:
+                generation = generate(engine, prompts, tokenizer, step, first_row, config)
+            clock.lap("generation")           # with max_staleness > 0: the time the trainer waited for it
             completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
             rewards = score(reward_fns, completions, step_samples, step, config)
             clock.lap("scoring")
@@ -313,6 +341,10 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             clock.lap("sync")
             record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,
                                  rollout.is_ratio, lr, clock.total(), clock.seconds, world, device)
+            if config.max_staleness:
+                record.update(staleness,
+                              generation_tokens_per_s=float(generation.completion_mask.sum())
+                              / max(staleness["engine_generation_seconds"], 1e-9))
             history.append(record)
             rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
             files.append(record)
@@ -332,6 +364,11 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             if (step + 1) % config.save_every == 0 or last_step:
                 trackers.log_completions(step + 1, logged)
                 save(step + 1)
+            if config.max_staleness:  # from the weights just pushed: version step + 1, at most k behind its step
+                submit(step + 1 + config.max_staleness)
+    except EngineError as error:              # the rollout process: the step it failed in; nothing new saved
+        raise RunError(f"step {step + 1}: {error}; the last checkpoint is intact (--resume continues from it)") \
+            from error
     except KeyboardInterrupt as interrupt:
         done = len(history) + start_step      # the interrupted step left the weights as they were before it
         log(f"interrupted: saving step {done}")
@@ -339,6 +376,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         raise
     finally:
         trackers.close()
+        if config.max_staleness:
+            engine.close()
     files.plot()
     weights = lora.engine_weights(model)          # every rank: a collective under FSDP2
     if world.is_main:                             # the trained policy as a Hugging Face folder, LoRA merged
