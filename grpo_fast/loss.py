@@ -151,6 +151,10 @@ def grpo_loss(
     entropy_coef: float = 0.0,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     chunk_bytes: Optional[int] = None,
     backend: str = "auto",
     process_group=None,
@@ -161,13 +165,13 @@ def grpo_loss(
 
         logp = token_logprobs(hidden, weight, targets, ...)                 # full log-softmax + gather
         r = exp(logp - old_logps)      # per token; GSPO: exp of the masked mean over each sequence
-        per_token = -min(r * A, clamp(r, 1 - epsilon_low, 1 + epsilon_high) * A)   # cispo / sapo differ
-        per_token = per_token * is_ratio + beta * k3_kl(ref_logps, logp)
+        per_token = -min(r * A, clamp(r, 1 - epsilon_low, 1 + epsilon_high) * A)   # cispo / sapo / vespo differ
+        per_token = per_token * is_ratio + beta * k3_kl(ref_logps, logp)           # vespo: is_ratio in its weight
         loss = reduce[loss_type](per_token, mask) - entropy_coef * masked_mean(entropy)
 
-    For token-level variants (all loss types except luspo, with importance_sampling_level="token") the
-    gradient is computed during the forward, chunk by chunk: 3 GEMM passes over (N, H, V) in all, 2 when the
-    weight does not require grad. Sequence-level variants take two phases (4 passes).
+    For token-level variants (all loss types except luspo and vespo, with importance_sampling_level="token")
+    the gradient is computed during the forward, chunk by chunk: 3 GEMM passes over (N, H, V) in all, 2 when the
+    weight does not require grad. Sequence-level variants, vespo included, take two phases (4 passes).
 
     Args:
         hidden: (B, T, H) or (N, H) final hidden states (fp32 / bf16 / fp16); (N, ...) inputs form one sequence.
@@ -177,18 +181,23 @@ def grpo_loss(
         mask: (B, T) or (N,) bool/0-1: the completion tokens that count.
         old_logps: log-probs of the policy that sampled; None means on-policy (ratio 1, gradient still flows).
         ref_logps: reference-policy log-probs, required when beta > 0.
-        is_ratio: optional per-token rollout importance-sampling correction (e.g. vLLM), a constant factor.
+        is_ratio: optional per-token rollout importance-sampling correction (e.g. vLLM), a constant factor; vespo
+            multiplies it into each sequence's ratio instead (token by token: a per-sequence ratio repeated over
+            the tokens would count once per token).
         config: the loss options as one `LossConfig`, whose fields are the keywords of the same names below;
             when it is given, those keywords must keep their defaults.
-        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo (see `grpo_fast.variants.LOSS_TYPES`).
+        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (see
+            `grpo_fast.variants.LOSS_TYPES`).
         importance_sampling_level: "token" or "sequence" (GSPO). luspo needs "sequence".
         epsilon_low, epsilon_high, delta: clipping (epsilon_high defaults to epsilon_low; delta caps r).
         beta, use_bias_correction_kl: k3 KL weight and its importance-ratio correction.
         temperature, logit_scale, logit_softcap: logit transform, as in `token_logprobs`.
-        max_completion_length: dr_grpo's normalizer. num_items_in_batch: dapo / cispo normalizer (default: the
+        max_completion_length: dr_grpo's normalizer. num_items_in_batch: dapo / cispo / vespo normalizer (default: the
             number of mask tokens in this call; pass the global count when accumulating).
         entropy_coef: subtract entropy_coef * masked mean entropy (the entropy gradient flows).
         sapo_temperature_pos / sapo_temperature_neg: SAPO gate temperatures.
+        vespo_k_pos, vespo_lambda_pos / vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight of the sequence ratio
+            w, e^lambda * w^k * e^(-lambda * w), for A >= 0 / A < 0 (see `grpo_fast.variants.vespo_weights`).
         chunk_bytes, backend: as in `token_logprobs`.
         process_group: for a vocabulary-parallel LM head: weight (and bias) hold this rank's rows of the
             vocabulary (ranks in order, any sizes); every rank passes the same hidden, targets and the rest, and
@@ -197,7 +206,7 @@ def grpo_loss(
     Returns:
         (loss, metrics): loss a 0-dim fp32 tensor; metrics a dict of detached 0-dim tensors: "ratio/mean",
         "entropy", "kl" (beta > 0), "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"
-        (clipped objectives) or "cispo_clip_ratio" (cispo).
+        (clipped objectives), "cispo_clip_ratio" (cispo) or "vespo/phi_seq_mean" (vespo).
 
     The gradient is first-order only (create_graph=True raises), and hidden, weight and bias must not change in
     place before the backward (it raises, as torch does for tensors saved for backward).
@@ -206,7 +215,8 @@ def grpo_loss(
         config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
         epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        entropy_coef=entropy_coef, max_completion_length=max_completion_length,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, entropy_coef=entropy_coef, max_completion_length=max_completion_length,
     )
     transform = check_transform(temperature, logit_scale, logit_softcap)
     return checked_policy_loss(
@@ -247,13 +257,16 @@ class GRPOLoss(nn.Module):
     def __init__(self, loss_type="dapo", importance_sampling_level="token", epsilon_low=0.2, epsilon_high=None,
                  delta=None, beta=0.0, use_bias_correction_kl=False, temperature=1.0, logit_scale=1.0,
                  logit_softcap=None, max_completion_length=None, entropy_coef=0.0, sapo_temperature_pos=1.0,
-                 sapo_temperature_neg=1.05, chunk_bytes=None, backend="auto", config: Optional[LossConfig] = None):
+                 sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                 vespo_lambda_neg=2.0, chunk_bytes=None, backend="auto", config: Optional[LossConfig] = None):
         super().__init__()
         self.config = loss_config(
             config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
             epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
             sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            entropy_coef=entropy_coef, max_completion_length=max_completion_length,
+            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, entropy_coef=entropy_coef,
+            max_completion_length=max_completion_length,
         )
         self.transform = check_transform(temperature, logit_scale, logit_softcap)
         check_chunk_bytes(chunk_bytes)

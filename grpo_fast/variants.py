@@ -11,6 +11,7 @@ gradient-accumulation steps (divide the returned loss yourself if you accumulate
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -20,7 +21,7 @@ import torch
 #   sequence_mean: mean over each sequence's tokens, then over sequences          (grpo, sapo)
 #   token_mean:    sum over the batch's tokens / number of tokens in this batch   (bnpo)
 #   constant:      sum / (B * max_completion_length)                              (dr_grpo)
-#   num_items:     sum / num_items_in_batch (default: this batch's token count)   (dapo, cispo)
+#   num_items:     sum / num_items_in_batch (default: this batch's token count)   (dapo, cispo, vespo)
 #   sequence_sum:  sum over each sequence's tokens, mean over sequences           (luspo)
 LOSS_TYPES = {
     "grpo": ("sequence_mean", "clip"),      # DeepSeekMath, arXiv:2402.03300
@@ -30,6 +31,7 @@ LOSS_TYPES = {
     "cispo": ("num_items", "cispo"),        # MiniMax-M1, arXiv:2506.13585
     "sapo": ("sequence_mean", "sapo"),      # SAPO, arXiv:2511.20347
     "luspo": ("sequence_sum", "clip"),      # LUSPO, arXiv:2602.05261 (sequence level only)
+    "vespo": ("num_items", "vespo"),        # VESPO, arXiv:2602.10693 (a weight per sequence: two phases)
 }
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -47,6 +49,8 @@ class LossConfig:
     beta: weight of the k3 KL to the reference policy; needs ref_logps.
     use_bias_correction_kl: multiply the KL by the importance ratio.
     sapo_temperature_pos / sapo_temperature_neg: SAPO's gate temperatures for A > 0 / A <= 0.
+    vespo_k_pos / vespo_lambda_pos, vespo_k_neg / vespo_lambda_neg: VESPO's gamma weight
+        e^lambda * w^k * e^(-lambda * w) of the sequence ratio w, for A >= 0 / A < 0 (see `vespo_weights`).
     entropy_coef: subtract entropy_coef * (masked mean entropy) from the loss.
     max_completion_length: the dr_grpo normalizer (required for dr_grpo).
     """
@@ -60,6 +64,10 @@ class LossConfig:
     use_bias_correction_kl: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0
     max_completion_length: Optional[int] = None
 
@@ -95,6 +103,14 @@ class LossConfig:
                 "sapo temperatures must be > 0, got "
                 f"pos={self.sapo_temperature_pos!r}, neg={self.sapo_temperature_neg!r}"
             )
+        # k < 0 would weigh sequences the more the less likely they became; lambda <= 0 removes the decay that
+        # bounds the weight of large ratios (TRL raises such a lambda to 1e-4 without a word).
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def reduction(self) -> str:
@@ -106,8 +122,11 @@ class LossConfig:
 
     @property
     def token_separable(self) -> bool:
-        """True when d(loss)/d(logp_t) depends on token t alone, so the fused path can produce it per chunk."""
-        return self.importance_sampling_level == "token"
+        """True when d(loss)/d(logp_t) depends on token t alone, so the fused path can produce it per chunk.
+
+        Not for sequence-level ratios, nor for vespo, whose weight of a token depends on its whole sequence.
+        """
+        return self.importance_sampling_level == "token" and self.objective != "vespo"
 
 
 def loss_config(config: Optional[LossConfig] = None, **options) -> LossConfig:
@@ -176,11 +195,12 @@ def importance_ratio(logp, old_logps, mask, config: LossConfig) -> torch.Tensor:
     return torch.exp(log_ratio)
 
 
-def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config: LossConfig):
+def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config: LossConfig, *, mask=None):
     """The per-token loss before reduction, and the per-token k3 KL (None when beta == 0).
 
     `ratio` is `importance_ratio(...)`: per token, or (B, 1) per sequence. Order of terms as in TRL: clipped
-    objective, then times the rollout importance-sampling ratio `is_ratio`, then plus beta * KL.
+    objective, then times the rollout importance-sampling ratio `is_ratio`, then plus beta * KL. vespo needs the
+    (B, T) mask (its weight sums over each sequence) and takes is_ratio into that weight instead of the product.
     """
     if config.objective == "clip":
         clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + config.epsilon_high)
@@ -195,9 +215,13 @@ def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, conf
             torch.full_like(advantages, config.sapo_temperature_neg),
         )
         loss = -(torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature) * advantages
+    elif config.objective == "vespo":
+        if mask is None:
+            raise ValueError("loss_type='vespo' needs the mask: its weight sums log-ratios over each sequence")
+        loss = -vespo_weights(logp, old_logps, advantages, mask, is_ratio, config) * advantages * logp
     else:
         raise AssertionError(config.objective)
-    if is_ratio is not None:
+    if is_ratio is not None and config.objective != "vespo":
         loss = loss * is_ratio
     kl = None
     if config.beta != 0.0:
@@ -206,6 +230,35 @@ def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, conf
             kl = kl * ratio
         loss = loss + config.beta * kl
     return loss, kl
+
+
+def vespo_weights(logp, old_logps, advantages, mask, is_ratio, config: LossConfig) -> torch.Tensor:
+    """`torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(0.0, 0.0, 0.0)`, detached: VESPO's gamma
+    weight phi(w) = e^lam * w^k * e^(-lam * w) (phi(1) = 1) of each sequence's importance ratio w, where::
+
+        log_w = clamp(sum(clamp(logp - old_logps, -20, 20) * mask, -1, keepdim=True)
+                      + sum(clamp(log(is_ratio), log(1e-8), 20) where mask, -1, keepdim=True), log(1e-8), 20)
+        k, lam = (vespo_k_pos, vespo_lambda_pos) where advantages >= 0 else (vespo_k_neg, vespo_lambda_neg)
+
+    with lam at least 1e-4, as TRL 1.16's `GRPOTrainer.get_gamma_weights`. (B, 1) for (B, 1) advantages, (B, T)
+    for per-token ones. is_ratio (optional) is the per-token rollout correction, summed in log space over the
+    mask only: off it grpo_fast zeroes the ratio, where TRL's is 1 (log 1 = 0, so both sum the same).
+    """
+    with torch.no_grad():
+        log_floor = math.log(1e-8)
+        keep = mask > 0
+        log_ratio = torch.clamp(logp - old_logps, -20.0, 20.0)
+        seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True)
+        if is_ratio is not None:
+            log_is_ratio = torch.clamp(torch.log(is_ratio), log_floor, 20.0)
+            seq_log_ratio = seq_log_ratio + torch.where(keep, log_is_ratio, 0.0).sum(-1, keepdim=True)
+        log_w = torch.clamp(seq_log_ratio, log_floor, 20.0)
+        non_negative = advantages >= 0
+        k = torch.where(non_negative, torch.full_like(advantages, config.vespo_k_pos),
+                        torch.full_like(advantages, config.vespo_k_neg))
+        lam = torch.where(non_negative, torch.full_like(advantages, config.vespo_lambda_pos),
+                          torch.full_like(advantages, config.vespo_lambda_neg)).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def k3_kl(ref_logps, logp) -> torch.Tensor:
@@ -218,7 +271,7 @@ def clip_flags(ratio, advantages, config: LossConfig) -> dict:
 
         low = (r < 1 - epsilon_low) & (A < 0);  high = (r > 1 + epsilon_high) & (A > 0);  region = low | high
 
-    for "cispo" (r > epsilon_high) & (A > 0); none for "sapo" (it does not clip).
+    for "cispo" (r > epsilon_high) & (A > 0); none for "sapo" and "vespo" (they do not clip).
     """
     if config.objective == "clip":
         low = (ratio < 1 - config.epsilon_low) & (advantages < 0)
@@ -292,14 +345,17 @@ def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=No
         is_ratio = torch.where(keep, is_ratio, zeros)
 
     ratio = importance_ratio(logp, old_logps, mask, config)
-    losses, kl = per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config)
+    losses, kl = per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config, mask=mask)
     loss = (losses * token_weights(mask, config, num_items_in_batch)).sum()
     if entropy is not None:
         entropy = torch.where(keep, entropy, zeros)
         if config.entropy_coef != 0.0:
             loss = loss - (entropy * entropy_weights(mask, config)).sum()
     with torch.no_grad():
-        metrics = loss_metrics(ratio, kl, entropy, advantages, mask, config)
+        phi = None
+        if config.objective == "vespo":
+            phi = vespo_weights(logp, old_logps, advantages, mask, is_ratio, config)
+        metrics = loss_metrics(ratio, kl, entropy, advantages, mask, config, phi=phi)
     return loss, metrics
 
 
@@ -310,9 +366,14 @@ def masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def loss_metrics(ratio, kl, entropy, advantages, mask, config: LossConfig) -> dict:
-    """Detached scalar metrics named as TRL logs them, plus the mean importance ratio."""
+def loss_metrics(ratio, kl, entropy, advantages, mask, config: LossConfig, phi=None) -> dict:
+    """Detached scalar metrics named as TRL logs them, plus the mean importance ratio.
+
+    phi: vespo's `vespo_weights`, logged as "vespo/phi_seq_mean" (per sequence: a mean over all B rows, as TRL).
+    """
     metrics = {"ratio/mean": masked_mean(ratio, mask)}
+    if phi is not None:
+        metrics["vespo/phi_seq_mean"] = masked_mean(phi, mask)
     if kl is not None:
         metrics["kl"] = masked_mean(kl, mask)
     if entropy is not None:

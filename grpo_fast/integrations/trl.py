@@ -6,11 +6,11 @@
 or, for a trainer that already exists, `patch_grpo_trainer(trainer)` (log-probs only). TRL 1.16 scores
 completions through a fused LM head it patches onto the model (`model(..., labels=..., fused_lm_head=True)`);
 this replaces that head with grpo_fast's under the same contract, so the old, reference and training log-probs
-and entropies come from grpo_fast. FastGRPOTrainer also computes the training loss itself, fused (3 GEMM passes),
-wherever TRL's options allow it (`FastGRPOTrainer.fused_loss_unsupported` says when not), reproducing TRL's
-formulas, normalizers and logged metrics; otherwise TRL's own loss code runs on grpo_fast's log-probs. Calls
-grpo_fast cannot serve (vision-language inputs, MoE router logits, a DeepSpeed ZeRO-3 head) go to TRL's head,
-with one warning.
+and entropies come from grpo_fast. FastGRPOTrainer also computes the training loss itself, fused (3 GEMM passes;
+4 for vespo, whose weights need whole sequences), wherever TRL's options allow it
+(`FastGRPOTrainer.fused_loss_unsupported` says when not), reproducing TRL's formulas, normalizers and logged
+metrics; otherwise TRL's own loss code runs on grpo_fast's log-probs. Calls grpo_fast cannot serve
+(vision-language inputs, MoE router logits, a DeepSpeed ZeRO-3 head) go to TRL's head, with one warning.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from grpo_fast.chunked import LogitTransform
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
 from grpo_fast.models import backbone, lm_head, unwrap, zero3_partitioned
-from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, k3_kl, masked_mean
+from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, k3_kl, masked_mean, vespo_weights
 
 try:
     from trl import GRPOTrainer
@@ -120,10 +120,11 @@ class FastGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` (same constructor) with grpo_fast's log-probs, entropies and, where TRL's options allow,
     its fused loss: the gradient computed with the logits, 3 GEMM passes over the LM head instead of 4.
 
-    The fused loss serves token-level importance sampling with every loss type of `grpo_fast.LOSS_TYPES`, KL,
-    delta, the vLLM importance-sampling ratio, a static entropy bonus and gradient accumulation. Anything else
-    (sequence level, vespo, off-policy mask, entropy masks, adaptive entropy, MoE aux loss, vision-language
-    inputs) runs TRL's own loss on grpo_fast log-probs.
+    The fused loss serves token-level importance sampling with every loss type of `grpo_fast.LOSS_TYPES` (vespo
+    in two phases, 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, a static entropy bonus and
+    gradient accumulation. Anything else (sequence level, off-policy mask, entropy masks, adaptive entropy, MoE
+    aux loss, vision-language inputs, vespo options `grpo_fast.LossConfig` refuses or a rollout correction other
+    than 1 on padding) runs TRL's own loss on grpo_fast log-probs.
     """
 
     def __init__(self, *args, **kwargs):
@@ -136,6 +137,16 @@ class FastGRPOTrainer(GRPOTrainer):
             return "sequence-level importance sampling"
         if self.loss_type not in LOSS_TYPES:
             return f"loss_type={self.loss_type!r}"
+        if self.loss_type == "vespo":
+            args = self.args
+            if min(args.vespo_k_pos, args.vespo_k_neg) < 0 or min(args.vespo_lambda_pos, args.vespo_lambda_neg) <= 0:
+                return "vespo_k_* < 0 or vespo_lambda_* <= 0"
+            # TRL sums log(ratio) over padding too, where grpo_fast sums over the mask: the same only where the
+            # correction leaves the padding's ratio of exactly 1 alone.
+            low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+            if self.use_vllm and self.vllm_importance_sampling_correction and (
+                    (low is not None and low > 1) or (high is not None and high < 1)):
+                return "vespo with vllm_importance_sampling_clip_min > 1 or vllm_importance_sampling_clip_max < 1"
         if self.off_policy_mask_threshold is not None:
             return "off_policy_mask_threshold"
         if self.top_entropy_quantile < 1.0:
@@ -163,6 +174,8 @@ class FastGRPOTrainer(GRPOTrainer):
             loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
             delta=self.args.delta, beta=self.beta, use_bias_correction_kl=self.args.use_bias_correction_kl,
             sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
+            vespo_k_pos=self.args.vespo_k_pos, vespo_lambda_pos=self.args.vespo_lambda_pos,
+            vespo_k_neg=self.args.vespo_k_neg, vespo_lambda_neg=self.args.vespo_lambda_neg,
             max_completion_length=self.max_completion_length,
         )
         mode = "train" if self.model.training else "eval"
@@ -197,16 +210,20 @@ class FastGRPOTrainer(GRPOTrainer):
         if not per_token_normalized:
             loss = loss / accumulation
         self._log_metrics(mode, config, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
-                          policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
+                          is_ratio, policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
         return loss
 
-    def _log_metrics(self, mode, config, logp, entropy, mask, inputs, old_logps, ref_logps, policy_loss):
+    def _log_metrics(self, mode, config, logp, entropy, mask, inputs, old_logps, ref_logps, is_ratio, policy_loss):
         """The metrics TRL's `_compute_loss` logs, from the detached per-token values of the fused loss."""
         mask = mask.float()
         gather, metrics = self.accelerator.gather, self._metrics[mode]
 
         def global_masked_mean(x):
-            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum()]), reduction="sum")
+            if x.shape[1] == 1:     # one value per sequence: a mean over the sequences
+                local = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device, dtype=x.dtype)])
+            else:
+                local = torch.stack([(x * mask).sum(), mask.sum()])
+            totals = self.accelerator.reduce(local, reduction="sum")
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
         advantages = inputs["advantages"]
@@ -225,6 +242,10 @@ class FastGRPOTrainer(GRPOTrainer):
             per_sequence = lambda x: (x * mask).sum(-1) / mask.sum(-1)  # noqa: E731  (NaN for empty rows)
             metrics["clip_ratio/low_min"].append(nanmin(gather(per_sequence(flags["clip_ratio/low_mean"]))).item())
             metrics["clip_ratio/high_max"].append(nanmax(gather(per_sequence(flags["clip_ratio/high_mean"]))).item())
+        if config.objective == "vespo":
+            old = logp if old_logps is None else torch.where(mask > 0, old_logps, 0.0)    # logp is 0 off the mask
+            phi = vespo_weights(logp, old, advantages, mask, is_ratio, config)
+            metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi))
         if self._entropy_bonus_enabled:
             metrics["policy_loss"].append(gather(policy_loss).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:

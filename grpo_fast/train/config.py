@@ -225,6 +225,12 @@ class TrainConfig:
             raise ValueError(f"max_staleness={self.max_staleness} needs a rollout correction to weigh samples from "
                              "older policies (exp(trainer log-prob - sampling log-prob)); importance_sampling is "
                              f"'none': set one of {_one_of(IS_MODES[1:])}, or max_staleness: 0")
+        corrected = self.engine == "vllm" or self.max_staleness > 0       # the engine's log-probs reach the loss
+        if self.loss_type == "vespo" and corrected and self.importance_sampling.startswith("sequence"):
+            # vespo folds each token's correction into its sequence weight: a per-sequence ratio would count n times
+            raise ValueError(f"loss_type 'vespo' takes the rollout correction per token into its sequence weight; "
+                             f"importance_sampling={self.importance_sampling!r} is per sequence: use token_truncate, "
+                             "token_mask or none")
         if self.engine == "vllm" and self.importance_sampling != "none" and self.top_p < 1:
             # vLLM's sampled-token log-probs are renormalized over the nucleus, the trainer's are over the whole
             # vocabulary: exp(trainer - engine) would be off by the kept mass on every token, not by the mismatch

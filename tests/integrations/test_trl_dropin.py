@@ -21,6 +21,8 @@ CONFIGS = {
     "dr_grpo": dict(loss_type="dr_grpo"),
     "cispo": dict(loss_type="cispo", epsilon_high=5.0),
     "sapo": dict(loss_type="sapo"),
+    # the second iteration reuses the rollout, so the old log-probs differ and the weights are not all 1
+    "vespo": dict(loss_type="vespo", num_iterations=2, beta=0.04, vespo_k_neg=2.5, vespo_lambda_pos=2.5),
     "gspo_sequence": dict(importance_sampling_level="sequence", loss_type="grpo"),
     "luspo": dict(importance_sampling_level="sequence", loss_type="luspo"),
     "beta_kl": dict(beta=0.1),
@@ -56,7 +58,7 @@ def logged(trainer, key):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_grpo_trainer(name, tmp_path, calls):
     config = CONFIGS[name]
-    steps = 3 if name in ("num_iterations", "grad_accumulation") else 2
+    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo") else 2
     expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
     assert calls == {"logprobs": 0, "fused_loss": 0}
     actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
@@ -65,7 +67,7 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
     else:
         assert calls["fused_loss"] == 0 and calls["logprobs"] > 0, "TRL's loss on grpo_fast log-probs expected"
     keys = ["loss", "grad_norm", "entropy"] + [k for k in expected.state.log_history[0]
-                                             if k.startswith(("clip_ratio", "cispo", "policy_loss", "kl"))]
+                                             if k.startswith(("clip_ratio", "cispo", "vespo", "policy_loss", "kl"))]
     for key in keys:
         torch.testing.assert_close(torch.tensor(logged(actual, key)), torch.tensor(logged(expected, key)),
                                    rtol=1e-4, atol=1e-7, msg=key)
@@ -138,3 +140,18 @@ def test_unsupported_inputs_go_to_trls_head(tmp_path):
         assert out.log_probs.shape == (1, 5)
     finally:
         del model.lm_head.weight.ds_id
+
+
+def test_vespo_outside_grpo_fast_range_runs_trls_loss(tmp_path):
+    """vespo options LossConfig refuses (TRL floors lambda at 1e-4 instead), and a rollout correction that is not
+    1 on padding (TRL's weights sum over padding too), leave the loss to TRL."""
+    trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path, steps=1, loss_type="vespo")
+    assert trainer.fused_loss_unsupported({}) is None
+    trainer.args.vespo_lambda_neg = 0.0
+    assert trainer.fused_loss_unsupported({}) == "vespo_k_* < 0 or vespo_lambda_* <= 0"
+    trainer.args.vespo_lambda_neg = 2.0
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = 0.5, 3.0
+    assert trainer.fused_loss_unsupported({}) is None
+    trainer.vllm_importance_sampling_clip_min = 1.5
+    assert "vllm_importance_sampling_clip_min > 1" in trainer.fused_loss_unsupported({})

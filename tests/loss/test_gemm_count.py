@@ -58,6 +58,14 @@ def test_sequence_level_is_four_passes():
                                        importance_sampling_level="sequence", backend="torch")[0].backward()) == 4
 
 
+def test_vespo_is_four_passes():
+    """VESPO weighs each token by its whole sequence's ratio: two phases, like the sequence-level variants."""
+    hidden, weight, targets, adv, mask = make()
+    old = -torch.ones(2, N // 2)
+    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, old_logps=old, loss_type="vespo",
+                                       backend="torch")[0].backward()) == 4
+
+
 def test_token_logprobs_no_grad_is_one_pass():
     hidden, weight, targets, _, _ = make()
     with torch.no_grad():

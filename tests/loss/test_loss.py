@@ -27,6 +27,10 @@ CASES = {
     "entropy_bonus_sequence": dict(entropy_coef=0.05, importance_sampling_level="sequence"),
     "per_token_advantages": dict(per_token_adv=True),
     "num_items_in_batch": dict(num_items_in_batch=50),
+    # on-policy: the batch's random old log-probs are far from the policy's, and would make every weight ~0
+    "vespo_is_ratio_kl": dict(loss_type="vespo", old_logps=None, use_is_ratio=True, beta=0.04),
+    "vespo_per_token_advantages": dict(loss_type="vespo", old_logps=None, use_is_ratio=True, per_token_adv=True,
+                                       vespo_k_neg=1.5, vespo_lambda_neg=1.0),
 }
 
 
@@ -216,6 +220,11 @@ def test_module_config_equals_keywords():
                                is_ratio=inputs["is_ratio"], num_items_in_batch=20)
         results.append((loss, metrics, torch.autograd.grad(loss, (hidden, weight, bias))))
     assert_same(*results)
+
+
+def test_module_takes_vespo_options():
+    options = dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+    assert gf.GRPOLoss(**options).config == gf.LossConfig(**options)
 
 
 def test_loss_keyword_defaults_are_the_config_defaults():

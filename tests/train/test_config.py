@@ -199,3 +199,12 @@ def test_the_rollout_correction_bounds():
         TrainConfig(importance_sampling_min=3.0)
     with pytest.raises(ValueError, match="importance_sampling_min must be a finite number >= 0, got -0.1"):
         TrainConfig(importance_sampling_min=-0.1)
+
+
+def test_vespo_takes_the_rollout_correction_per_token():
+    for corrected in ({"engine": "vllm"}, {"max_staleness": 1}):
+        with pytest.raises(ValueError, match=r"loss_type 'vespo' takes the rollout correction per token .* "
+                                             r"importance_sampling='sequence_mask' is per sequence"):
+            TrainConfig(loss_type="vespo", **corrected)
+        assert TrainConfig(loss_type="vespo", importance_sampling="token_mask", **corrected).loss_type == "vespo"
+    assert TrainConfig(loss_type="vespo").loss_config().loss_type == "vespo"   # HF in process: no correction
