@@ -112,13 +112,18 @@ def test_a_failing_reward_names_the_step(tmp_path):
 # first / last tenth of the steps 0.094 -> 0.893, 0.063 -> 0.877 and 0.108 -> 0.903 on seeds 0, 1 and 2, held-out
 # accuracy 0.01 -> 0.91, 0.01 -> 0.80, 0.02 -> 0.82; bf16 weights with 8-bit AdamW (seed 0) 0.093 -> 0.893,
 # held-out 0.01 -> 0.90. The bounds leave room for another CPU's rounding (another trajectory from the same seed).
-LEARNS = {"fp32": {}, "bf16-adamw8bit": {"dtype": "bf16", "optimizer": "adamw8bit"}}
+# With max_staleness 1 (the engine in its own process, one step ahead) seed 0 measured 0.096 -> 0.795, held-out
+# 0.013 -> 0.745: it learns, a little less than in turn; its bounds are wider.
+LEARNS = {"fp32": {}, "bf16-adamw8bit": {"dtype": "bf16", "optimizer": "adamw8bit"},
+          "staleness-1": {"max_staleness": 1}}
+BOUNDS = {"staleness-1": (0.6, 0.4)}          # last tenth's reward at least, held-out gain at least
 
 
 @pytest.mark.parametrize("memory", LEARNS)
 def test_default_run_learns(tmp_path, memory):
     """The README's main job: the built-in default learns the task from reward (about 80-120 s on 2 cores), on the
-    problems it trains on and on held-out ones, in fp32 and with bf16 weights and 8-bit AdamW."""
+    problems it trains on and on held-out ones, in fp32, with bf16 weights and 8-bit AdamW, and with rollouts one
+    step stale."""
     if memory == "bf16-adamw8bit":
         pytest.importorskip("torchao")
     history = T.train(TrainConfig(output_dir=str(tmp_path), log_completions=2, **LEARNS[memory]),
@@ -127,13 +132,16 @@ def test_default_run_learns(tmp_path, memory):
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
     evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
     assert [r["step"] for r in evals] == [0, 50, 100, 150, 200, 250, 300]
-    assert first <= 0.3 and last >= 0.75, (first, last)
-    assert evals[-1]["accuracy"] >= evals[0]["accuracy"] + 0.5, [r["accuracy"] for r in evals]
+    least_reward, least_gain = BOUNDS.get(memory, (0.75, 0.5))
+    assert first <= 0.3 and last >= least_reward, (first, last)
+    assert evals[-1]["accuracy"] >= evals[0]["accuracy"] + least_gain, [r["accuracy"] for r in evals]
     assert (tmp_path / "curves.png").exists() and (tmp_path / "completions.jsonl").exists()
     record = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert {"step", "reward", "loss", "kl", "completion_len", "tokens_per_s"} <= set(record)
     stages = [record[f"{stage}_seconds"] for stage in ("generation", "scoring", "update", "sync")]
     assert all(seconds >= 0 for seconds in stages) and sum(stages) <= record["seconds"] <= sum(stages) + 0.05
+    if memory == "staleness-1":
+        assert [r["staleness"] for r in history] == [0] + [1] * 299
 
 
 def test_lora_learns(tmp_path):

@@ -59,9 +59,10 @@ def test_config_refuses_what_it_cannot_bound():
 
 def test_the_process_serves_versions_in_order_with_the_trainers_numerics(tmp_path):
     """Each rollout comes from the weights pushed before it was asked for, equals the in-process engine's on those
-    weights, and its sampling log-probs are the trainer's (the correction's ratio is 1 on unchanged weights)."""
+    weights, and its sampling log-probs are the trainer's, top_p 0.9 included (over the whole vocabulary both: the
+    correction's ratio is 1 on unchanged weights)."""
     model, tokenizer, prompts = tiny_policy()
-    config = TrainConfig(group_size=3, max_completion_length=8, max_staleness=1, output_dir=str(tmp_path))
+    config = TrainConfig(group_size=3, max_completion_length=8, max_staleness=1, top_p=0.9, output_dir=str(tmp_path))
     threads = torch.get_num_threads()
     engine = make_engine(config, model, tokenizer, max(map(len, prompts)))      # pushes version 0
     try:
