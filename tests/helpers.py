@@ -92,17 +92,29 @@ def tiny_model(vocab_size, seed=0):
     return Qwen2ForCausalLM(config)
 
 
+def tiny_moe_model(vocab_size, seed=0):
+    """A Qwen3-MoE-style model (4 experts, 2 per token, router logits and a load-balancing loss of weight 0.05)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                            router_aux_loss_coef=0.05, max_position_embeddings=128, tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(config)
+
+
 def length_reward(completions, **kwargs):
     return [float(len(c)) / 8.0 for c in completions]
 
 
-def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, **config):
+def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, make_model=tiny_model, **config):
     from datasets import Dataset
     from trl import GRPOConfig
 
     tokenizer = tiny_tokenizer()
     model_dir = f"{output_dir}/tiny-model"          # saved locally: the trainer loads it (and its reference copy)
-    tiny_model(len(tokenizer)).save_pretrained(model_dir)
+    make_model(len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": ["1+1=", "2+3=", "7-4=", "9*2=", "8/4=", "5+5=", "6-1=", "3*3="]})
     options = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=steps,

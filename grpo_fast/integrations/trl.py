@@ -9,8 +9,9 @@ this replaces that head with grpo_fast's under the same contract, so the old, re
 and entropies come from grpo_fast. FastGRPOTrainer also computes the training loss itself, fused (3 GEMM passes;
 4 for vespo, whose weights need whole sequences), wherever TRL's options allow it
 (`FastGRPOTrainer.fused_loss_unsupported` says when not), reproducing TRL's formulas, normalizers and logged
-metrics; otherwise TRL's own loss code runs on grpo_fast's log-probs. Calls grpo_fast cannot serve
-(vision-language inputs, MoE router logits, a DeepSpeed ZeRO-3 head) go to TRL's head, with one warning.
+metrics, and with a mixture-of-experts model's load-balancing loss computed as the model computes it; otherwise
+TRL's own loss code runs on grpo_fast's log-probs. Calls grpo_fast cannot serve (vision-language inputs, a
+DeepSpeed ZeRO-3 head) go to TRL's head, with one warning.
 """
 
 from __future__ import annotations
@@ -43,9 +44,22 @@ def _unsupported(model, kwargs) -> str | None:
         return "DeepSpeed ZeRO-3 LM heads"
     if any(kwargs.get(key) is not None for key in _MULTIMODAL_KEYS):
         return "vision-language inputs"
-    if kwargs.get("output_router_logits") or getattr(model.config.get_text_config(), "output_router_logits", False):
-        return "MoE router logits (load-balancing loss)"
     return None
+
+
+def router_aux_loss(model, router_logits, attention_mask) -> torch.Tensor:
+    """The load-balancing loss exactly as the model's own forward computes it: its modeling module's
+    `load_balancing_loss_func` (Mixtral's where the module has none) with the model's expert counts."""
+    import sys
+
+    loss_func = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    if loss_func is None:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as loss_func
+    config = model.config.get_text_config()
+    num_experts = getattr(model, "num_experts", None) or getattr(config, "num_experts", None) or \
+        config.num_local_experts
+    top_k = getattr(model, "num_experts_per_tok", None) or config.num_experts_per_tok
+    return loss_func(router_logits, num_experts, top_k, attention_mask)
 
 
 def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool = False):
@@ -53,8 +67,10 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
 
     `model` is a transformers causal LM whose forward TRL has already patched (`add_fused_lm_head`); calls
     without `fused_lm_head=True`, and the ones grpo_fast does not serve, go to that forward unchanged. With
-    `grpo_fast_loss=fn` the forward returns `fn(hidden, weight, bias, head)` instead, hidden being the
+    `grpo_fast_loss=fn` the forward returns `(fn(hidden, weight, bias, head), aux_loss)` instead, hidden being the
     next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward.
+    Mixture-of-experts models whose config asks for router logits get them from the backbone, and the output's
+    aux_loss is the model's own load-balancing loss (`router_aux_loss`), as TRL's head returns it; None otherwise.
     """
     trl_forward = model.forward
     warned = set()
@@ -70,7 +86,13 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
-        hidden = backbone(self)(*args, **kwargs).last_hidden_state
+        if getattr(self.config.get_text_config(), "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)       # as the model's own forward does
+        outputs = backbone(self)(*args, **kwargs)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
+        hidden = outputs.last_hidden_state
         if shift_labels is None:
             hidden = hidden[:, :-1]
             labels = None if labels is None else labels[:, 1:]
@@ -87,7 +109,7 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
             bias = None if bias is None else bias.to(hidden.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             if grpo_fast_loss is not None:
-                return grpo_fast_loss(hidden, weight, bias, head)
+                return grpo_fast_loss(hidden, weight, bias, head), aux_loss
             labels = labels.to(weight.device)
             mask = labels != -100
             logp, entropy = token_logprobs(hidden[mask], weight, labels[mask], bias=bias, temperature=temperature,
@@ -97,8 +119,11 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
-                                   label_mask=mask)
+        loss = -log_probs.sum() / count
+        if aux_loss is not None:
+            loss = loss + getattr(self.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask,
+                                   aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
     return model
@@ -122,9 +147,10 @@ class FastGRPOTrainer(GRPOTrainer):
 
     The fused loss serves token-level importance sampling with every loss type of `grpo_fast.LOSS_TYPES` (vespo
     in two phases, 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, a static entropy bonus and
-    gradient accumulation. Anything else (sequence level, off-policy mask, entropy masks, adaptive entropy, MoE
-    aux loss, vision-language inputs, vespo options `grpo_fast.LossConfig` refuses or a rollout correction other
-    than 1 on padding) runs TRL's own loss on grpo_fast log-probs.
+    gradient accumulation, and mixture-of-experts models (router aux loss). Anything else (sequence level,
+    off-policy mask, entropy masks, adaptive entropy, vision-language inputs, vespo options
+    `grpo_fast.LossConfig` refuses or a rollout correction other than 1 on padding) runs TRL's own loss on
+    grpo_fast log-probs.
     """
 
     def __init__(self, *args, **kwargs):
@@ -153,8 +179,6 @@ class FastGRPOTrainer(GRPOTrainer):
             return "top_entropy_quantile < 1"
         if getattr(self, "use_adaptive_entropy", False):
             return "adaptive entropy"
-        if self.aux_loss_enabled:
-            return "MoE aux loss"
         if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
             return "vision-language inputs"
         if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
@@ -204,11 +228,14 @@ class FastGRPOTrainer(GRPOTrainer):
                 is_ratio=is_ratio, num_items_in_batch=num_items, token_stats=stats,
             )
 
-        loss, _ = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
-                        grpo_fast_loss=loss_on_hidden)
+        (loss, _), aux_loss = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
+                                    grpo_fast_loss=loss_on_hidden)
         policy_loss = loss.detach()
         if not per_token_normalized:
             loss = loss / accumulation
+        if self.aux_loss_enabled:      # as TRL: the router's load-balancing loss, divided by accumulation
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_metrics(mode, config, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
                           is_ratio, policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
         return loss

@@ -12,7 +12,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from grpo_fast.integrations import trl as dropin  # noqa: E402
-from tests.helpers import ROOT, run_grpo, tiny_model  # noqa: E402
+from tests.helpers import ROOT, run_grpo, tiny_model, tiny_moe_model  # noqa: E402
 
 CONFIGS = {
     "dapo": dict(),
@@ -76,6 +76,29 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
     initial = tiny_model(len(actual.processing_class)).state_dict()
     moved = max((p - initial[n]).abs().max().item() for n, p in actual.model.named_parameters())
     assert moved > 1e-4, "training did not change the weights, so the comparison shows nothing"
+
+
+@pytest.mark.parametrize("name", ["dapo", "grpo_kl_grad_accumulation"])
+def test_moe_matches_grpo_trainer(name, tmp_path, calls):
+    """A Qwen3-MoE-style model: the policy loss fused from the backbone's final hidden states, the router's
+    load-balancing loss as the model computes it, added as TRL adds it (divided by the accumulation steps)."""
+    config = {"dapo": {}, "grpo_kl_grad_accumulation": dict(loss_type="grpo", beta=0.04, gradient_accumulation_steps=2,
+                                                            per_device_train_batch_size=2)}[name]
+    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=3, make_model=tiny_moe_model, **config)
+    assert expected.aux_loss_enabled and logged(expected, "aux_loss")
+    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=3, make_model=tiny_moe_model, **config)
+    assert calls["fused_loss"] > 0 and actual.fused_loss_unsupported({}) is None
+    assert (calls["logprobs"] > 0) == ("kl" in name)       # the reference's log-probs through grpo_fast's head
+    for key in ("loss", "grad_norm", "entropy", "aux_loss", "clip_ratio/region_mean") + (("kl",) if "kl" in name
+                                                                                         else ()):
+        torch.testing.assert_close(torch.tensor(logged(actual, key)), torch.tensor(logged(expected, key)),
+                                   rtol=1e-4, atol=1e-7, msg=key)
+    for (param_name, ours), theirs in zip(actual.model.named_parameters(), expected.model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4, msg=param_name)
+    initial = tiny_moe_model(len(actual.processing_class)).state_dict()
+    router = [n for n in initial if n.endswith("mlp.gate.weight")]
+    assert router and max((actual.model.state_dict()[n] - initial[n]).abs().max().item() for n in router) > 1e-5, \
+        "the router did not move: the aux loss's gradient is not tested"
 
 
 def test_lora_matches_grpo_trainer(tmp_path, calls):
