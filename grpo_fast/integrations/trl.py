@@ -156,34 +156,49 @@ class FastGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         patch_grpo_trainer(self)
+        reasons = self.fallback_reasons({})
+        if reasons:             # once, at construction: what this configuration leaves to TRL's loss, and why
+            warnings.warn("grpo_fast: TRL's own loss code runs on grpo_fast's log-probs (4 GEMM passes, not the "
+                          "fused loss) for: " + "; ".join(reasons), stacklevel=2)
 
-    def fused_loss_unsupported(self, inputs) -> str | None:
-        """Why this batch needs TRL's loss code, or None when the fused loss reproduces it."""
-        if self.importance_sampling_level != "token":
-            return "sequence-level importance sampling"
+    def fallback_reasons(self, inputs) -> list:
+        """Every reason this batch (`{}`: this configuration) needs TRL's loss code; empty when the fused loss
+        reproduces it."""
+        reasons = []
         if self.loss_type not in LOSS_TYPES:
-            return f"loss_type={self.loss_type!r}"
+            reasons.append(f"loss_type={self.loss_type!r}")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            reasons.append("luspo at token level (grpo_fast's luspo is sequence level, as its paper)")
         if self.loss_type == "vespo":
             args = self.args
+            if self.importance_sampling_level != "token":
+                reasons.append("vespo at sequence level (its weight is per sequence already)")
             if min(args.vespo_k_pos, args.vespo_k_neg) < 0 or min(args.vespo_lambda_pos, args.vespo_lambda_neg) <= 0:
-                return "vespo_k_* < 0 or vespo_lambda_* <= 0"
+                reasons.append("vespo_k_* < 0 or vespo_lambda_* <= 0")
             # TRL sums log(ratio) over padding too, where grpo_fast sums over the mask: the same only where the
             # correction leaves the padding's ratio of exactly 1 alone.
             low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
             if self.use_vllm and self.vllm_importance_sampling_correction and (
                     (low is not None and low > 1) or (high is not None and high < 1)):
-                return "vespo with vllm_importance_sampling_clip_min > 1 or vllm_importance_sampling_clip_max < 1"
-        if self.off_policy_mask_threshold is not None:
-            return "off_policy_mask_threshold"
-        if self.top_entropy_quantile < 1.0:
-            return "top_entropy_quantile < 1"
+                reasons.append("vespo with vllm_importance_sampling_clip_min > 1 or "
+                               "vllm_importance_sampling_clip_max < 1")
+            if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
+                reasons.append("vespo with off_policy_mask_threshold or top_entropy_quantile < 1 (the masks would "
+                               "reach its sequence weight)")
+        if self.top_entropy_quantile < 1.0 and self._entropy_bonus_enabled:
+            reasons.append("the entropy bonus with top_entropy_quantile < 1 (the bonus averages over the kept tokens)")
         if getattr(self, "use_adaptive_entropy", False):
-            return "adaptive entropy"
+            reasons.append("adaptive entropy (a controller of the bonus's coefficient across steps)")
         if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
-            return "vision-language inputs"
+            reasons.append("vision-language inputs")
         if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
-            return "DeepSpeed ZeRO-3 LM head"
-        return None
+            reasons.append("DeepSpeed ZeRO-3 LM head")
+        return reasons
+
+    def fused_loss_unsupported(self, inputs) -> str | None:
+        """Why this batch needs TRL's loss code (the first reason of `fallback_reasons`), or None."""
+        reasons = self.fallback_reasons(inputs)
+        return reasons[0] if reasons else None
 
     def _compute_loss(self, model, inputs):
         if self.fused_loss_unsupported(inputs):
@@ -195,7 +210,8 @@ class FastGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         config = LossConfig(
-            loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
             delta=self.args.delta, beta=self.beta, use_bias_correction_kl=self.args.use_bias_correction_kl,
             sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
             vespo_k_pos=self.args.vespo_k_pos, vespo_lambda_pos=self.args.vespo_lambda_pos,
@@ -222,10 +238,15 @@ class FastGRPOTrainer(GRPOTrainer):
 
         def loss_on_hidden(hidden, weight, bias, head):
             transform = LogitTransform(head.logit_scale, head.logit_softcap, self.temperature)
+            hidden = hidden[:, -completion_ids.size(1):]
+            factor = is_ratio
+            if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
+                keep = self._policy_masks(hidden, weight, bias, transform, completion_ids, mask, inputs, old_logps)
+                factor = keep if factor is None else factor * keep
             return checked_policy_loss(
-                hidden[:, -completion_ids.size(1):], weight, completion_ids, inputs["advantages"], mask,
-                config=config, transform=transform, old_logps=old_logps, ref_logps=ref_logps, bias=bias,
-                is_ratio=is_ratio, num_items_in_batch=num_items, token_stats=stats,
+                hidden, weight, completion_ids, inputs["advantages"], mask, config=config, transform=transform,
+                old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=factor, num_items_in_batch=num_items,
+                token_stats=stats,
             )
 
         (loss, _), aux_loss = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
@@ -239,6 +260,29 @@ class FastGRPOTrainer(GRPOTrainer):
         self._log_metrics(mode, config, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
                           is_ratio, policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
         return loss
+
+    def _policy_masks(self, hidden, weight, bias, transform, completion_ids, mask, inputs, old_logps):
+        """(B, T) 0/1: TRL's off-policy sequence mask times its high-entropy token mask, from a first pass over the
+        LM head without gradients (one GEMM pass). Both multiply the policy term before the KL is added, as the
+        rollout correction does, so they travel as a factor of it and the gradient pass stays fused: 4 GEMM
+        passes in all."""
+        keep = mask.bool()
+        with torch.no_grad():
+            logp_c, entropy_c = token_logprobs(hidden[keep], weight, completion_ids[keep], bias=bias,
+                                               temperature=transform.temperature, logit_scale=transform.scale,
+                                               logit_softcap=transform.softcap, return_entropy=True)
+        logp = logp_c.new_zeros(mask.shape).masked_scatter(keep, logp_c)
+        factor = torch.ones_like(logp)
+        if self.top_entropy_quantile < 1.0:
+            entropy = entropy_c.new_zeros(mask.shape).masked_scatter(keep, entropy_c)
+            factor = factor * self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile).float()
+        if self.off_policy_mask_threshold is not None:
+            advantages = inputs["advantages"]
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            sampling = inputs.get("sampling_per_token_logps", logp if old_logps is None else old_logps)
+            factor = factor * self.get_off_policy_mask(advantages, logp, sampling, mask.float(),
+                                                       self.off_policy_mask_threshold)
+        return factor
 
     def _log_metrics(self, mode, config, logp, entropy, mask, inputs, old_logps, ref_logps, is_ratio, policy_loss):
         """The metrics TRL's `_compute_loss` logs, from the detached per-token values of the fused loss."""

@@ -29,10 +29,13 @@ CONFIGS = {
     "grad_accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
     "num_iterations": dict(num_iterations=2, epsilon_high=0.28),
     "entropy_bonus_temperature": dict(entropy_coef=0.01, temperature=0.7),
+    # a first pass without gradients finds the masks, then the fused pass (4 GEMM passes)
+    "entropy_filter_kl": dict(top_entropy_quantile=0.5, beta=0.04),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.0, num_iterations=2),
 }
 
 
-FUSED = {name for name, config in CONFIGS.items() if config.get("importance_sampling_level") != "sequence"}
+FUSED = set(CONFIGS)
 
 
 @pytest.fixture
@@ -58,7 +61,7 @@ def logged(trainer, key):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_grpo_trainer(name, tmp_path, calls):
     config = CONFIGS[name]
-    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo") else 2
+    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "off_policy_mask") else 2
     expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
     assert calls == {"logprobs": 0, "fused_loss": 0}
     actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
@@ -178,3 +181,20 @@ def test_vespo_outside_grpo_fast_range_runs_trls_loss(tmp_path):
     assert trainer.fused_loss_unsupported({}) is None
     trainer.vllm_importance_sampling_clip_min = 1.5
     assert "vllm_importance_sampling_clip_min > 1" in trainer.fused_loss_unsupported({})
+
+
+def test_one_warning_at_construction_lists_the_fallbacks(tmp_path):
+    """A configuration the fused loss does not reproduce is named once, with every reason, when the trainer is
+    built; one it reproduces builds without a word."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: the entropy "
+                                         r"bonus with top_entropy_quantile < 1 .*; adaptive entropy") as record:
+        trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path / "a", steps=1, top_entropy_quantile=0.5,
+                           use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=1.0)
+    assert sum("TRL's own loss code" in str(w.message) for w in record) == 1
+    assert len(trainer.fallback_reasons({})) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="(?!grpo_fast)")          # other libraries' notices
+        run_grpo(dropin.FastGRPOTrainer, tmp_path / "b", steps=1, top_entropy_quantile=0.5)
