@@ -2,6 +2,7 @@
 
 python examples/trl_grpo.py [--steps 100] [--plain]     # --plain: TRL's own GRPOTrainer, for comparison
 python examples/trl_grpo.py --steps 5 --vocab 65536 --completion-length 256 [--plain]   # a heavier LM head
+python examples/trl_grpo.py --moe ...   # a Qwen3-MoE-style model (4 experts, 2 per token, router aux loss)
 
 The model (a 2-layer Qwen2) and a byte-level tokenizer are built in code and saved locally: nothing is
 downloaded. The reward asks for short completions that end the text; it rises from ~0.1 to ~1 in 100 steps.
@@ -16,7 +17,7 @@ import time
 
 import torch
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_fast.integrations.trl import FastGRPOTrainer
@@ -35,15 +36,23 @@ def main():
     parser.add_argument("--vocab", type=int, default=None, help="LM-head rows (default: the tokenizer's 259)")
     parser.add_argument("--completion-length", type=int, default=16)
     parser.add_argument("--plain", action="store_true", help="run trl.GRPOTrainer instead of FastGRPOTrainer")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE-style model with its load-balancing loss")
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = train_tokenizer([], vocab_size=259)      # bytes and special tokens, no merges
-    config = Qwen2Config(vocab_size=args.vocab or len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    shape = dict(vocab_size=args.vocab or len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=max(256, args.completion_length + 64),
+                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if args.moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, head_dim=16, moe_intermediate_size=64, num_experts=4,
+                                                   num_experts_per_tok=2, output_router_logits=True,
+                                                   router_aux_loss_coef=0.01))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
     with tempfile.TemporaryDirectory() as workdir:
-        model_dir = os.path.join(workdir, "tiny-qwen2")
-        Qwen2ForCausalLM(config).save_pretrained(model_dir)
+        model_dir = os.path.join(workdir, "tiny-model")
+        model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
         training = GRPOConfig(
