@@ -326,9 +326,15 @@ def _check_type(name: str, value, kind) -> None:
         raise ValueError(f"config key {name!r} expects {_type_name(kind)}, got {value!r}")
 
 
+# keys whose choices include the word "none": there it is that choice, not a null
+NONE_IS_A_CHOICE = ("importance_sampling", "scale_rewards")
+
+
 def _convert(name: str, text, kind):
     """A command-line or YAML value as the field's type, with an error naming the key."""
     kind, optional = _base(kind)
+    if name in NONE_IS_A_CHOICE and isinstance(text, str) and text.strip().lower() == "none":
+        return "none"
     if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "null")):
         if optional:
             return None

@@ -104,6 +104,9 @@ def test_none_strings_and_nulls_in_code():
         TrainConfig(output_dir=None)
     config = load_config(None, {"system_prompt": "None", "micro_batch_tokens": "null", "max_steps": 4.0})
     assert (config.system_prompt, config.micro_batch_tokens, config.max_steps) == (None, None, 4)
+    # where "none" is one of the key's choices it is that choice, from the command line and from YAML
+    config = load_config(None, {"importance_sampling": "none", "scale_rewards": "None"})
+    assert (config.importance_sampling, config.scale_rewards) == ("none", "none")
 
 
 def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
