@@ -104,6 +104,20 @@ def tiny_moe_model(vocab_size, seed=0):
     return Qwen3MoeForCausalLM(config)
 
 
+def arithmetic_policy(num_samples=64):
+    """(model, tokenizer, samples): a small Qwen2-style model (hidden 64) with a tokenizer trained on the
+    arithmetic task's problems, left-padded, for the engine tests."""
+    from grpo_fast.train import tasks
+    from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
+
+    samples = tasks.arithmetic_task(num_samples, seed=0)
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+    tokenizer.padding_side = "left"
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return model, tokenizer, samples
+
+
 def length_reward(completions, **kwargs):
     return [float(len(c)) / 8.0 for c in completions]
 

@@ -58,15 +58,10 @@ def test_importance_weights_modes():
 
 
 def test_hf_engine_cuts_at_the_first_eos():
-    from grpo_fast.train import tasks
     from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
+    from tests.helpers import arithmetic_policy
 
-    samples = tasks.arithmetic_task(32, seed=0)
-    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
-    tokenizer.padding_side = "left"
-    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model, tokenizer, samples = arithmetic_policy(32)
     with torch.no_grad():                              # make EOS likely so that some rows end early
         model.lm_head.weight[tokenizer.eos_token_id] *= 0
         model.model.norm.weight.mul_(0.02)

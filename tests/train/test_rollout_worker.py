@@ -14,7 +14,6 @@ from grpo_fast.train import tasks  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.engines import HFEngine, make_engine  # noqa: E402
 from grpo_fast.train.rollout_worker import EngineError, split_threads  # noqa: E402
-from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer  # noqa: E402
 from grpo_fast.train.update import Policy, Rollout, completion_logprobs  # noqa: E402
 from tests import helpers  # noqa: E402
 
@@ -23,13 +22,8 @@ FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_s
 
 
 def tiny_policy():
-    samples = tasks.arithmetic_task(64, seed=0)
-    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
-    tokenizer.padding_side = "left"
-    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    prompts = tasks.prompt_ids([s["prompt"] for s in samples[:3]], tokenizer)
-    return model, tokenizer, prompts
+    model, tokenizer, samples = helpers.arithmetic_policy()
+    return model, tokenizer, tasks.prompt_ids([s["prompt"] for s in samples[:3]], tokenizer)
 
 
 def trainer_logprobs(model, generation, config):
