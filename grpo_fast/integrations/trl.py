@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import types
 import warnings
 
@@ -50,8 +51,6 @@ def _unsupported(model, kwargs) -> str | None:
 def router_aux_loss(model, router_logits, attention_mask) -> torch.Tensor:
     """The load-balancing loss exactly as the model's own forward computes it: its modeling module's
     `load_balancing_loss_func` (Mixtral's where the module has none) with the model's expert counts."""
-    import sys
-
     loss_func = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
     if loss_func is None:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as loss_func

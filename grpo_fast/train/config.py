@@ -179,11 +179,7 @@ class TrainConfig:
             if not (math.isfinite(value) and test(value)):   # NaN fails every comparison, inf is not finite
                 number = "a finite number " if _base(hints[name])[0] is float else ""
                 raise ValueError(f"{name} must be {number}{rule}".rstrip() + f", got {value!r}")
-        choices = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
-                   "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"),
-                   "scale_rewards": SCALES, "advantage_estimator": ESTIMATORS,
-                   "lr_schedule": ("cosine", "linear", "constant")}
-        for name, allowed in choices.items():
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("model", "output_dir"):
@@ -266,6 +262,12 @@ class TrainConfig:
                           max_completion_length=self.max_completion_length)
 
 
+# every key with a fixed set of values
+CHOICES = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
+           "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"), "scale_rewards": SCALES,
+           "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant")}
+
+
 def _rule(text: str, test):
     return text, test
 
@@ -326,15 +328,11 @@ def _check_type(name: str, value, kind) -> None:
         raise ValueError(f"config key {name!r} expects {_type_name(kind)}, got {value!r}")
 
 
-# keys whose choices include the word "none": there it is that choice, not a null
-NONE_IS_A_CHOICE = ("importance_sampling", "scale_rewards")
-
-
 def _convert(name: str, text, kind):
     """A command-line or YAML value as the field's type, with an error naming the key."""
     kind, optional = _base(kind)
-    if name in NONE_IS_A_CHOICE and isinstance(text, str) and text.strip().lower() == "none":
-        return "none"
+    if isinstance(text, str) and text.strip().lower() == "none" and "none" in CHOICES.get(name, ()):
+        return "none"                   # one of the key's choices (importance_sampling, scale_rewards), not a null
     if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "null")):
         if optional:
             return None

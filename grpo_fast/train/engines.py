@@ -128,6 +128,19 @@ class HFEngine:
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generation samples from the policy itself."""
 
+    @torch.no_grad()
+    def load_weights(self, weights: dict) -> None:
+        """{name: tensor} (Hugging Face names) into the engine's own copy of the policy (a rollout process's):
+        every key must match, checked before loading, so that a refused push leaves the weights whole."""
+        expected = self.model.state_dict().keys()
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        missing = [name for name in expected if name not in weights and not (tied and name == "lm_head.weight")]
+        unexpected = [name for name in weights if name not in expected]
+        if missing or unexpected:
+            raise ValueError(f"the pushed weights do not match the engine's model: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        self.model.load_state_dict(weights, strict=False)
+
 
 @contextlib.contextmanager
 def _preserved_process_state():
@@ -196,9 +209,12 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         """Copy the policy's weights into the engine (names as in the Hugging Face checkpoint)."""
-        weights = list(engine_weights(model).items())
+        self.load_weights(engine_weights(model))
+
+    def load_weights(self, weights: dict) -> None:
+        """{name: tensor} (Hugging Face names) into the engine through the worker's `reload_weights`."""
         with _preserved_process_state():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
             self.llm.reset_prefix_cache()                  # cached prompt KV came from the old weights
 
 

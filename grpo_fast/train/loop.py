@@ -322,7 +322,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             clock = StageClock()
             step_samples, prompts = step_prompts(step)
             if config.max_staleness:
-                generation, staleness = take(step)
+                generation, rollout_info = take(step)
             else:
                 generation = generate(engine, prompts, tokenizer, step, first_row, config)
             clock.lap("generation")           # with max_staleness > 0: the time the trainer waited for it
@@ -342,9 +342,9 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,
                                  rollout.is_ratio, lr, clock.total(), clock.seconds, world, device)
             if config.max_staleness:
-                record.update(staleness,
+                record.update(rollout_info,
                               generation_tokens_per_s=float(generation.completion_mask.sum())
-                              / max(staleness["engine_generation_seconds"], 1e-9))
+                              / max(rollout_info["engine_generation_seconds"], 1e-9))
             history.append(record)
             rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
             files.append(record)

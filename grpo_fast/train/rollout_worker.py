@@ -67,29 +67,6 @@ def _build_engine(spec: dict):
     return HFEngine(model.eval().requires_grad_(False), tokenizer, config, sampling_logps=True)
 
 
-def _load_weights(engine, weights: dict) -> None:
-    """The pushed weights into the engine: load_state_dict for HF (every key must match), reload_weights for
-    vLLM (VLLMEngine.sync_weights' interface, given the tensors instead of a model)."""
-    if hasattr(engine, "llm"):
-        from grpo_fast.train.engines import _preserved_process_state
-
-        with _preserved_process_state():
-            engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
-            engine.llm.reset_prefix_cache()
-        return
-    expected = engine.model.state_dict().keys()
-    missing = [name for name in expected if name not in weights and not _tied(engine.model, name)]
-    unexpected = [name for name in weights if name not in expected]
-    if missing or unexpected:       # checked before loading: a refused push leaves the engine's weights whole
-        raise ValueError(f"the pushed weights do not match the engine's model: missing {missing[:3]}, unexpected "
-                         f"{unexpected[:3]}")
-    engine.model.load_state_dict(weights, strict=False)
-
-
-def _tied(model, name: str) -> bool:
-    return name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
-
-
 def serve(requests, results, spec: dict) -> None:
     """The rollout process: builds the engine, then answers requests in order until STOP. Results are
     ("ready",), ("generation", request, version, Generation, seconds, idle_seconds) or ("error", request, text);
@@ -107,7 +84,7 @@ def serve(requests, results, spec: dict) -> None:
             if kind == STOP:
                 return
             if kind == WEIGHTS:
-                _load_weights(engine, message[2])
+                engine.load_weights(message[2])
                 version = request
                 continue
             waited = time.perf_counter() - idle_since
