@@ -142,11 +142,11 @@ class FastGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` (same constructor) with grpo_fast's log-probs, entropies and, where TRL's options allow,
     its fused loss: the gradient computed with the logits, 3 GEMM passes over the LM head instead of 4.
 
-    The fused loss serves token-level importance sampling with every loss type of `grpo_fast.LOSS_TYPES` (vespo
-    in two phases, 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, a static entropy bonus and
-    gradient accumulation, mixture-of-experts models (router aux loss) and vision-language inputs (pixel values
-    through the model's own forward). What remains (`fallback_reasons` lists it, and the constructor warns once)
-    runs TRL's own loss on grpo_fast log-probs.
+    The fused loss serves every loss type of `grpo_fast.LOSS_TYPES` at token level (vespo, and GSPO's sequence
+    level, in two phases: 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, the entropy bonus (static
+    or adaptive), gradient accumulation, mixture-of-experts models (router aux loss) and vision-language inputs
+    (pixel values through the model's own forward). What remains (`fallback_reasons` lists it, and the
+    constructor warns once) runs TRL's own loss on grpo_fast log-probs.
     """
 
     def __init__(self, *args, **kwargs):
@@ -183,8 +183,6 @@ class FastGRPOTrainer(GRPOTrainer):
                                "reach its sequence weight)")
         if self.top_entropy_quantile < 1.0 and self._entropy_bonus_enabled:
             reasons.append("the entropy bonus with top_entropy_quantile < 1 (the bonus averages over the kept tokens)")
-        if getattr(self, "use_adaptive_entropy", False):
-            reasons.append("adaptive entropy (a controller of the bonus's coefficient across steps)")
         if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
             reasons.append("DeepSpeed ZeRO-3 LM head")
         return reasons
@@ -221,6 +219,8 @@ class FastGRPOTrainer(GRPOTrainer):
             if mode == "train":
                 num_items = num_items * accumulation / self.args.steps_per_generation
         entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            entropy_coef = 0.0          # as TRL: the bonus applies only while the last window's entropy is low
         if per_token_normalized:        # TRL divides the bonus, not the dapo / cispo term, by accumulation
             entropy_coef = entropy_coef / accumulation
         config = dataclasses.replace(config, entropy_coef=entropy_coef)      # this step's share of the bonus
@@ -254,9 +254,32 @@ class FastGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:      # as TRL: the router's load-balancing loss, divided by accumulation
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            self._adapt_entropy_coef(stats["entropy"], mask.float())
         self._log_metrics(mode, config, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
                           is_ratio, policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
         return loss
+
+    def _adapt_entropy_coef(self, entropy, mask):
+        """TRL's adaptive entropy controller, on the detached entropies of the fused loss: sum the window's masked
+        entropy and token count over the accumulation steps; at the optimizer step, from the mean across processes,
+        raise `entropy_coef` by `entropy_coef_delta` (up to `entropy_coef_max`) when it is at or below
+        `entropy_target`, lower it (down to `entropy_coef_min`) otherwise. The new value applies from the next
+        step; TRL saves and restores the state with its checkpoints."""
+        window = torch.stack([(entropy * mask).sum(), mask.sum()])
+        stats = self._entropy_window_stats
+        self._entropy_window_stats = window if stats is None else stats + window
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _policy_masks(self, hidden, weight, bias, transform, completion_ids, mask, inputs, old_logps):
         """(B, T) 0/1: TRL's off-policy sequence mask times its high-entropy token mask, from a first pass over the

@@ -32,6 +32,11 @@ CONFIGS = {
     # a first pass without gradients finds the masks, then the fused pass (4 GEMM passes)
     "entropy_filter_kl": dict(top_entropy_quantile=0.5, beta=0.04),
     "off_policy_mask": dict(off_policy_mask_threshold=0.0, num_iterations=2),
+    # the controller raises the coefficient after the first window (entropy ~5.5 <= target), which then applies
+    "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.05, entropy_target=6.0,
+                             gradient_accumulation_steps=2, per_device_train_batch_size=2),
+    # above the target: the coefficient falls and the bonus does not apply
+    "adaptive_entropy_above_target": dict(use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=5.0),
 }
 
 
@@ -61,7 +66,7 @@ def logged(trainer, key):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_grpo_trainer(name, tmp_path, calls):
     config = CONFIGS[name]
-    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "off_policy_mask") else 2
+    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "off_policy_mask", "adaptive_entropy") else 2
     expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
     assert calls == {"logprobs": 0, "fused_loss": 0}
     actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
@@ -69,8 +74,8 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
         assert calls["fused_loss"] > 0, "the fused loss was not used"
     else:
         assert calls["fused_loss"] == 0 and calls["logprobs"] > 0, "TRL's loss on grpo_fast log-probs expected"
-    keys = ["loss", "grad_norm", "entropy"] + [k for k in expected.state.log_history[0]
-                                             if k.startswith(("clip_ratio", "cispo", "vespo", "policy_loss", "kl"))]
+    logged_by_trl = ("clip_ratio", "cispo", "vespo", "policy_loss", "kl", "entropy_coef")
+    keys = ["loss", "grad_norm", "entropy"] + [k for k in expected.state.log_history[0] if k.startswith(logged_by_trl)]
     for key in keys:
         torch.testing.assert_close(torch.tensor(logged(actual, key)), torch.tensor(logged(expected, key)),
                                    rtol=1e-4, atol=1e-7, msg=key)
@@ -188,10 +193,10 @@ def test_one_warning_at_construction_lists_the_fallbacks(tmp_path):
     built; one it reproduces builds without a word."""
     import warnings
 
-    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: the entropy "
-                                         r"bonus with top_entropy_quantile < 1 .*; adaptive entropy") as record:
+    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: luspo at token "
+                                         r"level .*; the entropy bonus with top_entropy_quantile < 1") as record:
         trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path / "a", steps=1, top_entropy_quantile=0.5,
-                           use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=1.0)
+                           loss_type="luspo", entropy_coef=0.01)
     assert sum("TRL's own loss code" in str(w.message) for w in record) == 1
     assert len(trainer.fallback_reasons({})) == 2
     with warnings.catch_warnings():
