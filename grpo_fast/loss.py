@@ -58,12 +58,14 @@ def _scatter(values, index, shape):
 
 
 def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, transform: LogitTransform, *,
-                      num_items_in_batch=None, chunk_bytes=None, backend="auto", token_stats=None, ops=None):
+                      num_items_in_batch=None, chunk_bytes=None, backend="auto", token_stats=None, ops=None,
+                      entropy_mask=None):
     """The policy loss of `batch`; see `grpo_loss`. Inputs already checked.
 
     token_stats: an optional dict that receives the detached (B, T) "logp" and "entropy" (zero off the mask),
     for callers that log per-token metrics of their own (the TRL integration). ops: the resolved backend
-    (default: `backend` on hidden's device).
+    (default: `backend` on hidden's device). entropy_mask: the (B, T) 0/1 tokens the entropy bonus averages over
+    (default: the mask; see `policy_loss`).
     """
     hidden, mask = batch.hidden, batch.mask
     shape = tuple(mask.shape)
@@ -76,6 +78,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     hidden_c = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
     targets_c = batch.targets.reshape(-1).index_select(0, index).long()
     mask_f = mask.to(batch.advantages.dtype)
+    entropy_mask_f = mask_f if entropy_mask is None else entropy_mask.to(mask_f.dtype) * mask_f
 
     def loss_from(logp_c, entropy_c):
         logp, entropy = _scatter(logp_c, index, shape), _scatter(entropy_c, index, shape)
@@ -84,7 +87,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         return policy_loss(
             logp, entropy, mask_f, batch.advantages,
             old_logps=batch.old_logps, ref_logps=batch.ref_logps, is_ratio=batch.is_ratio,
-            num_items_in_batch=num_items_in_batch, config=config,
+            num_items_in_batch=num_items_in_batch, config=config, entropy_mask=entropy_mask_f,
         )
 
     if not config.token_separable:
@@ -103,7 +106,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         config, advantages=compact(batch.advantages),
         weights=compact(token_weights(mask_f, config, num_items_in_batch)),
         old_logps=compact(batch.old_logps), ref_logps=compact(batch.ref_logps), is_ratio=compact(batch.is_ratio),
-        entropy_grad=None if config.entropy_coef == 0.0 else -compact(entropy_weights(mask_f, config)),
+        entropy_grad=None if config.entropy_coef == 0.0 else -compact(entropy_weights(entropy_mask_f, config)),
     )
 
     def token_grads(start, end, logp, entropy):
@@ -169,7 +172,7 @@ def grpo_loss(
         per_token = per_token * is_ratio + beta * k3_kl(ref_logps, logp)           # vespo: is_ratio in its weight
         loss = reduce[loss_type](per_token, mask) - entropy_coef * masked_mean(entropy)
 
-    For token-level variants (all loss types except luspo and vespo, with importance_sampling_level="token")
+    For token-level variants (every loss type but vespo, with importance_sampling_level="token")
     the gradient is computed during the forward, chunk by chunk: 3 GEMM passes over (N, H, V) in all, 2 when the
     weight does not require grad. Sequence-level variants, vespo included, take two phases (4 passes).
 
@@ -188,7 +191,7 @@ def grpo_loss(
             when it is given, those keywords must keep their defaults.
         loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (see
             `grpo_fast.variants.LOSS_TYPES`).
-        importance_sampling_level: "token" or "sequence" (GSPO). luspo needs "sequence".
+        importance_sampling_level: "token" or "sequence" (GSPO; LUSPO's paper level).
         epsilon_low, epsilon_high, delta: clipping (epsilon_high defaults to epsilon_low; delta caps r).
         beta, use_bias_correction_kl: k3 KL weight and its importance-ratio correction.
         temperature, logit_scale, logit_softcap: logit transform, as in `token_logprobs`.
@@ -228,10 +231,10 @@ def grpo_loss(
 
 def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: LossConfig, transform: LogitTransform,
                         old_logps=None, ref_logps=None, bias=None, is_ratio=None, num_items_in_batch=None,
-                        chunk_bytes=None, backend="auto", token_stats=None, process_group=None):
+                        chunk_bytes=None, backend="auto", token_stats=None, process_group=None, entropy_mask=None):
     """`grpo_loss` with its options already taken into a LossConfig and a LogitTransform: checks the tensors,
-    resolves the backend and runs `fused_policy_loss` (token_stats: see there). The entry of GRPOLoss and the
-    TRL integration."""
+    resolves the backend and runs `fused_policy_loss` (token_stats, entropy_mask: see there). The entry of
+    GRPOLoss and the TRL integration."""
     check_lm_head(hidden, weight, bias, targets)
     check_chunk_bytes(chunk_bytes)
     if config.beta != 0.0 and ref_logps is None:
@@ -241,8 +244,12 @@ def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: Lo
     check_target_range(batch.targets, vocab_size, batch.mask)
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch!r}")
+    if entropy_mask is not None and tuple(entropy_mask.shape) != tuple(batch.mask.shape):
+        raise ValueError(f"entropy_mask must have shape {tuple(batch.mask.shape)} like mask, "
+                         f"got {tuple(entropy_mask.shape)}")
     return fused_policy_loss(batch, weight, bias, config, transform, num_items_in_batch=num_items_in_batch,
-                             chunk_bytes=chunk_bytes, backend=backend, token_stats=token_stats, ops=ops)
+                             chunk_bytes=chunk_bytes, backend=backend, token_stats=token_stats, ops=ops,
+                             entropy_mask=entropy_mask)
 
 
 class GRPOLoss(nn.Module):

@@ -30,7 +30,7 @@ LOSS_TYPES = {
     "dapo": ("num_items", "clip"),          # DAPO, arXiv:2503.14476
     "cispo": ("num_items", "cispo"),        # MiniMax-M1, arXiv:2506.13585
     "sapo": ("sequence_mean", "sapo"),      # SAPO, arXiv:2511.20347
-    "luspo": ("sequence_sum", "clip"),      # LUSPO, arXiv:2602.05261 (sequence level only)
+    "luspo": ("sequence_sum", "clip"),      # LUSPO, arXiv:2602.05261 (its paper: sequence level; TRL: either)
     "vespo": ("num_items", "vespo"),        # VESPO, arXiv:2602.10693 (a weight per sequence: two phases)
 }
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -42,7 +42,8 @@ class LossConfig:
 
     loss_type: one of `LOSS_TYPES` (default "dapo").
     importance_sampling_level: "token" (PPO/GRPO) or "sequence" (GSPO: one ratio per sequence, the exp of the
-        masked mean log-ratio).
+        masked mean log-ratio). LUSPO's paper uses "sequence"; at "token" (TRL 1.16 allows it, and it is TRL's
+        default level) luspo clips each token's ratio and keeps its reduction.
     epsilon_low / epsilon_high: clip range [1 - epsilon_low, 1 + epsilon_high]; epsilon_high defaults to
         epsilon_low. For cispo, epsilon_high is the absolute cap on the ratio (5.0 is the usual value).
     delta: optional upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2).
@@ -77,11 +78,6 @@ class LossConfig:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
                 f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                f"got {self.importance_sampling_level!r}"
-            )
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            raise ValueError(
-                "loss_type='luspo' requires importance_sampling_level='sequence', "
                 f"got {self.importance_sampling_level!r}"
             )
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
@@ -325,11 +321,13 @@ def entropy_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
 
 
 def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=None, is_ratio=None,
-                num_items_in_batch=None, config: LossConfig):
+                num_items_in_batch=None, config: LossConfig, entropy_mask=None):
     """The policy loss and its metrics from per-token log-probs: logp, mask etc. (B, T), advantages (B, 1) or (B, T).
 
     Values where mask == 0 are ignored (and may be anything, even inf). old_logps None means on-policy:
-    old = logp.detach(). entropy may be None when entropy_coef == 0. Returns (loss, metrics).
+    old = logp.detach(). entropy may be None when entropy_coef == 0. entropy_mask: the 0/1 tokens (within the
+    mask) the entropy bonus averages over, default the mask (TRL narrows it to its high-entropy tokens when it
+    filters them). Returns (loss, metrics).
     """
     mask = mask.to(logp.dtype)
     keep = mask > 0
@@ -350,7 +348,8 @@ def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=No
     if entropy is not None:
         entropy = torch.where(keep, entropy, zeros)
         if config.entropy_coef != 0.0:
-            loss = loss - (entropy * entropy_weights(mask, config)).sum()
+            bonus_mask = mask if entropy_mask is None else entropy_mask.to(mask.dtype) * mask
+            loss = loss - (entropy * entropy_weights(bonus_mask, config)).sum()
     with torch.no_grad():
         phi = None
         if config.objective == "vespo":

@@ -163,8 +163,6 @@ class FastGRPOTrainer(GRPOTrainer):
         reasons = []
         if self.loss_type not in LOSS_TYPES:
             reasons.append(f"loss_type={self.loss_type!r}")
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            reasons.append("luspo at token level (grpo_fast's luspo is sequence level, as its paper)")
         if self.loss_type == "vespo":
             args = self.args
             if self.importance_sampling_level != "token":
@@ -181,8 +179,6 @@ class FastGRPOTrainer(GRPOTrainer):
             if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
                 reasons.append("vespo with off_policy_mask_threshold or top_entropy_quantile < 1 (the masks would "
                                "reach its sequence weight)")
-        if self.top_entropy_quantile < 1.0 and self._entropy_bonus_enabled:
-            reasons.append("the entropy bonus with top_entropy_quantile < 1 (the bonus averages over the kept tokens)")
         if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
             reasons.append("DeepSpeed ZeRO-3 LM head")
         return reasons
@@ -229,18 +225,23 @@ class FastGRPOTrainer(GRPOTrainer):
             is_ratio = inputs["importance_sampling_ratio"].expand(mask.shape)
         old_logps, ref_logps = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps")
         stats = {}
+        bonus_mask = mask.float()        # the tokens the entropy bonus averages over: TRL's effective mask
 
         def loss_on_hidden(hidden, weight, bias, head):
+            nonlocal bonus_mask
             transform = LogitTransform(head.logit_scale, head.logit_softcap, self.temperature)
             hidden = hidden[:, -completion_ids.size(1):]
             factor = is_ratio
             if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
-                keep = self._policy_masks(hidden, weight, bias, transform, completion_ids, mask, inputs, old_logps)
+                keep, high_entropy = self._policy_masks(hidden, weight, bias, transform, completion_ids, mask, inputs,
+                                                        old_logps)
                 factor = keep if factor is None else factor * keep
+                if high_entropy is not None:
+                    bonus_mask = bonus_mask * high_entropy
             return checked_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, config=config, transform=transform,
                 old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=factor, num_items_in_batch=num_items,
-                token_stats=stats,
+                token_stats=stats, entropy_mask=bonus_mask,
             )
 
         # A vision-language batch's image fields go to the model's own multimodal forward, whole, as TRL passes them
@@ -255,9 +256,9 @@ class FastGRPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         if self.use_adaptive_entropy and mode == "train":
-            self._adapt_entropy_coef(stats["entropy"], mask.float())
+            self._adapt_entropy_coef(stats["entropy"], bonus_mask)
         self._log_metrics(mode, config, stats["logp"], stats["entropy"], mask, inputs, old_logps, ref_logps,
-                          is_ratio, policy_loss + entropy_coef * masked_mean(stats["entropy"], mask.float()))
+                          is_ratio, policy_loss + entropy_coef * masked_mean(stats["entropy"], bonus_mask))
         return loss
 
     def _adapt_entropy_coef(self, entropy, mask):
@@ -282,27 +283,29 @@ class FastGRPOTrainer(GRPOTrainer):
         self._entropy_window_stats = None
 
     def _policy_masks(self, hidden, weight, bias, transform, completion_ids, mask, inputs, old_logps):
-        """(B, T) 0/1: TRL's off-policy sequence mask times its high-entropy token mask, from a first pass over the
-        LM head without gradients (one GEMM pass). Both multiply the policy term before the KL is added, as the
-        rollout correction does, so they travel as a factor of it and the gradient pass stays fused: 4 GEMM
-        passes in all."""
+        """((B, T) 0/1 factor, (B, T) 0/1 high-entropy mask or None): TRL's off-policy sequence mask times its
+        high-entropy token mask, and the latter alone, from a first pass over the LM head without gradients (one
+        GEMM pass). Both multiply the policy term before the KL is added, as the rollout correction does, so they
+        travel as a factor of it and the gradient pass stays fused: 4 GEMM passes in all. The entropy bonus
+        averages over the high-entropy tokens alone, as TRL's does."""
         keep = mask.bool()
         with torch.no_grad():
             logp_c, entropy_c = token_logprobs(hidden[keep], weight, completion_ids[keep], bias=bias,
                                                temperature=transform.temperature, logit_scale=transform.scale,
                                                logit_softcap=transform.softcap, return_entropy=True)
         logp = logp_c.new_zeros(mask.shape).masked_scatter(keep, logp_c)
-        factor = torch.ones_like(logp)
+        factor, high_entropy = torch.ones_like(logp), None
         if self.top_entropy_quantile < 1.0:
             entropy = entropy_c.new_zeros(mask.shape).masked_scatter(keep, entropy_c)
-            factor = factor * self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile).float()
+            high_entropy = self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile).float()
+            factor = factor * high_entropy
         if self.off_policy_mask_threshold is not None:
             advantages = inputs["advantages"]
             advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
             sampling = inputs.get("sampling_per_token_logps", logp if old_logps is None else old_logps)
             factor = factor * self.get_off_policy_mask(advantages, logp, sampling, mask.float(),
                                                        self.off_policy_mask_threshold)
-        return factor
+        return factor, high_entropy
 
     def _log_metrics(self, mode, config, logp, entropy, mask, inputs, old_logps, ref_logps, is_ratio, policy_loss):
         """The metrics TRL's `_compute_loss` logs, from the detached per-token values of the fused loss."""

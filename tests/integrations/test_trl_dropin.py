@@ -25,12 +25,17 @@ CONFIGS = {
     "vespo": dict(loss_type="vespo", num_iterations=2, beta=0.04, vespo_k_neg=2.5, vespo_lambda_pos=2.5),
     "gspo_sequence": dict(importance_sampling_level="sequence", loss_type="grpo"),
     "luspo": dict(importance_sampling_level="sequence", loss_type="luspo"),
+    "luspo_token": dict(loss_type="luspo", beta=0.04),      # TRL's default level: one ratio per token, fused
     "beta_kl": dict(beta=0.1),
     "grad_accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
     "num_iterations": dict(num_iterations=2, epsilon_high=0.28),
     "entropy_bonus_temperature": dict(entropy_coef=0.01, temperature=0.7),
     # a first pass without gradients finds the masks, then the fused pass (4 GEMM passes)
     "entropy_filter_kl": dict(top_entropy_quantile=0.5, beta=0.04),
+    # the bonus averages over the high-entropy tokens only; adaptive: the controller measures them too
+    "entropy_filter_bonus": dict(top_entropy_quantile=0.5, entropy_coef=0.05),
+    "entropy_filter_adaptive": dict(top_entropy_quantile=0.3, use_adaptive_entropy=True, entropy_coef=0.05,
+                                    entropy_target=6.0, loss_type="grpo"),
     "off_policy_mask": dict(off_policy_mask_threshold=0.0, num_iterations=2),
     # the controller raises the coefficient after the first window (entropy ~5.5 <= target), which then applies
     "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.05, entropy_target=6.0,
@@ -66,7 +71,8 @@ def logged(trainer, key):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_grpo_trainer(name, tmp_path, calls):
     config = CONFIGS[name]
-    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "off_policy_mask", "adaptive_entropy") else 2
+    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "off_policy_mask", "adaptive_entropy",
+                          "entropy_filter_adaptive") else 2
     expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
     assert calls == {"logprobs": 0, "fused_loss": 0}
     actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
@@ -193,10 +199,10 @@ def test_one_warning_at_construction_lists_the_fallbacks(tmp_path):
     built; one it reproduces builds without a word."""
     import warnings
 
-    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: luspo at token "
-                                         r"level .*; the entropy bonus with top_entropy_quantile < 1") as record:
+    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: vespo at "
+                                         r"sequence level .*; vespo with off_policy_mask_threshold") as record:
         trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path / "a", steps=1, top_entropy_quantile=0.5,
-                           loss_type="luspo", entropy_coef=0.01)
+                           loss_type="vespo", importance_sampling_level="sequence")
     assert sum("TRL's own loss code" in str(w.message) for w in record) == 1
     assert len(trainer.fallback_reasons({})) == 2
     with warnings.catch_warnings():

@@ -126,7 +126,6 @@ OPTIONS = [
 
 @pytest.mark.parametrize("loss_type,level", [
     (t, lvl) for t, lvl in itertools.product(sorted(LOSS_TYPES), ["token", "sequence"])
-    if not (t == "luspo" and lvl == "token")
 ])
 @pytest.mark.parametrize("option", range(len(OPTIONS)))
 @pytest.mark.parametrize("per_token_adv", [False, True])

@@ -29,7 +29,6 @@ def call(**changes):
     (dict(ref_logps=torch.randn(9, 3), beta=0.1), ValueError, "ref_logps must have shape (3, 9)"),
     (dict(loss_type="ppo2"), ValueError, "loss_type must be one of"),
     (dict(importance_sampling_level="batch"), ValueError, "importance_sampling_level must be one of"),
-    (dict(loss_type="luspo"), ValueError, "loss_type='luspo' requires importance_sampling_level='sequence'"),
     (dict(beta=0.1, ref_logps=None), ValueError, "beta = 0.1 > 0 needs ref_logps"),
     (dict(loss_type="dr_grpo"), ValueError, "loss_type='dr_grpo' requires max_completion_length"),
     (dict(temperature=0.0), ValueError, "temperature must be > 0"),

@@ -232,3 +232,37 @@ def test_loss_keyword_defaults_are_the_config_defaults():
     for entry in (gf.grpo_loss, gf.GRPOLoss):
         parameters = inspect.signature(entry).parameters
         assert {name: parameters[name].default for name in defaults} == defaults, entry.__name__
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_entropy_mask_narrows_the_bonus(level, backend):
+    """checked_policy_loss(entropy_mask=m): the bonus is the mean entropy over the mask's tokens where m is 1 (TRL's
+    bonus under its high-entropy filter), the policy term unchanged; float64 reference, both paths (fused, two
+    phases)."""
+    from grpo_fast.chunked import LogitTransform
+    from grpo_fast.loss import checked_policy_loss
+
+    inputs = make_batch(bias=True)
+    for name in ("is_ratio", "old_logps", "ref_logps"):     # on-policy: the bonus is not drowned by the ratio terms
+        inputs.pop(name)
+    narrow = torch.rand(inputs["mask"].shape, generator=torch.Generator().manual_seed(3)) > 0.5
+    config = gf.LossConfig(importance_sampling_level=level, entropy_coef=0.3)
+
+    def fused(**tensors):
+        return checked_policy_loss(**tensors, config=config, transform=LogitTransform(), backend=backend,
+                                   entropy_mask=narrow.to(inputs["mask"].device))
+
+    def expected(**tensors):
+        policy, metrics = reference.grpo_loss(**tensors, config=dataclasses.replace(config, entropy_coef=0.0))
+        _, entropy = reference.token_logprobs(tensors["hidden"], tensors["weight"], tensors["targets"].clamp(min=0),
+                                              bias=tensors["bias"], return_entropy=True)
+        bonus_mask = (tensors["mask"] & narrow.to(tensors["mask"].device)).to(entropy.dtype)
+        return policy - config.entropy_coef * (entropy * bonus_mask).sum() / bonus_mask.sum(), metrics
+
+    loss, _, grads = run(fused, inputs, {})
+    ref_loss, _, ref_grads = run(expected, as_float64(inputs), {})
+    assert_close(loss, ref_loss, 1e-5, atol=1e-7, name="loss")
+    for key in ref_grads:
+        assert_close(grads[key], ref_grads[key], 1e-5, atol=1e-7, name=f"d{key}")
+    with pytest.raises(ValueError, match=r"entropy_mask must have shape \(3, 9\) like mask, got \(3, 8\)"):
+        checked_policy_loss(**inputs, config=config, transform=LogitTransform(), entropy_mask=narrow[:, :8])
