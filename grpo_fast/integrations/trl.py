@@ -28,7 +28,7 @@ from grpo_fast.chunked import LogitTransform
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
 from grpo_fast.models import backbone, lm_head, unwrap, zero3_partitioned
-from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, k3_kl, masked_mean, vespo_weights
+from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, importance_ratio, k3_kl, masked_mean, vespo_weights
 
 try:
     from trl import GRPOTrainer
@@ -165,8 +165,6 @@ class FastGRPOTrainer(GRPOTrainer):
             reasons.append(f"loss_type={self.loss_type!r}")
         if self.loss_type == "vespo":
             args = self.args
-            if self.importance_sampling_level != "token":
-                reasons.append("vespo at sequence level (its weight is per sequence already)")
             if min(args.vespo_k_pos, args.vespo_k_neg) < 0 or min(args.vespo_lambda_pos, args.vespo_lambda_neg) <= 0:
                 reasons.append("vespo_k_* < 0 or vespo_lambda_* <= 0")
             # TRL sums log(ratio) over padding too, where grpo_fast sums over the mask: the same only where the
@@ -322,7 +320,8 @@ class FastGRPOTrainer(GRPOTrainer):
 
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-        ratio = torch.exp(logp - (logp if old_logps is None else old_logps))
+        old = logp if old_logps is None else torch.where(mask > 0, old_logps, 0.0)    # logp is 0 off the mask
+        ratio = importance_ratio(logp, old, mask, config)       # (B, 1) at sequence level, as TRL's coef_1
         if config.beta != 0.0:
             kl = k3_kl(ref_logps, logp)
             metrics["kl"].append(global_masked_mean(kl * ratio if config.use_bias_correction_kl else kl))
@@ -333,11 +332,12 @@ class FastGRPOTrainer(GRPOTrainer):
         for name, flag in flags.items():
             metrics[name].append(global_masked_mean(flag))
         if config.objective == "clip":
-            per_sequence = lambda x: (x * mask).sum(-1) / mask.sum(-1)  # noqa: E731  (NaN for empty rows)
+            def per_sequence(x):        # NaN for empty rows of token flags, as TRL
+                return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
             metrics["clip_ratio/low_min"].append(nanmin(gather(per_sequence(flags["clip_ratio/low_mean"]))).item())
             metrics["clip_ratio/high_max"].append(nanmax(gather(per_sequence(flags["clip_ratio/high_mean"]))).item())
         if config.objective == "vespo":
-            old = logp if old_logps is None else torch.where(mask > 0, old_logps, 0.0)    # logp is 0 off the mask
             phi = vespo_weights(logp, old, advantages, mask, is_ratio, config)
             metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi))
         if self._entropy_bonus_enabled:

@@ -23,7 +23,13 @@ CONFIGS = {
     "sapo": dict(loss_type="sapo"),
     # the second iteration reuses the rollout, so the old log-probs differ and the weights are not all 1
     "vespo": dict(loss_type="vespo", num_iterations=2, beta=0.04, vespo_k_neg=2.5, vespo_lambda_pos=2.5),
+    # the level reaches only the KL's bias correction: vespo's weight sums the token log-ratios either way
+    "vespo_sequence": dict(loss_type="vespo", importance_sampling_level="sequence", num_iterations=2, beta=0.04,
+                           use_bias_correction_kl=True),
     "gspo_sequence": dict(importance_sampling_level="sequence", loss_type="grpo"),
+    # GSPO's small clip range on a reused rollout: sequences clip, and the KL's correction is the sequence ratio
+    "gspo_clipped_kl": dict(importance_sampling_level="sequence", loss_type="grpo", num_iterations=2,
+                            epsilon=3e-4, epsilon_high=4e-4, beta=0.04, use_bias_correction_kl=True),
     "luspo": dict(importance_sampling_level="sequence", loss_type="luspo"),
     "luspo_token": dict(loss_type="luspo", beta=0.04),      # TRL's default level: one ratio per token, fused
     "beta_kl": dict(beta=0.1),
@@ -71,8 +77,9 @@ def logged(trainer, key):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_grpo_trainer(name, tmp_path, calls):
     config = CONFIGS[name]
-    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "off_policy_mask", "adaptive_entropy",
-                          "entropy_filter_adaptive") else 2
+    steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "vespo_sequence", "gspo_clipped_kl",
+                          "off_policy_mask",
+                          "adaptive_entropy", "entropy_filter_adaptive") else 2
     expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
     assert calls == {"logprobs": 0, "fused_loss": 0}
     actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
@@ -199,10 +206,10 @@ def test_one_warning_at_construction_lists_the_fallbacks(tmp_path):
     built; one it reproduces builds without a word."""
     import warnings
 
-    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: vespo at "
-                                         r"sequence level .*; vespo with off_policy_mask_threshold") as record:
+    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: vespo_k_\* < 0 "
+                                         r".*; vespo with off_policy_mask_threshold") as record:
         trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path / "a", steps=1, top_entropy_quantile=0.5,
-                           loss_type="vespo", importance_sampling_level="sequence")
+                           loss_type="vespo", vespo_lambda_neg=0.0)
     assert sum("TRL's own loss code" in str(w.message) for w in record) == 1
     assert len(trainer.fallback_reasons({})) == 2
     with warnings.catch_warnings():
