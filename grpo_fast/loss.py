@@ -59,13 +59,13 @@ def _scatter(values, index, shape):
 
 def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, transform: LogitTransform, *,
                       num_items_in_batch=None, chunk_bytes=None, backend="auto", token_stats=None, ops=None,
-                      entropy_mask=None):
+                      entropy_mask=None, policy_mask=None):
     """The policy loss of `batch`; see `grpo_loss`. Inputs already checked.
 
     token_stats: an optional dict that receives the detached (B, T) "logp" and "entropy" (zero off the mask),
     for callers that log per-token metrics of their own (the TRL integration). ops: the resolved backend
     (default: `backend` on hidden's device). entropy_mask: the (B, T) 0/1 tokens the entropy bonus averages over
-    (default: the mask; see `policy_loss`).
+    (default: the mask); policy_mask: a (B, T) factor of the policy term alone (see `policy_loss`).
     """
     hidden, mask = batch.hidden, batch.mask
     shape = tuple(mask.shape)
@@ -87,7 +87,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         return policy_loss(
             logp, entropy, mask_f, batch.advantages,
             old_logps=batch.old_logps, ref_logps=batch.ref_logps, is_ratio=batch.is_ratio,
-            num_items_in_batch=num_items_in_batch, config=config, entropy_mask=entropy_mask_f,
+            num_items_in_batch=num_items_in_batch, config=config, entropy_mask=entropy_mask_f, policy_mask=policy_mask,
         )
 
     if not config.token_separable:
@@ -102,10 +102,17 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     def compact(t):
         return None if t is None else t.expand(shape).reshape(-1).index_select(0, index)
 
+    # Token-separable objectives: the policy mask multiplies the policy term as is_ratio does, so the kernels take
+    # their product.
+    grad_is_ratio = batch.is_ratio
+    if policy_mask is not None:
+        policy_mask = policy_mask.to(mask_f.dtype)
+        grad_is_ratio = policy_mask if grad_is_ratio is None else grad_is_ratio * policy_mask
+
     terms = TokenTerms(
         config, advantages=compact(batch.advantages),
         weights=compact(token_weights(mask_f, config, num_items_in_batch)),
-        old_logps=compact(batch.old_logps), ref_logps=compact(batch.ref_logps), is_ratio=compact(batch.is_ratio),
+        old_logps=compact(batch.old_logps), ref_logps=compact(batch.ref_logps), is_ratio=compact(grad_is_ratio),
         entropy_grad=None if config.entropy_coef == 0.0 else -compact(entropy_weights(entropy_mask_f, config)),
     )
 
@@ -231,10 +238,11 @@ def grpo_loss(
 
 def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: LossConfig, transform: LogitTransform,
                         old_logps=None, ref_logps=None, bias=None, is_ratio=None, num_items_in_batch=None,
-                        chunk_bytes=None, backend="auto", token_stats=None, process_group=None, entropy_mask=None):
+                        chunk_bytes=None, backend="auto", token_stats=None, process_group=None, entropy_mask=None,
+                        policy_mask=None):
     """`grpo_loss` with its options already taken into a LossConfig and a LogitTransform: checks the tensors,
-    resolves the backend and runs `fused_policy_loss` (token_stats, entropy_mask: see there). The entry of
-    GRPOLoss and the TRL integration."""
+    resolves the backend and runs `fused_policy_loss` (token_stats, entropy_mask, policy_mask: see there). The
+    entry of GRPOLoss and the TRL integration."""
     check_lm_head(hidden, weight, bias, targets)
     check_chunk_bytes(chunk_bytes)
     if config.beta != 0.0 and ref_logps is None:
@@ -244,12 +252,12 @@ def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: Lo
     check_target_range(batch.targets, vocab_size, batch.mask)
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch!r}")
-    if entropy_mask is not None and tuple(entropy_mask.shape) != tuple(batch.mask.shape):
-        raise ValueError(f"entropy_mask must have shape {tuple(batch.mask.shape)} like mask, "
-                         f"got {tuple(entropy_mask.shape)}")
+    for name, value in (("entropy_mask", entropy_mask), ("policy_mask", policy_mask)):
+        if value is not None and tuple(value.shape) != tuple(batch.mask.shape):
+            raise ValueError(f"{name} must have shape {tuple(batch.mask.shape)} like mask, got {tuple(value.shape)}")
     return fused_policy_loss(batch, weight, bias, config, transform, num_items_in_batch=num_items_in_batch,
                              chunk_bytes=chunk_bytes, backend=backend, token_stats=token_stats, ops=ops,
-                             entropy_mask=entropy_mask)
+                             entropy_mask=entropy_mask, policy_mask=policy_mask)
 
 
 class GRPOLoss(nn.Module):

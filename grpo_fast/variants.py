@@ -191,12 +191,14 @@ def importance_ratio(logp, old_logps, mask, config: LossConfig) -> torch.Tensor:
     return torch.exp(log_ratio)
 
 
-def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config: LossConfig, *, mask=None):
+def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config: LossConfig, *, mask=None,
+                   policy_mask=None):
     """The per-token loss before reduction, and the per-token k3 KL (None when beta == 0).
 
     `ratio` is `importance_ratio(...)`: per token, or (B, 1) per sequence. Order of terms as in TRL: clipped
-    objective, then times the rollout importance-sampling ratio `is_ratio`, then plus beta * KL. vespo needs the
-    (B, T) mask (its weight sums over each sequence) and takes is_ratio into that weight instead of the product.
+    objective, then times `policy_mask` (TRL's off-policy and high-entropy masks), then times the rollout
+    importance-sampling ratio `is_ratio`, then plus beta * KL. vespo needs the (B, T) mask (its weight sums over
+    each sequence) and takes is_ratio into that weight instead of the product; policy_mask stays out of it.
     """
     if config.objective == "clip":
         clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + config.epsilon_high)
@@ -217,6 +219,8 @@ def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, conf
         loss = -vespo_weights(logp, old_logps, advantages, mask, is_ratio, config) * advantages * logp
     else:
         raise AssertionError(config.objective)
+    if policy_mask is not None:
+        loss = loss * policy_mask
     if is_ratio is not None and config.objective != "vespo":
         loss = loss * is_ratio
     kl = None
@@ -321,13 +325,14 @@ def entropy_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
 
 
 def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=None, is_ratio=None,
-                num_items_in_batch=None, config: LossConfig, entropy_mask=None):
+                num_items_in_batch=None, config: LossConfig, entropy_mask=None, policy_mask=None):
     """The policy loss and its metrics from per-token log-probs: logp, mask etc. (B, T), advantages (B, 1) or (B, T).
 
     Values where mask == 0 are ignored (and may be anything, even inf). old_logps None means on-policy:
     old = logp.detach(). entropy may be None when entropy_coef == 0. entropy_mask: the 0/1 tokens (within the
     mask) the entropy bonus averages over, default the mask (TRL narrows it to its high-entropy tokens when it
-    filters them). Returns (loss, metrics).
+    filters them). policy_mask: an optional (B, T) factor of the policy term alone (see `per_token_loss`).
+    Returns (loss, metrics).
     """
     mask = mask.to(logp.dtype)
     keep = mask > 0
@@ -341,9 +346,12 @@ def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=No
         ref_logps = torch.where(keep, ref_logps, zeros)
     if is_ratio is not None:
         is_ratio = torch.where(keep, is_ratio, zeros)
+    if policy_mask is not None:
+        policy_mask = torch.where(keep, policy_mask.to(logp.dtype), zeros)
 
     ratio = importance_ratio(logp, old_logps, mask, config)
-    losses, kl = per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config, mask=mask)
+    losses, kl = per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config, mask=mask,
+                                policy_mask=policy_mask)
     loss = (losses * token_weights(mask, config, num_items_in_batch)).sum()
     if entropy is not None:
         entropy = torch.where(keep, entropy, zeros)

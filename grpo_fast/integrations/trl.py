@@ -174,9 +174,6 @@ class FastGRPOTrainer(GRPOTrainer):
                     (low is not None and low > 1) or (high is not None and high < 1)):
                 reasons.append("vespo with vllm_importance_sampling_clip_min > 1 or "
                                "vllm_importance_sampling_clip_max < 1")
-            if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
-                reasons.append("vespo with off_policy_mask_threshold or top_entropy_quantile < 1 (the masks would "
-                               "reach its sequence weight)")
         if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
             reasons.append("DeepSpeed ZeRO-3 LM head")
         return reasons
@@ -229,17 +226,16 @@ class FastGRPOTrainer(GRPOTrainer):
             nonlocal bonus_mask
             transform = LogitTransform(head.logit_scale, head.logit_softcap, self.temperature)
             hidden = hidden[:, -completion_ids.size(1):]
-            factor = is_ratio
+            keep = None
             if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
                 keep, high_entropy = self._policy_masks(hidden, weight, bias, transform, completion_ids, mask, inputs,
                                                         old_logps)
-                factor = keep if factor is None else factor * keep
                 if high_entropy is not None:
                     bonus_mask = bonus_mask * high_entropy
             return checked_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, config=config, transform=transform,
-                old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=factor, num_items_in_batch=num_items,
-                token_stats=stats, entropy_mask=bonus_mask,
+                old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=is_ratio, num_items_in_batch=num_items,
+                token_stats=stats, entropy_mask=bonus_mask, policy_mask=keep,
             )
 
         # A vision-language batch's image fields go to the model's own multimodal forward, whole, as TRL passes them
@@ -283,9 +279,9 @@ class FastGRPOTrainer(GRPOTrainer):
     def _policy_masks(self, hidden, weight, bias, transform, completion_ids, mask, inputs, old_logps):
         """((B, T) 0/1 factor, (B, T) 0/1 high-entropy mask or None): TRL's off-policy sequence mask times its
         high-entropy token mask, and the latter alone, from a first pass over the LM head without gradients (one
-        GEMM pass). Both multiply the policy term before the KL is added, as the rollout correction does, so they
-        travel as a factor of it and the gradient pass stays fused: 4 GEMM passes in all. The entropy bonus
-        averages over the high-entropy tokens alone, as TRL's does."""
+        GEMM pass). Both multiply the policy term before the rollout correction and the KL, as TRL's do (for
+        token-level objectives the loss folds them into the correction's factor, so the gradient pass stays fused:
+        4 GEMM passes in all). The entropy bonus averages over the high-entropy tokens alone, as TRL's does."""
         keep = mask.bool()
         with torch.no_grad():
             logp_c, entropy_c = token_logprobs(hidden[keep], weight, completion_ids[keep], bias=bias,

@@ -43,6 +43,9 @@ CONFIGS = {
     "entropy_filter_adaptive": dict(top_entropy_quantile=0.3, use_adaptive_entropy=True, entropy_coef=0.05,
                                     entropy_target=6.0, loss_type="grpo"),
     "off_policy_mask": dict(off_policy_mask_threshold=0.0, num_iterations=2),
+    # the masks multiply vespo's term after its sequence weight, which they do not enter
+    "vespo_masks": dict(loss_type="vespo", num_iterations=2, off_policy_mask_threshold=0.0, top_entropy_quantile=0.5,
+                        beta=0.04),
     # the controller raises the coefficient after the first window (entropy ~5.5 <= target), which then applies
     "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.05, entropy_target=6.0,
                              gradient_accumulation_steps=2, per_device_train_batch_size=2),
@@ -78,7 +81,7 @@ def logged(trainer, key):
 def test_matches_grpo_trainer(name, tmp_path, calls):
     config = CONFIGS[name]
     steps = 3 if name in ("num_iterations", "grad_accumulation", "vespo", "vespo_sequence", "gspo_clipped_kl",
-                          "off_policy_mask",
+                          "off_policy_mask", "vespo_masks",
                           "adaptive_entropy", "entropy_filter_adaptive") else 2
     expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
     assert calls == {"logprobs": 0, "fused_loss": 0}
@@ -206,11 +209,13 @@ def test_one_warning_at_construction_lists_the_fallbacks(tmp_path):
     built; one it reproduces builds without a word."""
     import warnings
 
-    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: vespo_k_\* < 0 "
-                                         r".*; vespo with off_policy_mask_threshold") as record:
-        trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path / "a", steps=1, top_entropy_quantile=0.5,
-                           loss_type="vespo", vespo_lambda_neg=0.0)
+    with pytest.warns(UserWarning, match=r"TRL's own loss code runs on grpo_fast's log-probs .* for: "
+                                         r"vespo_k_\* < 0 or vespo_lambda_\* <= 0$") as record:
+        trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path / "a", steps=1, loss_type="vespo", vespo_lambda_neg=0.0)
     assert sum("TRL's own loss code" in str(w.message) for w in record) == 1
+    # every reason is listed (vLLM itself is not started here: the attributes are what the check reads)
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_clip_min = 1.5
     assert len(trainer.fallback_reasons({})) == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

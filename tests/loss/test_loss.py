@@ -266,3 +266,39 @@ def test_entropy_mask_narrows_the_bonus(level, backend):
         assert_close(grads[key], ref_grads[key], 1e-5, atol=1e-7, name=f"d{key}")
     with pytest.raises(ValueError, match=r"entropy_mask must have shape \(3, 9\) like mask, got \(3, 8\)"):
         checked_policy_loss(**inputs, config=config, transform=LogitTransform(), entropy_mask=narrow[:, :8])
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "vespo"])
+def test_policy_mask_weighs_the_policy_term_alone(loss_type, backend):
+    """checked_policy_loss(policy_mask=m) multiplies each token's policy term by m (TRL's off-policy and
+    high-entropy masks): for token-level objectives as an is_ratio of m does, for vespo after its sequence
+    weight, which m does not enter (float64 reference, gradients included)."""
+    from grpo_fast.chunked import LogitTransform
+    from grpo_fast.loss import checked_policy_loss
+    from grpo_fast.variants import vespo_weights
+
+    inputs = make_batch(bias=True)
+    for name in ("is_ratio", "old_logps", "ref_logps"):
+        inputs.pop(name)
+    keep = (torch.rand(inputs["mask"].shape, generator=torch.Generator().manual_seed(4)) > 0.4).float()
+    config = gf.LossConfig(loss_type=loss_type)
+
+    def fused(**tensors):
+        return checked_policy_loss(**tensors, config=config, transform=LogitTransform(), backend=backend,
+                                   policy_mask=keep.to(tensors["hidden"].device))
+
+    def expected(**tensors):
+        if loss_type == "dapo":
+            return reference.grpo_loss(**tensors, config=config, is_ratio=keep.double())
+        logp = reference.token_logprobs(tensors["hidden"], tensors["weight"], tensors["targets"].clamp(min=0),
+                                        bias=tensors["bias"])
+        mask = tensors["mask"].double()
+        advantages = tensors["advantages"][:, None]
+        phi = vespo_weights(logp.detach(), logp.detach(), advantages, mask, None, config)    # on-policy: w = 1
+        return (-phi * advantages * logp * keep.double() * mask).sum() / mask.sum(), {}
+
+    loss, _, grads = run(fused, inputs, {})
+    ref_loss, _, ref_grads = run(expected, as_float64(inputs), {})
+    assert_close(loss, ref_loss, 1e-5, atol=1e-7, name="loss")
+    for key in ref_grads:
+        assert_close(grads[key], ref_grads[key], 1e-5, atol=1e-7, name=f"d{key}")
