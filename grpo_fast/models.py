@@ -94,16 +94,23 @@ def _full(param):
 
 
 def gathered_lm_head(model: nn.Module):
-    """Context in which a DeepSpeed ZeRO-3 LM head is gathered (a no-op otherwise).
+    """Context in which a DeepSpeed ZeRO-3 LM head is gathered (a no-op otherwise, or when it already is).
 
     A fused loss reads the head's weight directly rather than through lm_head.forward, so ZeRO-3's gather hook
-    never fires: wrap `lm_head(model)` and the loss in this context, as TRL does for its own fused head.
+    never fires: wrap `lm_head(model)` and the loss in this context, as TRL does for its own fused head. Inside
+    a forward of the model, ZeRO-3 gathers the head on first access and hands its gradient back to the
+    partitions in backward; outside one, this gathers it. Parameters already gathered (by that access, or as a
+    tied embedding) are left alone: partitioning them on exit would pull them from under the module using them.
     """
     if not zero3_partitioned(model):
         return contextlib.nullcontext()
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    return deepspeed.zero.GatheredParameters(_head_parameters(model), modifier_rank=None)
+    absent = {id(p): p for p in _head_parameters(model) if p.ds_status != ZeroParamStatus.AVAILABLE}
+    if not absent:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(list(absent.values()), modifier_rank=None)
 
 
 def zero3_partitioned(model: nn.Module) -> bool:

@@ -10,8 +10,8 @@ and entropies come from grpo_fast. FastGRPOTrainer also computes the training lo
 4 for vespo, whose weights need whole sequences), wherever TRL's options allow it
 (`FastGRPOTrainer.fused_loss_unsupported` says when not), reproducing TRL's formulas, normalizers and logged
 metrics, with a mixture-of-experts model's load-balancing loss computed as the model computes it, and with a
-vision-language model's images going through its own multimodal forward; otherwise TRL's own loss code runs on
-grpo_fast's log-probs. Calls grpo_fast cannot serve (a DeepSpeed ZeRO-3 head) go to TRL's head, with one warning.
+vision-language model's images going through its own multimodal forward, and under DeepSpeed ZeRO-3; otherwise
+TRL's own loss code runs on grpo_fast's log-probs, with one warning at construction.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from grpo_fast.chunked import LogitTransform
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
-from grpo_fast.models import backbone, lm_head, unwrap, zero3_partitioned
+from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
 from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, importance_ratio, k3_kl, masked_mean, vespo_weights
 
 try:
@@ -38,12 +38,6 @@ except ImportError as error:  # pragma: no cover - exercised only without trl
 
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
                     "image_position_ids", "token_type_ids", "mm_token_type_ids")
-
-
-def _unsupported(model, kwargs) -> str | None:
-    if zero3_partitioned(model):     # partitioned parameters: TRL's head gathers them around its own autograd function
-        return "DeepSpeed ZeRO-3 LM heads"
-    return None
 
 
 def router_aux_loss(model, router_logits, attention_mask) -> torch.Tensor:
@@ -63,23 +57,20 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
     """Make `model(..., labels=labels, fused_lm_head=True)` return grpo_fast's log-probs and entropies.
 
     `model` is a transformers causal LM whose forward TRL has already patched (`add_fused_lm_head`); calls
-    without `fused_lm_head=True`, and the ones grpo_fast does not serve, go to that forward unchanged. With
+    without `fused_lm_head=True` go to that forward unchanged. A DeepSpeed ZeRO-3 head is gathered for the
+    head's work, which runs inside the model's forward, so ZeRO-3's hooks hand its gradient back to the
+    partitions (`grpo_fast.models.gathered_lm_head`, as TRL's head does). With
     `grpo_fast_loss=fn` the forward returns `(fn(hidden, weight, bias, head), aux_loss)` instead, hidden being the
     next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward.
     Mixture-of-experts models whose config asks for router logits get them from the backbone, and the output's
     aux_loss is the model's own load-balancing loss (`router_aux_loss`), as TRL's head returns it; None otherwise.
     """
     trl_forward = model.forward
-    warned = set()
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                 grpo_fast_loss=None, **kwargs):
-        reason = _unsupported(self, kwargs) if fused_lm_head else None
-        if not fused_lm_head or reason:
-            if reason and reason not in warned:
-                warned.add(reason)
-                warnings.warn(f"grpo_fast: {reason} are scored by TRL's own fused LM head", stacklevel=2)
+        if not fused_lm_head:
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
@@ -95,16 +86,16 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
             labels = None if labels is None else labels[:, 1:]
         else:
             labels = shift_labels
-        head = lm_head(self)
-        weight, bias = head.weight, head.bias
-        hidden = hidden.to(weight.device)
-        if cast_lm_head_to_fp32:
-            hidden, weight = hidden.float(), weight.float()
-            bias = None if bias is None else bias.float()
-        elif hidden.dtype != weight.dtype:          # under autocast the head runs in the activations' dtype
-            weight = weight.to(hidden.dtype)
-            bias = None if bias is None else bias.to(hidden.dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with gathered_lm_head(self), torch.autocast(hidden.device.type, enabled=False):
+            head = lm_head(self)
+            weight, bias = head.weight, head.bias
+            hidden = hidden.to(weight.device)
+            if cast_lm_head_to_fp32:
+                hidden, weight = hidden.float(), weight.float()
+                bias = None if bias is None else bias.float()
+            elif hidden.dtype != weight.dtype:          # under autocast the head runs in the activations' dtype
+                weight = weight.to(hidden.dtype)
+                bias = None if bias is None else bias.to(hidden.dtype)
             if grpo_fast_loss is not None:
                 return grpo_fast_loss(hidden, weight, bias, head), aux_loss
             labels = labels.to(weight.device)
@@ -144,9 +135,9 @@ class FastGRPOTrainer(GRPOTrainer):
 
     The fused loss serves every loss type of `grpo_fast.LOSS_TYPES` at token level (vespo, and GSPO's sequence
     level, in two phases: 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, the entropy bonus (static
-    or adaptive), gradient accumulation, mixture-of-experts models (router aux loss) and vision-language inputs
-    (pixel values through the model's own forward). What remains (`fallback_reasons` lists it, and the
-    constructor warns once) runs TRL's own loss on grpo_fast log-probs.
+    or adaptive), gradient accumulation, mixture-of-experts models (router aux loss), vision-language inputs
+    (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains (`fallback_reasons` lists
+    it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
     """
 
     def __init__(self, *args, **kwargs):
@@ -174,8 +165,6 @@ class FastGRPOTrainer(GRPOTrainer):
                     (low is not None and low > 1) or (high is not None and high < 1)):
                 reasons.append("vespo with vllm_importance_sampling_clip_min > 1 or "
                                "vllm_importance_sampling_clip_max < 1")
-        if zero3_partitioned(self.accelerator.unwrap_model(self.model)):
-            reasons.append("DeepSpeed ZeRO-3 LM head")
         return reasons
 
     def fused_loss_unsupported(self, inputs) -> str | None:

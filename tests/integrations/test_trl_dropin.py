@@ -171,24 +171,6 @@ def test_example_learns(tmp_path):
     assert last > first + 0.5, done.stdout
 
 
-def test_unsupported_inputs_go_to_trls_head(tmp_path):
-    """ZeRO-3 heads are scored by TRL's own head, with one warning."""
-    trainer = run_grpo(dropin.FastGRPOTrainer, tmp_path, steps=1)
-    model = trainer.model
-    assert dropin._unsupported(model, {"pixel_values": torch.zeros(1)}) is None
-    assert dropin._unsupported(model, {}) is None
-    model.lm_head.weight.ds_id = 7                     # what DeepSpeed ZeRO-3 marks its parameters with
-    try:
-        assert dropin._unsupported(model, {}) == "DeepSpeed ZeRO-3 LM heads"
-        assert trainer.fused_loss_unsupported({}) == "DeepSpeed ZeRO-3 LM head"
-        ids = torch.randint(0, 200, (1, 6))
-        with pytest.warns(UserWarning, match="ZeRO-3 LM heads are scored by TRL"):
-            out = model(input_ids=ids, labels=ids, fused_lm_head=True)
-        assert out.log_probs.shape == (1, 5)
-    finally:
-        del model.lm_head.weight.ds_id
-
-
 def test_vespo_outside_grpo_fast_range_runs_trls_loss(tmp_path):
     """vespo options LossConfig refuses (TRL floors lambda at 1e-4 instead), and a rollout correction that is not
     1 on padding (TRL's weights sum over padding too), leave the loss to TRL."""
