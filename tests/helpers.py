@@ -141,8 +141,12 @@ def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, make_model=tiny
         processing_class = tiny_tokenizer()
         model = make_model(len(processing_class))
         dataset = Dataset.from_dict({"prompt": PROMPTS})
-    model.save_pretrained(model_dir)
-    processing_class.save_pretrained(model_dir)
+    distributed = torch.distributed.is_initialized()          # (under torchrun) rank 0 writes, the others wait
+    if not distributed or torch.distributed.get_rank() == 0:
+        model.save_pretrained(model_dir)
+        processing_class.save_pretrained(model_dir)
+    if distributed:
+        torch.distributed.barrier()
     options = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=steps,
                    learning_rate=1e-2, logging_steps=1, report_to="none", seed=0, bf16=False, use_cpu=True,
                    save_strategy="no")

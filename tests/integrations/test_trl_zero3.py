@@ -1,6 +1,6 @@
-"""FastGRPOTrainer under DeepSpeed ZeRO-3 against GRPOTrainer under ZeRO-3: the LM head stays partitioned, the
-fused loss gathers it inside the model's forward and its gradient reaches the partitions (one CPU process, gloo;
-each case in a fresh process, see zero3_parity.py)."""
+"""FastGRPOTrainer under DeepSpeed ZeRO-3 against GRPOTrainer under ZeRO-3: the LM head stays partitioned over 2
+ranks, the fused loss gathers it inside the model's forward and its gradient reaches each rank's partition (two
+CPU processes under torchrun, gloo; each case in fresh processes, see zero3_parity.py)."""
 
 import json
 import os
@@ -33,12 +33,13 @@ def free_port():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_zero3_matches_grpo_trainer(name, tmp_path):
-    env = {**os.environ, "ZERO3_PORT": free_port()}
-    done = subprocess.run([sys.executable, "-m", "tests.integrations.zero3_parity", str(tmp_path),
-                           json.dumps(CASES[name])], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
+               "-m", "tests.integrations.zero3_parity", str(tmp_path), json.dumps(CASES[name])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}            # two processes on the machine's cores
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["head_partitioned"], "the LM head was not a ZeRO-3 partition: the test shows nothing"
+    assert result["head_partitioned"], "the LM head was not split into ZeRO-3 partitions: the test shows nothing"
     assert result["fused_loss_calls"] > 0 and result["fallback_reasons"] == []
     for key in result["expected"][0]:
         torch.testing.assert_close(torch.tensor([e[key] for e in result["actual"]]),

@@ -1,28 +1,31 @@
-"""FastGRPOTrainer and GRPOTrainer under DeepSpeed ZeRO-3, one CPU process (gloo): the same tiny model and seed,
-a few steps each. Run in a fresh process by test_trl_zero3.py (DeepSpeed leaves accelerate's shared state and a
-process group behind); prints one JSON line: each trainer's logged values, the largest difference between their
-updated weights and how far training moved them.
+"""FastGRPOTrainer and GRPOTrainer under DeepSpeed ZeRO-3 on CPU processes (gloo): the same tiny model and seed,
+a few steps each. Run in fresh processes by test_trl_zero3.py (DeepSpeed leaves accelerate's shared state and a
+process group behind); rank 0 prints one JSON line: each trainer's logged values, the largest difference between
+their updated weights and how far training moved them.
 
-    python -m tests.integrations.zero3_parity OUTPUT_DIR '{"beta": 0.04}'
+    torchrun --nproc_per_node 2 -m tests.integrations.zero3_parity OUTPUT_DIR '{"beta": 0.04}'
 """
 
 import json
 import os
 import sys
 
-for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ZERO3_PORT", "29517"), RANK="0",
-                       LOCAL_RANK="0", WORLD_SIZE="1").items():
-    os.environ.setdefault(key, value)
+for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+    os.environ.setdefault(key, value)         # one process without torchrun
 
 import deepspeed  # noqa: E402
 import deepspeed.comm.torch  # noqa: E402, F401
 import torch  # noqa: E402
 
-# DeepSpeed compiles a shared-memory collective (g++, ~40 s) when it first sets up communication; a single process
-# never uses it.
+# DeepSpeed compiles a shared-memory collective (g++, ~40 s) when it first sets up communication, for its CPU
+# all-reduce within a node; gloo carries these tests' collectives without it.
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 import trl  # noqa: E402
+
+# DeepSpeed's own communication must be up before zero.Init reads the world size (accelerate would start only
+# torch.distributed).
+deepspeed.init_distributed(dist_backend="gloo")
 
 from grpo_fast.integrations import trl as dropin  # noqa: E402
 from tests.helpers import run_grpo, tiny_model  # noqa: E402
@@ -38,7 +41,8 @@ def run(trainer_cls, output_dir, config):
     trainer = run_grpo(trainer_cls, output_dir, steps=3, deepspeed=ZERO3, **config)
     model = trainer.accelerator.unwrap_model(trainer.model)
     head = model.get_output_embeddings().weight
-    partitioned = hasattr(head, "ds_id") and head.numel() == 0
+    # a partition between uses, each rank holding its share of the elements
+    partitioned = hasattr(head, "ds_id") and head.numel() == 0 and head.ds_tensor.numel() < head.ds_numel
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     logs = [{k: entry[k] for k in KEYS if k in entry} for entry in trainer.state.log_history
@@ -59,6 +63,8 @@ def main(output_dir, config):
     calls["fused_loss"] = 0
     actual, weights, partitioned, reasons = run(dropin.FastGRPOTrainer, f"{output_dir}/fast", config)
     initial = tiny_model(len(weights["model.embed_tokens.weight"])).state_dict()
+    if torch.distributed.get_rank() != 0:
+        return
     print(json.dumps({
         "expected": expected, "actual": actual, "fused_loss_calls": calls["fused_loss"], "fallback_reasons": reasons,
         "head_partitioned": partitioned,
