@@ -106,8 +106,8 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     # their product.
     grad_is_ratio = batch.is_ratio
     if policy_mask is not None:
-        policy_mask = policy_mask.to(mask_f.dtype)
-        grad_is_ratio = policy_mask if grad_is_ratio is None else grad_is_ratio * policy_mask
+        policy_factor = policy_mask.to(mask_f.dtype)
+        grad_is_ratio = policy_factor if grad_is_ratio is None else grad_is_ratio * policy_factor
 
     terms = TokenTerms(
         config, advantages=compact(batch.advantages),
