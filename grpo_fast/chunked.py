@@ -106,6 +106,19 @@ def reset_weight_grad_paths() -> None:
     _WEIGHT_GRAD_PATHS.clear()
 
 
+def fp32_out_gemm_unsupported(error: BaseException) -> bool:
+    """Whether `error`, raised by torch.mm / torch.addmm with out_dtype=float32, means this torch build or device
+    has no such GEMM: a TypeError (no out_dtype argument), NotImplementedError (no kernel registered for the
+    backend) or a RuntimeError that says the combination is unsupported. Never for out-of-memory errors."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    if isinstance(error, (TypeError, NotImplementedError)):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and "out of memory" not in message and any(
+        words in message for words in ("out_dtype", "not supported", "unsupported", "not implemented"))
+
+
 class WeightGrad:
     """d(weight) = sum over chunks of dlogits^T @ hidden_chunk, accumulated in fp32 without a zero-fill: the first
     chunk's GEMM writes the accumulator, later chunks add to it, and a pass of one chunk writes the result in
@@ -138,7 +151,11 @@ class WeightGrad:
                     self.value = torch.mm(a, b, out_dtype=self.acc_dtype)
                 else:
                     torch.addmm(self.value, a, b, out_dtype=self.acc_dtype, out=self.value)
-            except (RuntimeError, TypeError) as error:   # torch builds without the out_dtype GEMMs
+            except (RuntimeError, TypeError) as error:
+                # Only a build without the out_dtype GEMMs switches the process to the other path: an out-of-memory
+                # error or a CUDA fault says nothing about the GEMM's existence and goes to the caller unchanged.
+                if not fp32_out_gemm_unsupported(error):
+                    raise
                 _FP32_OUT_GEMM["available"] = False
                 warnings.warn(f"fp32-output GEMM unavailable ({error}); d(weight) adds half-precision chunk "
                               "products to an fp32 accumulator instead")

@@ -1,5 +1,7 @@
 """The chunk loop's d(weight) accumulation (paths, no zero-fill, one chunk written directly) and its budget."""
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -106,6 +108,47 @@ def test_no_zero_fill_and_no_copy_of_the_weight_gradient(dtype, chunk_bytes, exp
         loss, _ = gf.grpo_loss(hidden, weight, targets, torch.tensor(1.0), torch.ones(N, dtype=torch.bool),
                                chunk_bytes=chunk_bytes, backend="torch")
     assert writes.ops == expected                 # no zeros / fill_ / zero_ before the first GEMM
+
+
+def test_an_out_of_memory_error_propagates_and_keeps_the_fp32_output_gemm(monkeypatch):
+    """A transient OOM in the fp32-output GEMM is not a missing GEMM: it reaches the caller, and neither this
+    accumulator nor the process switches to the slower path. A retry then goes through the same path."""
+    monkeypatch.setitem(chunked._FP32_OUT_GEMM, "available", True)
+    real_mm, calls = torch.mm, []
+
+    def mm_out_of_memory_once(*args, **kwargs):
+        if "out_dtype" in kwargs and not calls:
+            calls.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        if "out_dtype" in kwargs:           # CPU has no out_dtype GEMM: compute it as one would on CUDA
+            kwargs.pop("out_dtype")
+            return real_mm(args[0].float(), args[1].float())
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", mm_out_of_memory_once)
+    parts = chunks(torch.bfloat16, count=1)
+    grad = chunked.WeightGrad((V, H), torch.bfloat16, torch.device("cpu"), single_chunk=False)
+    grad.path = "fp32-out-gemm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # no "unavailable" warning either
+        with pytest.raises(torch.OutOfMemoryError):
+            grad.add(*parts[0])
+        assert grad.path == "fp32-out-gemm" and chunked._FP32_OUT_GEMM["available"] is True
+        grad.add(*parts[0])                 # the caller's retry
+    assert grad.path == "fp32-out-gemm" and chunked._FP32_OUT_GEMM["available"] is True
+    assert_close(grad.result(), exact_sum(parts), 1e-2, name="dweight")
+
+
+@pytest.mark.parametrize("error,unsupported", [
+    (TypeError("mm() got an unexpected keyword argument 'out_dtype'"), True),
+    (NotImplementedError("Could not run 'aten::mm.dtype' with arguments from the 'CPU' backend"), True),
+    (RuntimeError("out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("CUDA error: out of memory"), False),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+])
+def test_only_an_unsupported_gemm_counts_as_missing(error, unsupported):
+    assert chunked.fp32_out_gemm_unsupported(error) is unsupported
 
 
 @pytest.mark.parametrize("free_gib,expected_gib", [(2, 1), (32, 4), (200, 8)])
