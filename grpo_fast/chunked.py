@@ -20,9 +20,11 @@ import torch
 from grpo_fast import backends
 
 DEFAULT_CHUNK_BYTES_CPU = 256 * 2**20
-# On CUDA the budget follows the memory free on the device: a fraction of it, within bounds. Fewer, larger chunks
-# mean fewer read-modify-writes of the fp32 d(weight) accumulator (none at all when one chunk holds every token).
-CUDA_CHUNK_FRACTION = 1 / 8
+# On CUDA the budget is a fixed share of the device's total memory, within bounds: a given shape and dtype on a
+# given device model always gets the same chunks, so the fp32 d(weight) summation order, and with it every bit of
+# the result, does not change from call to call (a budget following free memory did). Fewer, larger chunks mean
+# fewer read-modify-writes of the fp32 d(weight) accumulator (none at all when one chunk holds every token).
+CUDA_CHUNK_FRACTION = 1 / 16
 CUDA_CHUNK_BYTES_MIN = 1024 * 2**20
 CUDA_CHUNK_BYTES_MAX = 8 * 2**30
 ROW_ALIGN = 16                     # buffer rows padded to 16 elements: 16-byte vectors in the Triton kernels
@@ -52,13 +54,13 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_chunk_bytes(device: torch.device) -> int:
-    """256 MiB on CPU; on CUDA 1/8 of the memory free on the device (the caching allocator's unused blocks
-    included), clamped to [1 GiB, 8 GiB]."""
+    """256 MiB on CPU; on CUDA 1/16 of the device's total memory, clamped to [1 GiB, 8 GiB] (8 GiB on an 80 GB or
+    141 GB card, 1.4 GiB on a 24 GB one). It depends on the device model only, never on what is free at the time,
+    so the chunking of a shape is reproducible; pass chunk_bytes explicitly where less memory is free."""
     if device.type != "cuda":
         return DEFAULT_CHUNK_BYTES_CPU
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(min(max(free * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(min(max(total * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
 
 
 def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops: backends.ChunkOps) -> int:

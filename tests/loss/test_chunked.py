@@ -1,5 +1,6 @@
 """The chunk loop's d(weight) accumulation (paths, no zero-fill, one chunk written directly) and its budget."""
 
+import types
 import warnings
 
 import pytest
@@ -151,12 +152,25 @@ def test_only_an_unsupported_gemm_counts_as_missing(error, unsupported):
     assert chunked.fp32_out_gemm_unsupported(error) is unsupported
 
 
-@pytest.mark.parametrize("free_gib,expected_gib", [(2, 1), (32, 4), (200, 8)])
-def test_cuda_chunk_budget_follows_free_memory(monkeypatch, free_gib, expected_gib):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * 2**30 - 2**29, 80 * 2**30))
+@pytest.mark.parametrize("total_gib,free_gib,expected", [
+    (139.7, 130, 8 * 2**30),               # H200: the cap
+    (79.1, 3, 8 * 2**30 * 79.1 / 128),     # 80 GB card, little free: the same budget as with all of it free
+    (79.1, 70, 8 * 2**30 * 79.1 / 128),
+    (22.0, 20, 22.0 * 2**30 / 16),
+    (8.0, 7, 2**30),                       # small cards: the floor
+])
+def test_cuda_chunk_budget_depends_on_the_device_not_on_free_memory(monkeypatch, total_gib, free_gib, expected):
+    total = int(total_gib * 2**30)
+    props = types.SimpleNamespace(total_memory=total, name="fake")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * 2**30), total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**29)   # 512 MiB cached, unused
-    assert chunked.default_chunk_bytes(torch.device("cuda", 0)) == expected_gib * 2**30
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**29)
+    budget = chunked.default_chunk_bytes(torch.device("cuda", 0))
+    assert budget == int(expected), (total_gib, free_gib, budget, int(expected))
+    # the same again whatever is free by the next call: the chunk rows of a shape are fixed per device model
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**28, total))
+    assert chunked.default_chunk_bytes(torch.device("cuda", 0)) == budget
     assert chunked.default_chunk_bytes(torch.device("cpu")) == chunked.DEFAULT_CHUNK_BYTES_CPU
 
 
