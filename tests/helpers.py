@@ -92,14 +92,16 @@ def tiny_model(vocab_size, seed=0):
     return Qwen2ForCausalLM(config)
 
 
-def tiny_moe_model(vocab_size, seed=0):
-    """A Qwen3-MoE-style model (4 experts, 2 per token, router logits and a load-balancing loss of weight 0.05)."""
+def tiny_moe_model(vocab_size, seed=0, output_router_logits=True):
+    """A Qwen3-MoE-style model (4 experts, 2 per token, a load-balancing loss of weight 0.05). With
+    output_router_logits=False (a released Qwen3-MoE config's default) the model returns router logits only when a
+    call asks for them."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                            num_experts=4, num_experts_per_tok=2, output_router_logits=output_router_logits,
                             router_aux_loss_coef=0.05, max_position_embeddings=128, tie_word_embeddings=False)
     return Qwen3MoeForCausalLM(config)
 

@@ -62,8 +62,9 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
     partitions (`grpo_fast.models.gathered_lm_head`, as TRL's head does). With
     `grpo_fast_loss=fn` the forward returns `(fn(hidden, weight, bias, head), aux_loss)` instead, hidden being the
     next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward.
-    Mixture-of-experts models whose config asks for router logits get them from the backbone, and the output's
-    aux_loss is the model's own load-balancing loss (`router_aux_loss`), as TRL's head returns it; None otherwise.
+    Mixture-of-experts models get router logits from the backbone when the call (`output_router_logits=True`, as
+    TRL's training loss passes it) or else the config asks for them, and the output's aux_loss is then the model's
+    own load-balancing loss (`router_aux_loss`), as TRL's head returns it; None otherwise.
     """
     trl_forward = model.forward
 
@@ -230,8 +231,11 @@ class FastGRPOTrainer(GRPOTrainer):
         # A vision-language batch's image fields go to the model's own multimodal forward, whole, as TRL passes them
         # for a batch scored in one piece.
         multimodal = {key: inputs[key] for key in _MULTIMODAL_KEYS if inputs.get(key) is not None}
+        # As TRL: router logits asked for on each call while the aux loss is on, whatever the config's
+        # output_router_logits (False in released Qwen3-MoE configs, whose router_aux_loss_coef is nonzero).
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
         (loss, _), aux_loss = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
-                                    grpo_fast_loss=loss_on_hidden, **multimodal)
+                                    grpo_fast_loss=loss_on_hidden, **multimodal, **router)
         policy_loss = loss.detach()
         if not per_token_normalized:
             loss = loss / accumulation

@@ -6,6 +6,8 @@ its running magnitude, so elements whose gradient is near zero amplify those dif
 largest possible update (2 steps at lr 1e-2).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -102,15 +104,20 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
     assert moved > 1e-4, "training did not change the weights, so the comparison shows nothing"
 
 
-@pytest.mark.parametrize("name", ["dapo", "grpo_kl_grad_accumulation"])
+@pytest.mark.parametrize("name", ["dapo", "grpo_kl_grad_accumulation", "dapo_router_logits_off_in_config"])
 def test_moe_matches_grpo_trainer(name, tmp_path, calls):
     """A Qwen3-MoE-style model: the policy loss fused from the backbone's final hidden states, the router's
-    load-balancing loss as the model computes it, added as TRL adds it (divided by the accumulation steps)."""
+    load-balancing loss as the model computes it, added as TRL adds it (divided by the accumulation steps).
+    "router_logits_off_in_config": output_router_logits=False with a nonzero router_aux_loss_coef, as released
+    Qwen3-MoE checkpoints ship; TRL still adds the aux loss, asking the model for router logits on each call."""
     config = {"dapo": {}, "grpo_kl_grad_accumulation": dict(loss_type="grpo", beta=0.04, gradient_accumulation_steps=2,
-                                                            per_device_train_batch_size=2)}[name]
-    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=3, make_model=tiny_moe_model, **config)
+                                                            per_device_train_batch_size=2),
+              "dapo_router_logits_off_in_config": {}}[name]
+    make_model = functools.partial(tiny_moe_model, output_router_logits="router_logits_off" not in name)
+    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=3, make_model=make_model, **config)
     assert expected.aux_loss_enabled and logged(expected, "aux_loss")
-    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=3, make_model=tiny_moe_model, **config)
+    assert expected.model.config.output_router_logits == ("router_logits_off" not in name)
+    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=3, make_model=make_model, **config)
     assert calls["fused_loss"] > 0 and actual.fused_loss_unsupported({}) is None
     assert (calls["logprobs"] > 0) == ("kl" in name)       # the reference's log-probs through grpo_fast's head
     for key in ("loss", "grad_norm", "entropy", "aux_loss", "clip_ratio/region_mean") + (("kl",) if "kl" in name
