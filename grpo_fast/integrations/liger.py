@@ -2,9 +2,13 @@
 
     from grpo_fast.integrations.liger import FusedLinearGRPOLoss as LigerFusedLinearGRPOLoss
 
-The loss and gradients are grpo_fast's fused loss (3 GEMM passes, no logits); the formulas are TRL 1.16's,
-which Liger follows, with one known difference: for luspo with a token-shaped term (beta > 0 or a per-token
-vLLM ratio) Liger divides by B * T, TRL 1.16 (and grpo_fast) by B.
+The loss and gradients are grpo_fast's fused loss (3 GEMM passes, no logits; vespo, whose weight needs whole
+sequences, 4); the formulas are TRL 1.16's, which Liger follows, with known differences:
+- luspo with a token-shaped term (beta > 0 or a per-token vLLM ratio): Liger divides by B * T, TRL 1.16 (and
+  grpo_fast) by B.
+- vespo with a (B, T) vllm_is_ratio: grpo_fast sums its log over the mask, Liger over every position; the same
+  where the padding's ratio is 1, as TRL's token-level corrections leave it.
+- vespo_lambda_* <= 0 or vespo_k_* < 0 raise a ValueError (Liger raises such a lambda to 1e-4).
 """
 
 from __future__ import annotations
@@ -22,29 +26,30 @@ class FusedLinearGRPOLoss(nn.Module):
     """`LigerFusedLinearGRPOLoss`'s interface over `grpo_fast.grpo_loss`.
 
     Returns (loss, metrics) with metrics = (kl_mean, clip_ratio) when beta != 0, else (clip_ratio,), as Liger.
-    `compiled` and `chunk_size` are accepted for compatibility and ignored (grpo_fast sizes its own chunks);
-    loss_type="vespo" is not supported.
+    `compiled` and `chunk_size` are accepted for compatibility and ignored (grpo_fast sizes its own chunks).
+    The vespo_* parameters are VESPO's gamma weight (shape k, rate lambda) for non-negative / negative advantages,
+    under Liger 0.8.5's names and defaults.
     """
 
     def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
                  max_completion_length: Optional[int] = None, importance_sampling_level: str = "token",
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
-                 delta: Optional[float] = None, use_bias_correction_kl: bool = False, **vespo_options):
+                 delta: Optional[float] = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
+                 vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
         super().__init__()
-        unknown = set(vespo_options) - {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}
-        if unknown:
-            raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
-        if loss_type == "vespo":
-            raise ValueError("loss_type='vespo' is not supported by grpo_fast; use liger-kernel for it")
-        if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo"):
-            raise ValueError(f"importance_sampling_level='sequence' is not supported for loss_type={loss_type!r}")
+        # Liger refuses these at its first forward; here at construction, with the same rule.
+        if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
+            raise ValueError(f"importance_sampling_level='sequence' is not supported for loss_type={loss_type!r}; "
+                             "expected 'token'")
         self.beta, self.use_ref_model, self.temperature = beta, use_ref_model, temperature
+        self.loss_type = loss_type
         options = dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level,
                        epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
                        use_bias_correction_kl=use_bias_correction_kl, temperature=temperature,
                        max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-                       sapo_temperature_neg=sapo_temperature_neg)
+                       sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+                       vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
         self.with_kl = GRPOLoss(beta=beta, **options)
         self.without_kl = GRPOLoss(beta=0.0, **options)
 
@@ -63,7 +68,15 @@ class FusedLinearGRPOLoss(nn.Module):
                                          torch.where(mask, selected_token_ids, 0), bias=ref_bias,
                                          temperature=self.temperature)
         if vllm_is_ratio is not None:
-            vllm_is_ratio = vllm_is_ratio.reshape(mask.shape[0], -1).expand(mask.shape).float()
+            # at least fp32; a float64 ratio stays float64
+            vllm_is_ratio = vllm_is_ratio.reshape(mask.shape[0], -1)
+            vllm_is_ratio = vllm_is_ratio.to(torch.promote_types(vllm_is_ratio.dtype, torch.float32))
+            if self.loss_type == "vespo" and vllm_is_ratio.shape[1] == 1:
+                # Liger adds a per-sequence ratio's log to the sequence's log-weight once; grpo_fast sums a
+                # per-token ratio's over the mask, so the ratio goes on each row's first kept token, 1 elsewhere.
+                first = mask & (mask.cumsum(-1) == 1)
+                vllm_is_ratio = torch.where(first, vllm_is_ratio, torch.ones_like(vllm_is_ratio))
+            vllm_is_ratio = vllm_is_ratio.expand(mask.shape)
         # Without reference log-probs Liger takes ref = logp.detach(): a KL of exactly 0 with zero gradient.
         loss_fn = self.with_kl if ref is not None else self.without_kl
         loss, metrics = loss_fn(_input, lin_weight, selected_token_ids, advantages, mask, bias=bias,

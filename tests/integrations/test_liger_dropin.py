@@ -75,10 +75,98 @@ def test_matches_liger(name):
         torch.testing.assert_close(metrics[-1].float(), ref_metrics[-1].float(), rtol=1e-5, atol=1e-6)
 
 
+# VESPO's gamma weights: pos / neg parameters apart from each other and from the defaults, so a swapped or dropped
+# mapping changes the weights; vllm_is_ratio: None, per sequence ((B, 1) or (B,)) or per token (1 off the mask,
+# where Liger sums it too).
+VESPO_CASES = {
+    "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
+    "vespo_kl_bias_corrected": dict(beta=0.04, use_bias_correction_kl=True, vespo_k_neg=4.0),
+    "vespo_sequence_ratio": dict(beta=0.04, vespo_lambda_pos=2.0, ratio="sequence"),
+    "vespo_flat_ratio": dict(vespo_k_pos=3.0, ratio="flat"),
+    "vespo_token_ratio_temperature": dict(temperature=0.7, vespo_lambda_neg=3.5, ratio="token"),
+}
+
+
+def vespo_inputs(temperature, seed=1):
+    """inputs() in float64, with old and reference log-probs near the current ones (within ~0.1 per token), so each
+    sequence's ratio w stays near 1 and its gamma weight phi(w) varies between the sequences instead of
+    underflowing to 0."""
+    data = {k: v.double() if v.is_floating_point() else v for k, v in inputs(seed).items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    logits = (data["_input"] @ data["lin_weight"].T + data["bias"]) / temperature
+    current = logits.log_softmax(-1).gather(-1, data["selected_token_ids"][..., None])[..., 0]
+    data["old_per_token_logps"] = current + 0.1 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    data["ref_per_token_logps"] = current + 0.1 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    data["advantages"] = torch.tensor([0.7, -1.3, 0.4], dtype=torch.float64)     # both signs: pos and neg weights
+    return data
+
+
+def vespo_call(case, data):
+    """(module options, forward keywords) of a VESPO_CASES entry; the LM head's tensors require grad."""
+    options = dict(case)
+    shape = options.pop("ratio", None)
+    call = {k: v for k, v in data.items() if k != "ref_input"}
+    for name in ("_input", "lin_weight", "bias"):
+        call[name] = data[name].clone().requires_grad_()
+    if shape is not None:
+        gen = torch.Generator().manual_seed(7)
+        ratio = 0.7 + 0.6 * torch.rand(B, 1 if shape != "token" else T, generator=gen, dtype=torch.float64)
+        if shape == "token":
+            ratio = torch.where(data["attention_mask"].bool(), ratio, 1.0)
+        call["vllm_is_ratio"] = ratio.squeeze(1) if shape == "flat" else ratio
+    return {"loss_type": "vespo", "beta": 0.0, **options}, call
+
+
+def liger_float64(options, call):
+    """Liger's own loss function (`LigerFusedLinearGRPOFunction.ppo_loss_fn`, the math its chunked path runs on
+    each chunk, there on fp32 logits) over the whole batch, on log-probs from full float64 logits."""
+    from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
+
+    options = dict(options)
+    temperature = options.pop("temperature", 1.0)
+    logits = (call["_input"] @ call["lin_weight"].T + call["bias"]) / temperature
+    logp = logits.log_softmax(-1).gather(-1, call["selected_token_ids"][..., None])[..., 0]
+    ratio = call.get("vllm_is_ratio")
+    mask = call["attention_mask"]
+    return LigerFusedLinearGRPOFunction.ppo_loss_fn(
+        logp, mask, call["advantages"], mask, ref_per_token_logps=call["ref_per_token_logps"],
+        old_per_token_logps=call["old_per_token_logps"],
+        vllm_is_ratio=None if ratio is None else ratio.reshape(B, -1), **options)
+
+
+@pytest.mark.parametrize("name", sorted(VESPO_CASES))
+def test_vespo_matches_liger_in_float64(name):
+    """vespo through the drop-in on float64 inputs against Liger's loss function in float64 (loss and metrics to
+    1e-10, gradients to 1e-9), and against Liger's whole module (compiled=False), whose chunks compute the logits
+    in fp32 (1e-5)."""
+    case = VESPO_CASES[name]
+    data = vespo_inputs(case.get("temperature", 1.0))
+    options, call = vespo_call(case, data)
+    inputs_ = (call["_input"], call["lin_weight"], call["bias"])
+    loss, metrics = FusedLinearGRPOLoss(compiled=False, **options)(**call)
+    grads = torch.autograd.grad(loss, inputs_)
+    ref_loss, ref_metrics = liger_float64(options, call)
+    ref_grads = torch.autograd.grad(ref_loss, inputs_)
+    assert loss.dtype == ref_loss.dtype == torch.float64
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    for grad_name, ours, theirs in zip(("_input", "lin_weight", "bias"), grads, ref_grads):
+        assert ours.dtype == torch.float64
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12, msg=grad_name)
+    assert len(metrics) == len(ref_metrics)
+    for ours, theirs in zip(metrics, ref_metrics):                   # (kl_mean,) clip_ratio (0: vespo never clips)
+        torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-10, atol=1e-12)
+    module_loss = liger.LigerFusedLinearGRPOLoss(compiled=False, **options)(**call)[0]
+    torch.testing.assert_close(loss, module_loss.double(), rtol=1e-5, atol=1e-7)
+    # The weights must matter: with every phi = 1 (old log-probs = current ones) the loss differs.
+    on_policy = liger_float64(options, {**call, "old_per_token_logps": None, "vllm_is_ratio": None})[0]
+    assert (ref_loss - on_policy).abs() > 1e-3 * ref_loss.abs(), "the gamma weights did not change the loss"
+
+
 def test_rejects_what_it_does_not_support():
-    with pytest.raises(ValueError, match="vespo"):
-        FusedLinearGRPOLoss(loss_type="vespo")
-    with pytest.raises(ValueError, match="sequence"):
-        FusedLinearGRPOLoss(loss_type="sapo", importance_sampling_level="sequence")
+    for loss_type in ("cispo", "sapo", "vespo"):
+        with pytest.raises(ValueError, match=f"sequence.*{loss_type}"):
+            FusedLinearGRPOLoss(loss_type=loss_type, importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="vespo_lambda_neg must be > 0, got 0.0"):
+        FusedLinearGRPOLoss(loss_type="vespo", vespo_lambda_neg=0.0)
     with pytest.raises(TypeError, match="unexpected keyword"):
         FusedLinearGRPOLoss(epsilon=0.2)
