@@ -3,14 +3,20 @@
 python -m grpo_fast.benchmarks.gpu_check OUT_DIR [--wheels DIR] [--budget 280]
 python -m grpo_fast.benchmarks.gpu_check OUT_DIR --device cpu --backend torch --quick     # CPU smoke run
 
-In order: (1) the environment: GPU, versions, measured copy bandwidth and GEMM TFLOP/s, the d(weight) GEMM path;
-(2) correctness against the float64 reference on the same rounded inputs (every loss family, V in VOCABS, 3+
-chunks with a ragged last one, old log-probs near the clip band, strided targets), and on GPU one chunk buffer of
-more than 2^31 elements; (3) the time of each pass of one chunk at the headline shape; (4) forward + backward end
-to end against the 3-GEMM floor, headline shape first, beside the naive, TRL and Liger implementations (wheels in
---wheels are installed first, without dependencies). Rows left when --budget is spent are skipped and say so.
-OUT_DIR gets gpu_check.json (everything) and SUMMARY.md, the at most 30 lines printed last. Exit status 1 when a
-correctness row fails. The kernel tests then run on the same GPU with KERNEL_TESTS (from a source checkout).
+The most valuable rows first, so that neither the budget nor a crash costs them: (1) the environment: GPU,
+versions, measured copy bandwidth and GEMM TFLOP/s, the d(weight) GEMM path (each part guarded: an error there
+is recorded and the run goes on); (2) forward + backward end to end at the headline shape against the 3-GEMM
+floor: grpo_fast with its default chunks and forced to FORCED_CHUNKS+ chunks, beside the naive, TRL and Liger
+implementations (wheels in --wheels are installed first, without dependencies); these rows always run, whatever
+the budget; (3) correctness against the float64 reference on the same rounded inputs (every loss family, V in
+VOCABS, 3+ chunks with a ragged last one, old log-probs near the clip band, strided targets), within
+CORRECTNESS_SHARE of the time left, the first vocabulary of each dtype always; (4) on GPU one chunk buffer of
+more than 2^31 elements; (5) the time of each pass of one chunk at the headline shape; (6) end to end at the
+other shapes. Rows left when --budget is spent are skipped and say so.
+OUT_DIR gets gpu_check.json (everything) and SUMMARY.md (the at most 30 lines printed last), both rewritten after
+every phase and every end-to-end row, so that a crash or a timeout keeps what was measured. Exit status 1 when a
+correctness row fails. The kernel tests then run on the same GPU with KERNEL_TESTS (from a source checkout);
+benchmarks/gpu_window.sh runs both in one command.
 """
 
 import argparse
@@ -30,7 +36,7 @@ import torch
 import grpo_fast as gf
 from grpo_fast import backends, chunked, reference
 from grpo_fast.benchmarks.harness import Shape, relative_error, shape_argument
-from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch
+from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch, grpo_fast_fused
 from grpo_fast.profiling import machine_name
 from grpo_fast.variants import LossConfig, TokenTerms
 
@@ -43,6 +49,7 @@ CONFIGS = {
     "token_logprobs": dict(temperature=1.3, logit_softcap=30.0),    # log-probs and entropies, both differentiated
 }
 VOCABS = (5000, 32768, 50257, 151936)
+VOCABS_QUICK = (500, 3000)
 FP32_TOL = 1e-5                                 # max error / max |reference|, every output
 # Half precision: the full-logits loss in the same dtype rounds the same logits and dlogits at the same points, so
 # a correct fused loss has its error up to rounding flips of single elements, which move a max-wise error by a
@@ -56,6 +63,9 @@ SHAPES = [HEADLINE, Shape(4096, 3584, 151936), Shape(65536, 3584, 151936), Shape
 PEERS = ["naive", "trl", "liger"]
 KERNEL_TESTS = "python -m pytest tests/kernels/test_kernels.py tests/loss/test_logprobs.py tests/loss/test_loss.py -q"
 SUMMARY_LINES = 30
+FORCED_CHUNKS = 4                  # the headline's multi-chunk row: what the fp32 d(weight) accumulator costs
+CORRECTNESS_SHARE = 0.5            # of the time left when the correctness rows start
+BIG_BUFFER_MIN_S = 45              # the > 2^31 buffer check needs about this much (a fresh process, 16k x 152k)
 
 
 def install_wheels(folder, log=print) -> None:
@@ -116,15 +126,19 @@ def device_batch(shape: Shape, dtype, device, seed=0, sequences=8) -> Batch:
                  old_logps=uniform + 0.2 * normal(rows, seq), ref_logps=uniform + 0.2 * normal(rows, seq))
 
 
-def environment(device, dtype, backend) -> dict:
-    """Machine, versions, the two ceilings the passes are measured against, and the d(weight) path of a loss in
-    two chunks here."""
+def package_versions() -> dict:
+    """The installed versions of the packages the results depend on (None where one is missing)."""
     found = {}
     for package in ("torch", "triton", "transformers", "trl", "liger-kernel"):
         try:
             found[package] = version(package)
         except PackageNotFoundError:
             found[package] = None
+    return found
+
+
+def ceilings(device, dtype, backend) -> dict:
+    """The two ceilings the passes are measured against: device copy GB/s and a square GEMM's TFLOP/s."""
     cuda = device.startswith("cuda")
     source = torch.empty(2**28 if cuda else 2**22, device=device)               # 1 GiB on GPU
     target = torch.empty_like(source)
@@ -132,20 +146,40 @@ def environment(device, dtype, backend) -> dict:
     m = 8192 if cuda else 512
     a, b, out = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(3))
     gemm_s = median_seconds(lambda: torch.mm(a, b, out=out), device, 10)
+    return {"copy_gbs": 2 * source.numel() * 4 / copy_s / 1e9, "gemm_size": m, "gemm_tflops": 2 * m**3 / gemm_s / 1e12}
+
+
+def weight_grad_probe(device, dtype, backend) -> dict:
+    """The d(weight) path of a loss in two chunks here (on GPU, the first launch of the backend's kernels)."""
     batch = device_batch(Shape(64, 64, 1000), dtype, device, seed=9)
     chunked.reset_weight_grad_paths()
     gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask, old_logps=batch.old_logps,
                  ref_logps=batch.ref_logps, backend=backend, **LOSS,
                  chunk_bytes=chunk_bytes_for(32, 1000, dtype, backends.resolve(backend, torch.device(device))))
-    return {"machine": machine_name(device), "dtype": str(dtype).split(".")[-1], "versions": found,
-            "copy_gbs": 2 * source.numel() * 4 / copy_s / 1e9, "gemm_size": m, "gemm_tflops": 2 * m**3 / gemm_s / 1e12,
-            "weight_grad_path": weight_grad_paths()}
+    return {"weight_grad_path": weight_grad_paths()}
+
+
+def environment(device, dtype, backend) -> dict:
+    """Machine, versions, the two ceilings (see `ceilings`) and the d(weight) path (see `weight_grad_probe`).
+    Each part is guarded: one that raises leaves its keys out and its error in "errors", and the others run."""
+    env = {"machine": None, "dtype": str(dtype).split(".")[-1], "versions": package_versions(), "errors": []}
+    parts = (("machine", lambda *args: {"machine": machine_name(device)}), ("ceilings", ceilings),
+             ("weight_grad_probe", weight_grad_probe))
+    for name, part in parts:
+        try:
+            env.update(part(device, dtype, backend))
+        except Exception as error:          # the GPU's first launches happen here: keep going, say what broke
+            env["errors"].append(f"{name}: {type(error).__name__}: {str(error)[:160]}")
+    return env
 
 
 def header_lines(env) -> list:
-    return [f"gpu_check on {env['machine']}: " + ", ".join(f"{k} {v or '-'}" for k, v in env["versions"].items()),
-            f"ceilings: copy {env['copy_gbs']:.0f} GB/s, {env['dtype']} GEMM {env['gemm_tflops']:.1f} TFLOP/s "
-            f"({env['gemm_size']}^3); d(weight) path of a multi-chunk loss: {env['weight_grad_path']}"]
+    """Two lines: machine and versions, then the ceilings and the d(weight) path ('?' for what was not measured)."""
+    ceiling = (f"copy {env['copy_gbs']:.0f} GB/s, {env['dtype']} GEMM {env['gemm_tflops']:.1f} TFLOP/s "
+               f"({env['gemm_size']}^3)" if "gemm_tflops" in env else "copy ? GB/s, GEMM ? TFLOP/s")
+    return [f"gpu_check on {env.get('machine') or '?'}: " +
+            ", ".join(f"{k} {v or '-'}" for k, v in env.get("versions", {}).items()),
+            f"ceilings: {ceiling}; d(weight) path of a multi-chunk loss: {env.get('weight_grad_path', '?')}"]
 
 
 def correctness_inputs(sequences, length, hidden_size, vocab, dtype, device, seed, sample=True) -> dict:
@@ -217,27 +251,37 @@ def check_case(name, inputs, dtype, backend, ops) -> dict:
 
 
 def correctness(device, backend, dtypes, vocabs, sequences=8, length=128, hidden_size=256, cases=tuple(CONFIGS),
-                log=print) -> list:
-    """One row per (dtype, V, case), see check_case. fp32 GEMMs stay fp32: TF32 would test cuBLAS, not us.
-    Triton's CPU interpreter rounds fp32 to bf16 toward zero (GPUs round to nearest): there, check fp32 only."""
+                log=print, deadline=None, rows=None) -> list:
+    """One row per (V, dtype, case), see check_case, appended to `rows` (a new list by default) as each is done.
+    fp32 GEMMs stay fp32: TF32 would test cuBLAS, not us. Triton's CPU interpreter rounds fp32 to bf16 toward
+    zero (GPUs round to nearest): there, check fp32 only. Past `deadline` (time.monotonic()) the rows of every
+    vocabulary but the first are skipped ("ok": None): each dtype keeps its sharp check."""
     torch.backends.cuda.matmul.allow_tf32 = False
     ops = backends.resolve(backend, torch.device(device))
-    rows = []
-    for dtype in dtypes:
-        for vocab in vocabs:
-            inputs = correctness_inputs(sequences, length, hidden_size, vocab, dtype, device, seed=vocab)
+    rows = [] if rows is None else rows
+    for i, vocab in enumerate(vocabs):
+        for dtype in dtypes:
+            inputs = None
             for name in cases:
-                try:
-                    rows.append(check_case(name, inputs, dtype, backend, ops))
-                except Exception as error:          # a crash is a failed row; the other rows still run
-                    rows.append({"case": name, "dtype": str(dtype).split(".")[-1], "vocab": vocab, "ok": False,
-                                 "error": f"{type(error).__name__}: {str(error)[:120]}"})
-                log(row_line(rows[-1]))
+                row = {"case": name, "dtype": str(dtype).split(".")[-1], "vocab": vocab}
+                if i > 0 and deadline is not None and time.monotonic() > deadline:
+                    row.update(ok=None, skipped="time budget spent")
+                else:
+                    try:
+                        inputs = inputs or correctness_inputs(sequences, length, hidden_size, vocab, dtype, device,
+                                                              seed=vocab)
+                        row = check_case(name, inputs, dtype, backend, ops)
+                    except Exception as error:      # a crash is a failed row; the other rows still run
+                        row.update(ok=False, error=f"{type(error).__name__}: {str(error)[:120]}")
+                rows.append(row)
+                log(row_line(row))
     return rows
 
 
 def row_line(row) -> str:
     where = f"{row['dtype']:8} V={row['vocab']:<6} {row['case']:18}" if "vocab" in row else row["case"]
+    if row.get("skipped"):
+        return f"skip {where} {row['skipped']}"
     if "errors" not in row:
         return f"FAIL {where} {row['error']}"
     errors = " ".join(f"{k} {e['error']:.1e}/{e['tol']:.1e}" for k, e in row["errors"].items())
@@ -310,15 +354,17 @@ def pass_times(shape, dtype, device, backend, env, repeats=5) -> list:
     for name, _, amount in passes:
         seconds = statistics.median(times[name][1:])
         rate = abs(amount) / seconds / (1e12 if amount > 0 else 1e9)
+        ceiling = env.get("gemm_tflops" if amount > 0 else "copy_gbs")         # None when it was not measured
         result.append({"pass": name, "shape": shape.label, "chunk_rows": rows, "ms": seconds * 1e3, "rate": rate,
                        "unit": "TFLOP/s" if amount > 0 else "GB/s",
-                       "share": rate / (env["gemm_tflops"] if amount > 0 else env["copy_gbs"])})
+                       "share": rate / ceiling if ceiling else None})
     return result
 
 
-def measure(name, batch, device, repeats) -> dict:
-    """Peak memory above the inputs (first step) and median time of the next `repeats` steps of one method."""
-    step, cuda = IMPLEMENTATIONS[name].step, device.startswith("cuda")
+def measure(step, batch, device, repeats, fused=False) -> dict:
+    """Peak memory above the inputs (first step) and median time of the next `repeats` steps of one method; for
+    a fused (grpo_fast) step also the d(weight) path it took."""
+    cuda = device.startswith("cuda")
     try:
         if cuda:
             torch.cuda.empty_cache()
@@ -327,7 +373,7 @@ def measure(name, batch, device, repeats) -> dict:
         chunked.reset_weight_grad_paths()
         step(batch)
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
-        paths = weight_grad_paths() if name.startswith("grpo_fast") else None
+        paths = weight_grad_paths() if fused else None
         return {"time_s": median_seconds(lambda: step(batch), device, repeats, warmup=False), "peak_bytes": peak,
                 "dweight_path": paths}
     except (torch.OutOfMemoryError, MemoryError) as error:
@@ -336,22 +382,52 @@ def measure(name, batch, device, repeats) -> dict:
         return {"error": f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0][:140]}
 
 
-def end_to_end(shapes, names, dtype, device, repeats, deadline, log=print) -> list:
-    """Forward + backward of every method on one batch per shape, made on the device; time as a ratio to the floor."""
-    rows = []
+def forced_chunks_name(fused) -> str:
+    return f"{fused} {FORCED_CHUNKS}+ chunks"
+
+
+def chunking(batch, backend, chunk_bytes) -> dict:
+    """How the fused loss chunks this batch: the budget (None: the default), tokens per chunk and chunks."""
+    _, budget, rows = chunked.chunk_plan(batch.hidden, batch.weight, chunk_bytes, backend)
+    tokens = int(batch.mask.sum())
+    return {"chunk_bytes": budget, "chunk_rows": min(rows, tokens), "chunks": -(-tokens // rows)}
+
+
+def forced_chunk_bytes(batch, backend, chunks=FORCED_CHUNKS) -> int:
+    """A chunk budget that splits the batch's tokens into at least `chunks` chunks."""
+    ops = backends.resolve(backend, batch.hidden.device)
+    rows = max(1, int(batch.mask.sum()) // chunks)
+    return rows * chunked.padded_width(ops.chunk_vocab(batch.weight.shape[0])) * ops.bytes_per_logit(batch.hidden.dtype)
+
+
+def end_to_end(shapes, names, dtype, device, repeats, deadline, log=print, rows=None) -> list:
+    """Forward + backward of every method on one batch per shape, made on the device; time as a ratio to the floor.
+    A name `forced_chunks_name(fused)` is the fused method with a budget of FORCED_CHUNKS+ chunks. Rows go into
+    `rows` (a new list by default) as each is measured; past `deadline` (None: never) they are skipped."""
+    rows = [] if rows is None else rows
+    forced = {forced_chunks_name(name): name for name in IMPLEMENTATIONS if name.startswith("grpo_fast")}
     for shape in shapes:
         batch, floor = None, None
         for name in names:
             row = {"shape": shape.label, "impl": name}
-            reason = IMPLEMENTATIONS[name].unavailable(device)
-            if reason or time.monotonic() > deadline:
+            impl = IMPLEMENTATIONS[forced.get(name, name)]
+            fused = impl.name in ("grpo_fast", "grpo_fast[triton]")
+            backend = "triton" if impl.name.endswith("[triton]") else "torch"
+            reason = impl.unavailable(device)
+            if reason or (deadline is not None and time.monotonic() > deadline):
                 row["error"] = reason or "skipped: time budget spent"
             else:
                 try:
                     batch = batch or device_batch(shape, dtype, device)
-                    row.update(measure(name, batch, device, repeats))
+                    budget = forced_chunk_bytes(batch, backend) if name in forced else None
+                    step = grpo_fast_fused(backend, budget) if name in forced else impl.step
+                    if fused:
+                        row.update(chunking(batch, backend, budget))
+                    row.update(measure(step, batch, device, repeats, fused))
                 except torch.OutOfMemoryError:
                     row["error"] = "out of memory making the inputs"
+                except Exception as error:          # one broken method costs its row, not the run
+                    row["error"] = f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0][:140]
             if name == "floor" and "time_s" in row:
                 floor = row["time_s"]
                 row["tflops"] = 6 * shape.tokens * shape.hidden * shape.vocab / floor / 1e12
@@ -365,44 +441,95 @@ def end_to_end(shapes, names, dtype, device, repeats, deadline, log=print) -> li
     return rows
 
 
-def summary(env, checks, passes, e2e, notes=()) -> list:
-    """At most SUMMARY_LINES lines: the verdict first, then where the time goes."""
-    failed = [c for c in checks if not c["ok"]]
-    lines = [f"SUMMARY: {'FAIL' if failed else 'PASS'}, {len(checks) - len(failed)}/{len(checks)} correctness rows ok",
-             *header_lines(env)]
+def e2e_line(row) -> str:
+    """One headline row: time, ratio to the floor, peak memory, and for fused rows the chunks and d(weight) path."""
+    if "time_s" not in row:
+        return f"  {row['impl']:24} {row.get('error', '?')[:80]}"
+    parts = [f"{row['time_s'] * 1e3:9.1f} ms", f"{row['x_floor']:5.2f}x floor" if "x_floor" in row else "   no floor"]
+    if row.get("peak_bytes") is not None:
+        parts.append(f"{row['peak_bytes'] / 2**30:6.2f} GiB peak")
+    line = f"  {row['impl']:24} " + " ".join(parts)
+    if "tflops" in row:
+        line += f", {row['tflops']:.0f} TFLOP/s"
+    if "chunks" in row:
+        line += f", {row['chunks']} x {row['chunk_rows']} rows, d(weight) {row.get('dweight_path') or '?'}"
+    return line
+
+
+def summary(env, checks, passes, e2e, notes=(), unfinished=None) -> list:
+    """At most SUMMARY_LINES lines: the verdict first, then the headline rows, then where the time goes. A check
+    with "ok" None was skipped; `unfinished` names the last phase done while the run is still going (or died)."""
+    failed = [c for c in checks if c["ok"] is False]
+    skipped = [c for c in checks if c["ok"] is None]
+    verdict = "FAIL" if failed else "INCOMPLETE" if skipped or unfinished or not checks else "PASS"
+    ran = len(checks) - len(skipped)
+    lines = [f"SUMMARY: {verdict}, {ran - len(failed)}/{ran} correctness rows ok"
+             + (f", {len(skipped)} skipped" if skipped else "")
+             + (f" (unfinished: last phase done {unfinished})" if unfinished else ""), *header_lines(env)]
     for dtype in dict.fromkeys(c["dtype"] for c in checks if "dtype" in c):
         group = [c for c in checks if c.get("dtype") == dtype]
+        done = [c for c in group if c["ok"] is not None]
         ratio, output, c = max(((e["error"] / e["tol"], k, c) for c in group for k, e in c.get("errors", {}).items()),
                                key=lambda worst: worst[0], default=(math.nan, "-", {"case": "-", "vocab": "-"}))
         lines.append(f"correctness {dtype} ({'max' if dtype == 'float32' else 'norm'}-wise): "
-                     f"{sum(c['ok'] for c in group)}/{len(group)} ok, worst {output} at {ratio:.2f} of tol "
-                     f"({c['case']}, V={c['vocab']})")
+                     f"{sum(bool(c['ok']) for c in done)}/{len(done)} ok"
+                     + (f" ({len(group) - len(done)} skipped)" if len(done) < len(group) else "")
+                     + f", worst {output} at {ratio:.2f} of tol ({c['case']}, V={c['vocab']})")
     lines += [row_line(c)[:150] for c in failed if "vocab" in c][:4]
     lines += [f"... {len(failed) - 4} more failures in gpu_check.json"] if len(failed) > 4 else []
-    lines += [row_line(c)[:150] for c in checks if "vocab" not in c] + list(notes)
-    if passes:
-        lines.append(f"passes of one chunk of {passes[0]['chunk_rows']} tokens of {passes[0]['shape']}:")
-        lines += [f"  {p['pass']:18} {p['ms']:8.3f} ms {p['rate']:7.1f} {p['unit']:7} {p['share']:4.0%} of ceiling"
-                  for p in passes]
+    lines += [row_line(c)[:150] for c in checks if "vocab" not in c]
+    lines += [f"environment: {error}"[:150] for error in env.get("errors", [])] + [n[:150] for n in notes]
     for i, shape in enumerate(dict.fromkeys(r["shape"] for r in e2e)):
         rows = [r for r in e2e if r["shape"] == shape]
         if i == 0:
             lines.append(f"end to end, forward + backward, {shape}:")
-            lines += [f"  {r['impl']:18} " + (r["error"][:80] if "error" in r else
-                      f"{r['time_s'] * 1e3:9.1f} ms {r['x_floor']:5.2f}x floor" + (
-                          f" {r['peak_bytes'] / 2**30:6.2f} GiB peak" if r["peak_bytes"] is not None else "")
-                      + (f", {r['tflops']:.0f} TFLOP/s" if "tflops" in r else "")) for r in rows]
+            lines += [e2e_line(r) for r in rows]
+            if passes:
+                lines.append(f"passes of one chunk of {passes[0]['chunk_rows']} tokens of {passes[0]['shape']}:")
+                lines += [f"  {p['pass']:18} {p['ms']:8.3f} ms {p['rate']:7.1f} {p['unit']:7} "
+                          + (f"{p['share']:4.0%} of ceiling" if p["share"] is not None else "") for p in passes]
         else:
             lines.append(f"  {shape}: " + ", ".join(
-                f"{r['impl']} " + (f"{r['x_floor']:.2f}x" if "x_floor" in r else r["error"][:24]) for r in rows))
+                f"{r['impl']} " + (f"{r['x_floor']:.2f}x" if "x_floor" in r else
+                                   f"{r['time_s'] * 1e3:.1f} ms" if "time_s" in r else r["error"][:24]) for r in rows))
+    if passes and not e2e:
+        lines.append(f"passes of one chunk of {passes[0]['chunk_rows']} tokens of {passes[0]['shape']}: "
+                     + ", ".join(f"{p['pass']} {p['ms']:.3f} ms" for p in passes))
     return lines[:SUMMARY_LINES - 1] + [f"kernel tests on this GPU next: {KERNEL_TESTS}"]
 
 
+class Report:
+    """Everything measured so far. `write` rewrites OUT_DIR/gpu_check.json and SUMMARY.md (each replaced whole,
+    never left half written), so that a crash or a timeout between two writes keeps all that came before."""
+
+    def __init__(self, out_dir, command):
+        self.out_dir, self.command = out_dir, command
+        self.env, self.checks, self.passes, self.e2e, self.notes, self.phases = {}, [], [], [], [], []
+
+    def write(self, phase=None, finished=False) -> list:
+        """Record `phase` as done, write both files, return the summary lines."""
+        if phase:
+            self.phases.append(phase)
+        lines = summary(self.env, self.checks, self.passes, self.e2e, self.notes,
+                        None if finished else (self.phases[-1] if self.phases else "none"))
+        record = {"command": self.command, "phases_done": self.phases, "finished": finished,
+                  "environment": self.env, "checks": self.checks, "passes": self.passes, "end_to_end": self.e2e,
+                  "notes": self.notes, "summary": lines}
+        for name, text in (("gpu_check.json", json.dumps(record, indent=1)), ("SUMMARY.md", "\n".join(lines) + "\n")):
+            path = os.path.join(self.out_dir, name)
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+        return lines
+
+
 def main(argv=None) -> int:
+    """Run every phase in order of value (see the module docstring); 1 when a correctness row fails, else 0."""
     parser = argparse.ArgumentParser(prog="python -m grpo_fast.benchmarks.gpu_check")
     parser.add_argument("out_dir")
     parser.add_argument("--wheels", help="folder of wheel files to install first (trl, liger-kernel, ...)")
-    parser.add_argument("--budget", type=float, default=280, help="seconds for the whole script (default 280)")
+    parser.add_argument("--budget", type=float, default=280, help="seconds for the whole script (default 280); "
+                        "the headline rows run whatever is left")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="of the timed rows and of the half-precision correctness rows")
@@ -413,36 +540,56 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.budget
     os.makedirs(args.out_dir, exist_ok=True)
+    report = Report(args.out_dir, "python -m grpo_fast.benchmarks.gpu_check "
+                    + " ".join(sys.argv[1:] if argv is None else argv))
+
+    def progress(line):                      # every row: printed, and on disk before the next one starts
+        print(line, flush=True)
+        report.write()
+
     if args.wheels:
-        install_wheels(args.wheels)
+        install_wheels(args.wheels, log=report.notes.append)
     cuda, dtype = args.device.startswith("cuda"), getattr(torch, args.dtype)
-    env = environment(args.device, dtype, args.backend)
-    print("\n".join(header_lines(env)), flush=True)
-    dtypes = [torch.float32] + ([dtype] if dtype != torch.float32 else [])
-    sizes = dict(vocabs=(500, 3000), sequences=2, length=48, hidden_size=32) if args.quick else dict(vocabs=VOCABS)
-    checks = correctness(args.device, args.backend, dtypes, **sizes)
-    notes = []
-    if cuda and not args.quick:
-        checks.append(big_buffer_in_subprocess(args.device, args.backend, max(60, deadline - time.monotonic())))
-        print(row_line(checks[-1]), flush=True)
-    else:
-        notes.append("buffer > 2^31 elements: a GPU check, not run here")
+    report.env = environment(args.device, dtype, args.backend)
+    print("\n".join(header_lines(report.env) + report.env["errors"]), flush=True)
+    report.write("environment")
+
     shapes = args.shapes or ([Shape(256, 64, 4096)] if args.quick else SHAPES)
-    try:
-        passes = pass_times(shapes[0], dtype, args.device, args.backend, env) if time.monotonic() < deadline else []
-    except Exception as error:                       # the end-to-end rows still run
-        passes, notes = [], notes + [f"pass times failed: {type(error).__name__}: {str(error)[:100]}"]
     fused = "grpo_fast[triton]" if args.backend == "triton" or (args.backend == "auto" and cuda) else "grpo_fast"
-    e2e = end_to_end(shapes, ["floor", fused, *PEERS], dtype, args.device, args.repeats, deadline)
-    lines = summary(env, checks, passes, e2e, notes)
-    command = "python -m grpo_fast.benchmarks.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
-    with open(os.path.join(args.out_dir, "gpu_check.json"), "w") as f:
-        json.dump({"command": command, "environment": env, "checks": checks, "passes": passes, "end_to_end": e2e,
-                   "summary": lines}, f, indent=1)
-    with open(os.path.join(args.out_dir, "SUMMARY.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    names = ["floor", fused, forced_chunks_name(fused), *PEERS]
+    end_to_end(shapes[:1], names, dtype, args.device, args.repeats, None, progress, report.e2e)
+    report.write("headline end to end")
+
+    dtypes = [torch.float32] + ([dtype] if dtype != torch.float32 else [])
+    sizes = dict(vocabs=VOCABS_QUICK, sequences=2, length=48, hidden_size=32) if args.quick else dict(vocabs=VOCABS)
+    share = time.monotonic() + CORRECTNESS_SHARE * max(0.0, deadline - time.monotonic())
+    correctness(args.device, args.backend, dtypes, **sizes, log=progress, deadline=share, rows=report.checks)
+    report.write("correctness")
+
+    if not cuda or args.quick:
+        report.notes.append("buffer > 2^31 elements: a GPU check, not run here")
+    elif deadline - time.monotonic() < BIG_BUFFER_MIN_S:
+        report.checks.append({"case": "buffer > 2^31", "ok": None, "skipped": "time budget spent"})
+    else:
+        report.checks.append(big_buffer_in_subprocess(args.device, args.backend, deadline - time.monotonic()))
+    if report.checks[-1]["case"] == "buffer > 2^31":
+        print(row_line(report.checks[-1]), flush=True)
+    report.write("buffer > 2^31")
+
+    if time.monotonic() < deadline:
+        try:
+            report.passes = pass_times(shapes[0], dtype, args.device, args.backend, report.env)
+        except Exception as error:                   # the other shapes' rows still run
+            report.notes.append(f"pass times failed: {type(error).__name__}: {str(error)[:100]}")
+    else:
+        report.notes.append("pass times: skipped, time budget spent")
+    report.write("pass times")
+
+    end_to_end(shapes[1:], ["floor", fused, *PEERS], dtype, args.device, args.repeats, deadline, progress,
+               report.e2e)
+    lines = report.write("other shapes end to end", finished=True)
     print("\n".join(lines), flush=True)
-    return 0 if all(c["ok"] for c in checks) else 1
+    return 1 if any(c["ok"] is False for c in report.checks) else 0
 
 
 if __name__ == "__main__":

@@ -68,11 +68,12 @@ def loss_math(logp, entropy, batch):
     return loss
 
 
-def grpo_fast_fused(backend):
+def grpo_fast_fused(backend, chunk_bytes=None):
+    """The fused loss on `backend`; chunk_bytes: the chunk budget (None: the loss's default)."""
     def step(batch):
         loss, _ = gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask,
                                old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-                               num_items_in_batch=batch.num_items, backend=backend, **LOSS)
+                               num_items_in_batch=batch.num_items, backend=backend, chunk_bytes=chunk_bytes, **LOSS)
         return backward(loss, batch)
     return step
 

@@ -4,6 +4,7 @@ The bugs go in through the backend the loss resolves (`grpo_fast.backends.resolv
 the rows see exactly what the loss computes. Tiny shapes; the Triton backend runs under TRITON_INTERPRET=1 on CPU.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -103,15 +104,89 @@ def test_gpu_check_script_on_cpu(tmp_path):
     summary = (tmp_path / "SUMMARY.md").read_text().splitlines()
     assert summary == result["summary"] and len(summary) <= gpu_check.SUMMARY_LINES
     assert summary[0].startswith("SUMMARY: PASS") and summary[-1].endswith(gpu_check.KERNEL_TESTS)
+    # every fused row says how it was chunked and which d(weight) path it took, the forced one in 4+ chunks
+    forced = rows[gpu_check.forced_chunks_name("grpo_fast")]
+    assert rows["grpo_fast"]["chunks"] == 1 and rows["grpo_fast"]["dweight_path"] == "direct"
+    assert forced["chunks"] >= gpu_check.FORCED_CHUNKS and forced["dweight_path"] == "fp32" and forced["time_s"] > 0
+    default_line = next(line for line in summary if line.startswith("  grpo_fast "))
+    forced_line = next(line for line in summary if line.startswith("  grpo_fast 4+ chunks "))
+    assert "1 x 128 rows, d(weight) direct" in default_line, summary
+    assert f"{forced['chunks']} x {forced['chunk_rows']} rows, d(weight) fp32" in forced_line, summary
+    assert result["finished"] and result["phases_done"][0] == "environment"
+
+
+CPU_RUN = ["--device", "cpu", "--dtype", "float32", "--backend", "torch", "--quick", "--repeats", "1"]
 
 
 def test_gpu_check_exits_nonzero_on_a_wrong_kernel_and_skips_rows_past_its_budget(tmp_path, monkeypatch):
+    """Past the budget, rows are skipped, but never the headline shape's end-to-end rows nor the correctness rows of
+    the first vocabulary."""
     ops = ops_module("torch")
     monkeypatch.setattr(ops, "dlogits_", scale_dlogits(ops.dlogits_))
-    status = gpu_check.main([str(tmp_path), "--device", "cpu", "--dtype", "float32", "--backend", "torch",
-                             "--quick", "--budget", "0"])
+    status = gpu_check.main([str(tmp_path), *CPU_RUN, "--budget", "0", "--shapes", "128x32x1000", "64x32x1000"])
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert status == 1 and not any(row["ok"] for row in result["checks"])
     assert result["summary"][0].startswith("SUMMARY: FAIL") and "FAIL" in result["summary"][4]
     assert result["passes"] == []
-    assert all(r.get("error") == "skipped: time budget spent" for r in result["end_to_end"])
+    headline = [r for r in result["end_to_end"] if r["shape"] == "128x32x1000"]
+    others = [r for r in result["end_to_end"] if r["shape"] != "128x32x1000"]
+    assert [r["impl"] for r in headline] == ["floor", "grpo_fast", "grpo_fast 4+ chunks", "naive", "trl", "liger"]
+    assert all("time_s" in r for r in headline if r["impl"] in ("floor", "grpo_fast", "grpo_fast 4+ chunks"))
+    assert others and all(r.get("error") == "skipped: time budget spent" for r in others)
+    first, rest = (gpu_check.VOCABS_QUICK[0],), gpu_check.VOCABS_QUICK[1:]
+    assert all(r["ok"] is False for r in result["checks"] if r["vocab"] in first)
+    assert all(r["ok"] is None and r["skipped"] for r in result["checks"] if r["vocab"] in rest)
+
+
+def failing_step(batch):
+    raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+
+
+def test_a_failed_floor_row_still_gives_a_summary(tmp_path, monkeypatch):
+    """The other rows have times but no ratio to the floor: the summary says so instead of failing."""
+    monkeypatch.setitem(gpu_check.IMPLEMENTATIONS, "floor",
+                        dataclasses.replace(gpu_check.IMPLEMENTATIONS["floor"], step=failing_step))
+    gpu_check.main([str(tmp_path), *CPU_RUN, "--shapes", "128x32x1000"])
+    summary = (tmp_path / "SUMMARY.md").read_text().splitlines()
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())["end_to_end"]}
+    assert "CUBLAS_STATUS_EXECUTION_FAILED" in rows["floor"]["error"] and "x_floor" not in rows["grpo_fast"]
+    line = next(line for line in summary if line.startswith("  grpo_fast "))
+    assert "no floor" in line and "d(weight) direct" in line, line
+
+
+def test_an_environment_error_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    def no_device(device):
+        raise RuntimeError("CUDA driver initialization failed")
+
+    def probe_crashes(device, dtype, backend):
+        raise RuntimeError("triton compilation failed")
+
+    monkeypatch.setattr(gpu_check, "machine_name", no_device)
+    monkeypatch.setattr(gpu_check, "weight_grad_probe", probe_crashes, raising=False)
+    status = gpu_check.main([str(tmp_path), *CPU_RUN, "--budget", "0", "--shapes", "128x32x1000"])
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    errors = result["environment"]["errors"]
+    assert status == 0 and len(errors) == 2 and "CUDA driver" in errors[0] and "triton" in errors[1], errors
+    assert result["environment"]["gemm_tflops"] > 0 and result["checks"] and result["end_to_end"]
+    assert any("environment: machine: RuntimeError" in line for line in result["summary"]), result["summary"]
+
+
+@pytest.mark.parametrize("crash_in", ["check_case", "pass_times"])
+def test_what_was_measured_before_a_crash_is_on_disk(tmp_path, monkeypatch, crash_in):
+    """A phase that dies (an exception the phases do not catch, as a fatal error would) leaves the rows measured
+    before it in both files: the environment and the headline rows first, then the correctness rows."""
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt(f"crash in {crash_in}")
+
+    monkeypatch.setattr(gpu_check, crash_in, crash)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main([str(tmp_path), *CPU_RUN, "--shapes", "128x32x1000"])
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    summary = (tmp_path / "SUMMARY.md").read_text().splitlines()
+    assert not result["finished"] and result["environment"]["gemm_tflops"] > 0
+    assert [r["impl"] for r in result["end_to_end"] if "time_s" in r][:3] == [
+        "floor", "grpo_fast", "grpo_fast 4+ chunks"]
+    assert summary == result["summary"] and summary[0].startswith("SUMMARY: INCOMPLETE")
+    done = {"check_case": "headline end to end", "pass_times": "buffer > 2^31"}[crash_in]
+    assert result["phases_done"][-1] == done and f"last phase done {done}" in summary[0]
+    assert len(result["checks"]) == (0 if crash_in == "check_case" else 2 * len(gpu_check.CONFIGS))
