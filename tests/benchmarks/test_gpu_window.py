@@ -1,0 +1,60 @@
+"""benchmarks/gpu_window.sh on CPU: its gpu_check phase in the CPU smoke mode, a stand-in for the kernel tests, the
+install as a dry run (only the wheels whose package is missing), and every result file in OUT_DIR."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_window.sh"
+
+
+def test_the_script_parses():
+    done = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in ("pytest-8.4.2-py3-none-any.whl", "no_such_package_here-1.0-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"")            # the dry run never opens them; pytest is installed here
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "INSTALL_DRY_RUN": "1",
+           "GPU_CHECK_ARGS": "--device cpu --backend torch --quick --dtype float32 --repeats 1 --shapes 128x32x1000",
+           "KERNEL_TESTS": "python -c print(12345)"}
+    done = subprocess.run(["bash", str(SCRIPT), str(out), str(wheels)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"environment.txt", "window.log", "gpu_check.log", "gpu_check.json",
+                                                "SUMMARY.md", "kernel_tests.txt"}
+    log = (out / "window.log").read_text()
+    assert "installing wheels: no_such_package_here-1.0-py3-none-any.whl \n" in log, log
+    assert "-m pip install -q --no-deps --no-build-isolation -e ." in log, log
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["finished"] and result["summary"][0].startswith("SUMMARY: PASS")
+    assert "--budget 270" in result["command"]
+    assert (out / "kernel_tests.txt").read_text().splitlines()[-1] == "12345"
+    assert "gpu_check: 0, kernel tests: 0" in done.stdout and "benchmarks/results/cpu/" in log
+
+
+def test_a_gpu_check_that_outlives_its_timeout_leaves_its_rows_and_the_kernel_tests_still_run(tmp_path):
+    """A 12-second hard limit on gpu_check: killed mid-run, yet gpu_check.json holds what it finished, and the kernel
+    test phase runs after it."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "SKIP_INSTALL": "1", "GPU_CHECK_TIMEOUT": "12",
+           "GPU_CHECK_ARGS": "--device cpu --backend torch --quick --dtype float32 --repeats 1 --shapes 128x32x1000",
+           "KERNEL_TESTS": "python -c print(12345)"}
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    log = (out / "window.log").read_text()
+    assert done.returncode != 0 and "gpu_check exit status 124" in log, log
+    assert (out / "kernel_tests.txt").read_text().splitlines()[-1] == "12345"
+    assert not list(out.glob("*.tmp"))
+    if (out / "gpu_check.json").exists():               # 12 s on a loaded 2-core machine may end before a write
+        result = json.loads((out / "gpu_check.json").read_text())
+        assert not result["finished"] and result["phases_done"]
+        assert (out / "SUMMARY.md").read_text().startswith("SUMMARY: ")
+    assert shutil.which("timeout")
