@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
@@ -140,7 +141,9 @@ def ptx_facts(ptx: str) -> dict:
 
 
 def ptxas_report(ptx: str, arch: int) -> dict:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # The ptxas Triton itself runs for this arch: Triton 3.9 writes PTX 9.4 for sm_90, which only its bundled
+    # CUDA 13 ptxas (`ptxas-blackwell`) reads, where 3.6 uses that one for sm_100 alone.
+    ptxas = get_ptxas(arch).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
