@@ -491,7 +491,9 @@ def summary(env, checks, passes, e2e, notes=(), unfinished=None) -> list:
         else:
             lines.append(f"  {shape}: " + ", ".join(
                 f"{r['impl']} " + (f"{r['x_floor']:.2f}x" if "x_floor" in r else
-                                   f"{r['time_s'] * 1e3:.1f} ms" if "time_s" in r else r["error"][:24]) for r in rows))
+                                   f"{r['time_s'] * 1e3:.1f} ms" if "time_s" in r else r["error"][:24])
+                + (f" ({r['chunks']} chunks, {r.get('dweight_path') or '?'})" if "chunks" in r and "time_s" in r
+                   else "") for r in rows))
     if passes and not e2e:
         lines.append(f"passes of one chunk of {passes[0]['chunk_rows']} tokens of {passes[0]['shape']}: "
                      + ", ".join(f"{p['pass']} {p['ms']:.3f} ms" for p in passes))
@@ -572,7 +574,7 @@ def main(argv=None) -> int:
         report.checks.append({"case": "buffer > 2^31", "ok": None, "skipped": "time budget spent"})
     else:
         report.checks.append(big_buffer_in_subprocess(args.device, args.backend, deadline - time.monotonic()))
-    if report.checks[-1]["case"] == "buffer > 2^31":
+    if report.checks and report.checks[-1]["case"] == "buffer > 2^31":
         print(row_line(report.checks[-1]), flush=True)
     report.write("buffer > 2^31")
 

@@ -133,6 +133,7 @@ def test_gpu_check_exits_nonzero_on_a_wrong_kernel_and_skips_rows_past_its_budge
     assert [r["impl"] for r in headline] == ["floor", "grpo_fast", "grpo_fast 4+ chunks", "naive", "trl", "liger"]
     assert all("time_s" in r for r in headline if r["impl"] in ("floor", "grpo_fast", "grpo_fast 4+ chunks"))
     assert others and all(r.get("error") == "skipped: time budget spent" for r in others)
+    assert "  64x32x1000: floor skipped: time budget" in result["summary"][-2], result["summary"]
     first, rest = (gpu_check.VOCABS_QUICK[0],), gpu_check.VOCABS_QUICK[1:]
     assert all(r["ok"] is False for r in result["checks"] if r["vocab"] in first)
     assert all(r["ok"] is None and r["skipped"] for r in result["checks"] if r["vocab"] in rest)
@@ -190,3 +191,18 @@ def test_what_was_measured_before_a_crash_is_on_disk(tmp_path, monkeypatch, cras
     done = {"check_case": "headline end to end", "pass_times": "buffer > 2^31"}[crash_in]
     assert result["phases_done"][-1] == done and f"last phase done {done}" in summary[0]
     assert len(result["checks"]) == (0 if crash_in == "check_case" else 2 * len(gpu_check.CONFIGS))
+
+
+def test_the_summary_of_a_run_that_measured_almost_nothing():
+    """No environment, no floor at the headline, one fused row at a second shape: every line still renders."""
+    e2e = [{"shape": "8x4x10", "impl": "floor", "error": "RuntimeError: boom"},
+           {"shape": "8x4x10", "impl": "grpo_fast", "time_s": 0.5, "peak_bytes": None, "dweight_path": "direct",
+            "chunks": 1, "chunk_rows": 8, "chunk_bytes": 2**20},
+           {"shape": "16x4x10", "impl": "floor", "time_s": 0.1, "x_floor": 1.0},
+           {"shape": "16x4x10", "impl": "grpo_fast", "time_s": 0.2, "x_floor": 2.0, "peak_bytes": None,
+            "dweight_path": "fp32", "chunks": 2, "chunk_rows": 8, "chunk_bytes": 2**10}]
+    lines = gpu_check.summary({}, [], [], e2e, unfinished="headline end to end")
+    assert lines[0] == "SUMMARY: INCOMPLETE, 0/0 correctness rows ok (unfinished: last phase done headline end to end)"
+    assert lines[1].startswith("gpu_check on ?") and "copy ? GB/s" in lines[2]
+    assert "no floor" in lines[5] and "1 x 8 rows, d(weight) direct" in lines[5], lines
+    assert lines[6] == "  16x4x10: floor 1.00x, grpo_fast 2.00x (2 chunks, fp32)", lines
