@@ -81,13 +81,13 @@ EOF
   log "pip install --no-deps --no-build-isolation -e ."
   install 120 -q --no-deps --no-build-isolation -e . || log "editable install failed (exit $?)"
   if ! "$PY" -c "import grpo_fast.kernels, grpo_fast.benchmarks.gpu_check" >>"$LOG" 2>&1; then
-    # Without the install, the package-dir mapping (kernels/ -> grpo_fast.kernels) is rebuilt from links.
-    log "grpo_fast not importable after the install: using a linked source tree on PYTHONPATH"
-    LINKED=$(mktemp -d)
-    cp -rs "$PWD/grpo_fast" "$LINKED/grpo_fast"
-    ln -s "$PWD/kernels" "$LINKED/grpo_fast/kernels"
-    ln -s "$PWD/benchmarks" "$LINKED/grpo_fast/benchmarks"
-    export PYTHONPATH="$LINKED${PYTHONPATH:+:$PYTHONPATH}"
+    # Without the install, pyproject's package-dir mapping (kernels/ -> grpo_fast.kernels, benchmarks/ ->
+    # grpo_fast.benchmarks) is rebuilt from links in this copy of the tree, with its root on the path: pytest puts
+    # the root first on sys.path too (pythonpath = ["."]), so a linked tree elsewhere would be shadowed.
+    log "grpo_fast not importable after the install: linking grpo_fast/kernels and grpo_fast/benchmarks here"
+    [ -e grpo_fast/kernels ] || ln -s ../kernels grpo_fast/kernels
+    [ -e grpo_fast/benchmarks ] || ln -s ../benchmarks grpo_fast/benchmarks
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   fi
   "$PY" -c 'import importlib.util as u; print("importable:", {m: bool(u.find_spec(m)) for m in
     ("grpo_fast", "trl", "liger_kernel", "datasets", "pytest")})' 2>&1 | tee -a "$OUT/environment.txt" >>"$LOG"
