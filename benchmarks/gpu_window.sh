@@ -10,11 +10,11 @@
 #
 # Settings (environment variables):
 #   PYTHON                the interpreter (default python3)
-#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 270)
-#   GPU_CHECK_TIMEOUT     hard limit of the gpu_check phase (default 330)
+#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 240)
+#   GPU_CHECK_TIMEOUT     hard limit of the gpu_check phase (default 300)
 #   GPU_CHECK_ARGS        more gpu_check flags, e.g. "--device cpu --backend torch --quick" (a CPU dry run)
 #   KERNEL_TESTS          the kernel test command (default: gpu_check.KERNEL_TESTS, run verbosely)
-#   KERNEL_TESTS_TIMEOUT  its limit in seconds (default 170, less if the window has less left)
+#   KERNEL_TESTS_TIMEOUT  its limit in seconds (default 200, less if the window has less left)
 #   SKIP_INSTALL=1        use the environment as it is (a development checkout that is installed already)
 #   INSTALL_DRY_RUN=1     log the install commands instead of running them (to try the script on a dev machine)
 set -u -o pipefail
@@ -42,7 +42,8 @@ install() {                                   # install LIMIT_S ARGS...: pip ins
 # (1) the machine, before anything can fail
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l) paths changed"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo '?')," \
+    "$(git status --porcelain 2>/dev/null | wc -l) paths changed"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit,temperature.gpu \
@@ -73,7 +74,8 @@ EOF
 )
     if [ -n "$MISSING" ]; then
       log "installing wheels: $(echo $MISSING | xargs -n1 basename | tr '\n' ' ')"
-      install 120 -q --no-deps --no-index $MISSING || log "wheel install failed (exit $?): the rows that need them say so"
+      install 120 -q --no-deps --no-index $MISSING \
+        || log "wheel install failed (exit $?): the rows that need them say so"
     else
       log "wheels: every package in $WHEELS is installed already"
     fi
@@ -94,10 +96,10 @@ EOF
 fi
 
 # (3) gpu_check: it writes OUT/gpu_check.json and OUT/SUMMARY.md after every phase
-CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-330}
+CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-300}
 [ "$CHECK_TIMEOUT" -gt "$(($(left) - 30))" ] && CHECK_TIMEOUT=$(($(left) - 30))
-log "gpu_check, budget ${GPU_CHECK_BUDGET:-270} s, timeout $CHECK_TIMEOUT s"
-timeout -k 10 "$CHECK_TIMEOUT" "$PY" -m grpo_fast.benchmarks.gpu_check "$OUT" --budget "${GPU_CHECK_BUDGET:-270}" \
+log "gpu_check, budget ${GPU_CHECK_BUDGET:-240} s, timeout $CHECK_TIMEOUT s"
+timeout -k 10 "$CHECK_TIMEOUT" "$PY" -m grpo_fast.benchmarks.gpu_check "$OUT" --budget "${GPU_CHECK_BUDGET:-240}" \
   ${GPU_CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
 CHECK_STATUS=$?
 log "gpu_check exit status $CHECK_STATUS (0 pass, 1 a correctness row failed, 124/137 timed out)"
@@ -107,7 +109,7 @@ rm -f "$OUT"/*.tmp                            # a write cut short by the timeout
 TESTS=${KERNEL_TESTS:-"$("$PY" -c 'from grpo_fast.benchmarks.gpu_check import KERNEL_TESTS; print(KERNEL_TESTS)' \
   2>>"$LOG") -vv --tb=short -p no:cacheprovider"}
 TESTS=${TESTS/#python /$PY }
-TEST_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-170}
+TEST_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-200}
 [ "$TEST_TIMEOUT" -gt "$(($(left) - 5))" ] && TEST_TIMEOUT=$(($(left) - 5))
 if [ "$TEST_TIMEOUT" -lt 20 ]; then
   log "kernel tests: skipped, $(left) s left in the window" | tee "$OUT/kernel_tests.txt"
@@ -117,7 +119,8 @@ else
   echo "$TESTS" >"$OUT/kernel_tests.txt"
   timeout -k 10 "$TEST_TIMEOUT" $TESTS >>"$OUT/kernel_tests.txt" 2>&1
   TEST_STATUS=$?
-  log "kernel tests exit status $TEST_STATUS (0 pass, 1 failures, 124/137 timed out): $(tail -n 1 "$OUT/kernel_tests.txt")"
+  log "kernel tests exit status $TEST_STATUS (0 pass, 1 failures, 124/137 timed out):" \
+    "$(tail -n 1 "$OUT/kernel_tests.txt")"
 fi
 
 GPU=$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")' \
