@@ -54,9 +54,9 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_chunk_bytes(device: torch.device) -> int:
-    """256 MiB on CPU; on CUDA 1/16 of the device's total memory, clamped to [1 GiB, 8 GiB] (8 GiB on a 141 GB card,
-    4.9 GiB on an 80 GB one, 1.4 GiB on a 24 GB one). It depends on the device model only, never on what is free at the time,
-    so the chunking of a shape is reproducible; pass chunk_bytes explicitly where less memory is free."""
+    """256 MiB on CPU; on CUDA 1/16 of the device's total memory, clamped to [1 GiB, 8 GiB] (8 GiB on a 141 GB
+    card, 4.9 GiB on an 80 GB one, 1.4 GiB on a 24 GB one). It depends on the device model only, never on what is
+    free at the time, so the chunking of a shape is reproducible; pass chunk_bytes explicitly where less is free."""
     if device.type != "cuda":
         return DEFAULT_CHUNK_BYTES_CPU
     total = torch.cuda.get_device_properties(device).total_memory
