@@ -3,14 +3,15 @@
 Reference (what it computes), with z = transform(y), p = softmax(z), lse and entropy H from logprob_forward:
     dz = g_logp[:, None] * (onehot(targets) - p) - g_entropy[:, None] * p * (z - lse[:, None] + H[:, None])
     y[:] = dz * dz/dy
+Logits below -1e20 (a -inf bias on banned tokens) get a zero gradient, as their probability is 0.
 Grid: rows on axis 0, vocabulary tiles on axis 1; each element is read once and written once.
 """
 
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import load_width, on_device, transform_constants
-from grpo_fast.kernels.transform import transform
+from grpo_fast.kernels.launch import compiled, load_width, on_device, transform_constants
+from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, tanh
 from grpo_fast.kernels.tuning import DLOGITS
 
 
@@ -23,6 +24,7 @@ def _dlogits_kernel(
     BLOCK_V: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -33,15 +35,25 @@ def _dlogits_kernel(
     in_vocab = cols < V
     y = tl.where(in_vocab, tl.load(ptrs, mask=in_row, other=0.0).to(tl.float32), 0.0)
     target = tl.load(Targets + row)
-    lse = tl.load(Lse + row)
+    lse2 = tl.load(Lse + row) * LOG2E
     g_logp = tl.load(GradLogp + row)
-    z, dz_dy = transform(y, in_scale, out_scale, grad_scale, HAS_SOFTCAP)
-    probs = tl.exp(z - lse)
-    coef = g_logp + tl.zeros_like(z)
+    # In base 2: p = 2^u with u = (z - lse) * log2(e), one fused multiply-add from y. u is floored at NEG_BIG, so
+    # that a -inf logit gives p = 0 and a finite coefficient below (0 * -inf would be NaN).
+    if HAS_SOFTCAP:
+        t = tanh(y * in_scale, COMPILED)
+        u = t * (out_scale * LOG2E) - lse2
+        dz_dy = (1.0 - t * t) * grad_scale
+    else:
+        u = y * (in_scale * LOG2E) - lse2
+        dz_dy = grad_scale
+    u = tl.maximum(u, NEG_BIG)
+    probs = tl.exp2(u)
     if HAS_GRAD_ENTROPY:
+        # g_logp + g_H (z - lse + H), with z - lse = u ln 2: one fused multiply-add per element
         g_entropy = tl.load(GradEntropy + row)
-        entropy = tl.load(Entropy + row)
-        coef += g_entropy * (z - lse + entropy)
+        coef = (g_logp + g_entropy * tl.load(Entropy + row)) + (g_entropy * LN2) * u
+    else:
+        coef = g_logp
     dz = tl.where(cols == target, g_logp, 0.0) - probs * coef
     dy = tl.where(in_vocab, dz * dz_dy, 0.0)
     tl.store(ptrs, dy.to(Logits.dtype.element_ty), mask=in_row)
@@ -74,6 +86,7 @@ def dlogits_(logits, targets, lse, g_logp, *, entropy=None, g_entropy=None, scal
             BLOCK_V=DLOGITS["BLOCK_V"],
             HAS_SOFTCAP=softcap is not None,
             HAS_GRAD_ENTROPY=has_grad_entropy,
+            COMPILED=compiled(_dlogits_kernel),
             num_warps=DLOGITS["num_warps"],
         )
     return logits

@@ -16,14 +16,15 @@ def padded_width(vocab_size: int) -> int:
 
 
 def has_padding(logits: torch.Tensor) -> bool:
-    """Whether every row of a (C, V) view is followed by its padding columns (up to `padded_width(V)`) in memory."""
+    """Whether every row of a (C, V) view is followed by its padding columns (up to `padded_width(V)`) in memory:
+    a row stride of at least the padded width, also for a single row (a (1, V) slice of a contiguous tensor has
+    its caller's next row right after it), and storage up to the last row's padding."""
     num_rows, vocab_size = logits.shape
     width = padded_width(vocab_size)
     if num_rows == 0 or width == vocab_size:
         return True
     end = logits.storage_offset() + (num_rows - 1) * logits.stride(0) + width
-    return (num_rows == 1 or logits.stride(0) >= width) and logits.untyped_storage().nbytes() >= (
-        end * logits.element_size())
+    return logits.stride(0) >= width and logits.untyped_storage().nbytes() >= end * logits.element_size()
 
 
 def load_width(logits: torch.Tensor, padded: bool) -> int:
@@ -33,6 +34,17 @@ def load_width(logits: torch.Tensor, padded: bool) -> int:
         return logits.shape[1]
     assert has_padding(logits), "padded=True needs each row followed by its padding columns"
     return padded_width(logits.shape[1])
+
+
+def compiled(kernel) -> bool:
+    """Whether the kernel runs as compiled GPU code, i.e. not in Triton's CPU interpreter (TRITON_INTERPRET=1 at
+    its decoration), which runs no inline PTX."""
+    return type(kernel).__name__ != "InterpretedFunction"
+
+
+def aligned_rows(logits: torch.Tensor) -> bool:
+    """Whether every row of a (C, V) view starts on a 16-byte boundary, so that a kernel may read it in vectors."""
+    return logits.data_ptr() % 16 == 0 and (logits.stride(0) * logits.element_size()) % 16 == 0
 
 
 def on_device(tensor: torch.Tensor):

@@ -2,66 +2,139 @@
 
 Reference (what it computes), for y (C, V) and targets (C,):
     z = transform(y.float());  lse = z.logsumexp(-1);  logp = z.gather(1, targets[:, None])[:, 0] - lse
-    entropy = lse - (z.softmax(-1) * z).sum(-1)
-One program per row walks the vocabulary in BLOCK_V tiles. Each lane of the tile keeps its own online
-(max, sum exp, sum exp * z) and the lanes are combined once at the end, so the loop body is elementwise: no
-block-wide reduction (and no barrier) per tile, and still one exponential per element.
+    entropy = -(z.log_softmax(-1).exp() * z.log_softmax(-1)).sum(-1)
+Logits below -1e20 (a -inf bias on banned tokens) count as -1e20: probability 0, every output finite.
+
+One program per row walks the vocabulary in BLOCK_V tiles. Each thread owns groups of GROUP contiguous columns
+(one 16-byte vector) and keeps one running max per group, so the loop body is an in-thread max over the vector,
+then per element one fused multiply-add, one exp2 and three accumulations, with no block-wide reduction per tile.
+The work is in base 2 (log2(e) folded into the scale), with the statistics taken relative to the running max:
+    s = sum 2^d,  s_rest = the same sum without the max itself,  t = sum 2^d * d,   d = (z - max) * log2(e) <= 0
+so that lse = max + ln(1 + s_rest) and entropy = ln(1 + s_rest) - ln(2) t / s keep their relative accuracy when
+the distribution is peaked (tested down to an entropy of 1e-8; lse - E[z] loses all relative accuracy below about
+1e-6 |max z| in fp32).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import load_width, on_device, transform_constants
-from grpo_fast.kernels.transform import transform
+from grpo_fast.kernels.launch import aligned_rows, compiled, load_width, on_device, transform_constants
+from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, log1p, tanh
 from grpo_fast.kernels.tuning import LOGPROB_FORWARD
+
+
+@triton.jit
+def _pre_exp(y, in_scale, HAS_SOFTCAP: tl.constexpr, NEGATE: tl.constexpr, COMPILED: tl.constexpr):
+    """x, increasing in z: z = x * out_scale (softcap) or x * |in_scale| with x = +-y, clamped at NEG_BIG."""
+    if HAS_SOFTCAP:
+        return tanh(y * in_scale, COMPILED)
+    elif NEGATE:
+        return tl.maximum(-y, NEG_BIG)
+    else:
+        return tl.maximum(y, NEG_BIG)
+
+
+@triton.jit
+def _load_whole_tile(row_ptr, start, groups: tl.constexpr, GROUP: tl.constexpr, BF16_PAIRS: tl.constexpr):
+    """The (groups, GROUP) tile at columns [start, start + groups * GROUP) as fp32, in any order within a group.
+
+    BF16_PAIRS: read bf16 as 32-bit words and widen each half with one shift or one mask (the generic
+    conversion spends two instructions on the upper half); needs rows that start on 4-byte boundaries."""
+    if BF16_PAIRS:
+        words = row_ptr.to(tl.pointer_type(tl.uint32)) + start // 2
+        offsets = tl.arange(0, groups)[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+        w = tl.load(words + offsets)
+        low = (w << 16).to(tl.float32, bitcast=True)
+        high = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(low, high), [groups, GROUP])
+    else:
+        offsets = tl.arange(0, groups)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        return tl.load(row_ptr + start + offsets).to(tl.float32)
+
+
+@triton.jit
+def _update(x, group_max, group_sum, group_rest, group_dot, scale2, COMPUTE_ENTROPY: tl.constexpr):
+    """Folds a (groups, GROUP) tile of x into each group's running (max, s, s_rest, t); scale2 = dz/dx * log2(e)."""
+    new_max = tl.maximum(group_max, tl.max(x, axis=1))
+    grows = group_max < new_max
+    shift = (group_max - new_max) * scale2                     # <= 0; 0 while the max stands
+    alpha = tl.exp2(shift)
+    d = x * scale2 - (new_max * scale2)[:, None]
+    e = tl.exp2(d)
+    if COMPUTE_ENTROPY:
+        group_dot = alpha * (group_dot + group_sum * shift) + tl.sum(e * d, axis=1)
+    # s_rest leaves out the elements at the max (each exactly 1): adding them would absorb the small terms of a
+    # peaked row. When the max grows, the whole old sum lies below the new one.
+    group_rest = tl.where(grows, group_sum, group_rest) * alpha + tl.sum(tl.where(d < 0.0, e, 0.0), axis=1)
+    group_sum = group_sum * alpha + tl.sum(e, axis=1)
+    return new_max, group_sum, group_rest, group_dot
 
 
 @triton.jit
 def _logprob_forward_kernel(
     Logits, Targets, Lse, Logp, Entropy,
-    V, V_LOAD, stride_row,
+    V, V_LOAD, V_FULL, stride_row,
     in_scale, out_scale,
     # Meta-parameters
     BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    NEGATE: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr,
+    BF16_PAIRS: tl.constexpr,
+    COMPILED: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = Logits + row * stride_row
     target = tl.load(Targets + row)
     y_target = tl.load(row_ptr + target).to(tl.float32)     # issued early: its latency hides behind the loop
-    lane_max = tl.full([BLOCK_V], -float("inf"), tl.float32)
-    lane_sum = tl.zeros([BLOCK_V], tl.float32)
-    lane_sum_z = tl.zeros([BLOCK_V], tl.float32)
-    # V_LOAD >= V columns are readable (the padded row width when the caller owns the padding): a multiple of 16
-    # keeps the mask, and so the loads, 16-byte vectors; columns past V are dropped by `valid`. NUM_STAGES > 1
-    # software-pipelines the loop: the next tiles are copied to shared memory (cp.async) while this one is used.
-    for start in tl.range(0, V_LOAD, BLOCK_V, num_stages=NUM_STAGES):
-        cols = start + tl.arange(0, BLOCK_V)
-        valid = cols < V
+    if HAS_SOFTCAP:
+        z_scale = out_scale                                   # z = x * z_scale
+    elif NEGATE:
+        z_scale = -in_scale
+    else:
+        z_scale = in_scale
+    scale2 = z_scale * LOG2E                                  # exp(z - max) = 2^((x - max) * scale2)
+    groups: tl.constexpr = BLOCK_V // GROUP
+    group_max = tl.full([groups], NEG_BIG, tl.float32)
+    group_sum = tl.zeros([groups], tl.float32)
+    group_rest = tl.zeros([groups], tl.float32)
+    group_dot = tl.zeros([groups], tl.float32)
+    # Whole tiles first, without masks; NUM_STAGES > 1 software-pipelines the loop (the next tiles are copied to
+    # shared memory with cp.async while this one is used).
+    for start in tl.range(0, V_FULL, BLOCK_V, num_stages=NUM_STAGES):
+        y = _load_whole_tile(row_ptr, start, groups, GROUP, BF16_PAIRS)
+        x = _pre_exp(y, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
+        group_max, group_sum, group_rest, group_dot = _update(x, group_max, group_sum, group_rest, group_dot,
+                                                              scale2, COMPUTE_ENTROPY)
+    # The last, partial tile: V_LOAD >= V columns are readable (the padded row width when the caller owns the
+    # padding, a multiple of 16: the loads stay 16-byte vectors); columns past V hold stale bits and are dropped.
+    if V_FULL < V:
+        cols = V_FULL + tl.arange(0, groups)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         y = tl.load(row_ptr + cols, mask=cols < V_LOAD, other=0.0).to(tl.float32)
-        y = tl.where(valid, y, 0.0)                           # padding holds stale bits: keep them out of the math
-        z, _ = transform(y, in_scale, out_scale, 1.0, HAS_SOFTCAP)
-        # Whichever of (lane max, z) is smaller gets the factor exp(-|z - max|): one exponential per element.
-        # A lane's first value meets max = -inf: the factor is exp(-inf) = 0 and the sum restarts at 1.
-        factor = tl.exp(-tl.abs(z - lane_max))
-        grows = z > lane_max
-        lane_sum = tl.where(valid, tl.where(grows, lane_sum * factor + 1.0, lane_sum + factor), lane_sum)
-        if COMPUTE_ENTROPY:
-            lane_sum_z = tl.where(valid, tl.where(grows, lane_sum_z * factor + z, lane_sum_z + factor * z),
-                                  lane_sum_z)
-        lane_max = tl.where(valid & grows, z, lane_max)
-    row_max = tl.max(lane_max, axis=0)
-    lane_weight = tl.exp(lane_max - row_max)                  # lanes that saw no column: exp(-inf) = 0
-    sum_exp = tl.sum(lane_sum * lane_weight, axis=0)
-    lse = row_max + tl.log(sum_exp)
-    z_target, _ = transform(y_target, in_scale, out_scale, 1.0, HAS_SOFTCAP)
-    tl.store(Lse + row, lse)
-    tl.store(Logp + row, z_target - lse)
+        x = tl.where(cols < V, _pre_exp(y, in_scale, HAS_SOFTCAP, NEGATE, COMPILED), NEG_BIG)
+        group_max, group_sum, group_rest, group_dot = _update(x, group_max, group_sum, group_rest, group_dot,
+                                                              scale2, COMPUTE_ENTROPY)
+    # Combine the groups relative to the row max. 1 + s_rest of the row: the rest of the first group holding the
+    # max, plus its other elements at the max (ties: then s >= 2 and nothing is lost), plus every other group.
+    row_max = tl.max(group_max, axis=0)
+    shift = (group_max - row_max) * scale2
+    weight = tl.exp2(shift)                                   # groups that saw no column: 2^(NEG_BIG) = 0
+    sum_exp = tl.sum(group_sum * weight, axis=0)
+    index = tl.arange(0, groups)
+    first = tl.min(tl.where(group_max == row_max, index, groups), axis=0)
+    ties = tl.floor(group_sum - group_rest + 0.5) - 1.0      # an integer: both sums hold the same small terms
+    sum_rest = tl.sum(tl.where(index == first, group_rest + ties, group_sum * weight), axis=0)
+    log_sum = log1p(sum_rest)                                 # ln(sum exp(z - max)), accurate near 0
+    x_target = _pre_exp(y_target, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
+    tl.store(Lse + row, row_max * z_scale + log_sum)
+    tl.store(Logp + row, (x_target - row_max) * z_scale - log_sum)
     if COMPUTE_ENTROPY:
-        tl.store(Entropy + row, lse - tl.sum(lane_sum_z * lane_weight, axis=0) / sum_exp)
+        # sum 2^d d relative to the row max; groups of weight 0 left out (their shift times their sum may be huge)
+        dot = tl.sum(tl.where(weight > 0.0, weight * (group_dot + group_sum * shift), 0.0), axis=0)
+        tl.store(Entropy + row, log_sum - LN2 * dot / sum_exp)
 
 
 def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None, compute_entropy=True,
@@ -83,13 +156,22 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
     if num_rows == 0:
         return lse, logp, (entropy if compute_entropy else None)
     in_scale, out_scale, _ = transform_constants(float(scale), float(temperature), softcap)
+    block = LOGPROB_FORWARD["BLOCK_V"]
+    width = load_width(logits, padded)
+    # A group is one 16-byte vector of a row. Rows off 16-byte boundaries are read element by element anyway, and
+    # a group of 1 keeps each element's running max in its own thread (a wider one would need shuffles).
+    group = 16 // logits.element_size() if aligned_rows(logits) else 1
     with on_device(logits):
         _logprob_forward_kernel[(num_rows,)](
             logits, targets.contiguous(), lse, logp, entropy,
-            vocab_size, load_width(logits, padded), logits.stride(0),
+            vocab_size, width, width // block * block, logits.stride(0),
             in_scale, out_scale,
-            BLOCK_V=LOGPROB_FORWARD["BLOCK_V"],
+            BLOCK_V=block,
+            GROUP=group,
             HAS_SOFTCAP=softcap is not None,
+            NEGATE=softcap is None and in_scale < 0,
+            BF16_PAIRS=group > 1 and logits.dtype == torch.bfloat16,
+            COMPILED=compiled(_logprob_forward_kernel),
             COMPUTE_ENTROPY=compute_entropy,
             NUM_STAGES=LOGPROB_FORWARD["num_stages"],
             num_warps=LOGPROB_FORWARD["num_warps"],

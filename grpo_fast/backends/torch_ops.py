@@ -30,8 +30,14 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8 + (0 if dtype == torch.float32 else 4) + 8
 
 
+# Logits below NEG_BIG (-inf for banned tokens) count as NEG_BIG: their probability is still 0, and 0 * NEG_BIG is
+# 0 where 0 * -inf would make the entropy and the gradient NaN (the Triton kernels use the same floor).
+NEG_BIG = -1e20
+
+
 def transformed_(buffer, transform) -> torch.Tensor:
-    """z = softcap(y * scale) / temperature, in place when the buffer is fp32 / fp64 (else an fp32 copy)."""
+    """z = softcap(y * scale) / temperature, floored at NEG_BIG, in place when the buffer is fp32 / fp64 (else an
+    fp32 copy)."""
     dtype = accumulation_dtype(buffer.dtype)
     z = buffer if buffer.dtype == dtype else buffer.to(dtype)
     if transform.scale != 1.0:
@@ -40,18 +46,27 @@ def transformed_(buffer, transform) -> torch.Tensor:
         z.div_(transform.softcap).tanh_().mul_(transform.softcap)
     if transform.temperature != 1.0:
         z.div_(transform.temperature)
-    return z
+    return z.clamp_(min=NEG_BIG)
 
 
 def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
+    """lse, logp and entropy relative to the row max m, with s = sum exp(z - m) and s - 1 summed without the
+    max's own 1 (adding it would absorb a peaked row's small terms): lse = m + log1p(s - 1), logp = (z_t - m) -
+    log1p(s - 1), H = log1p(s - 1) - sum p (z - m), each accurate to its own size (H down to 1e-30, where
+    lse - sum p z cancels below about 1e-6)."""
     z = transformed_(buffer, transform)
-    row_max = z.amax(dim=-1, keepdim=True)
-    probs = torch.sub(z, row_max).exp_()
-    sum_exp = probs.sum(dim=-1, keepdim=True)
-    lse = (row_max + sum_exp.log()).squeeze(1)
-    probs.div_(sum_exp)
-    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-    entropy = lse - (probs * z).sum(-1) if need_entropy else None      # H = lse - sum p z
+    row_max, argmax = z.max(dim=-1, keepdim=True)
+    shifted = torch.sub(z, row_max)                        # z - m <= 0
+    probs = shifted.exp()
+    probs.scatter_(1, argmax, 0.0)
+    rest = probs.sum(dim=-1, keepdim=True)                 # s - 1
+    probs.scatter_(1, argmax, 1.0)
+    probs.div_(rest + 1.0)
+    log_sum = rest.log1p()                                 # ln s
+    lse = (row_max + log_sum).squeeze(1)
+    logp = (z.gather(1, targets[:, None]) - row_max - log_sum).squeeze(1)
+    entropy = (log_sum.squeeze(1) - shifted.mul_(probs).sum(-1)) if need_entropy else None
+    del shifted
     return ChunkState(z, probs, lse, logp, entropy)
 
 

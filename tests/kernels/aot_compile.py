@@ -1,8 +1,9 @@
 """Compile the Triton kernels ahead of time for sm_90 and sm_80 exactly as the JIT would specialize them at run time.
 
-python tests/aot_compile.py     prints one JSON line per (kernel, variant, arch): registers, spills, shared memory
-                                and facts read off the PTX (vector widths of global loads and stores, barriers
-                                inside loops, cp.async, special-function instructions).
+python tests/aot_compile.py     prints one JSON line per (kernel, variant, arch): registers, spills, shared memory,
+                                facts read off the PTX (vector widths of global loads and stores, barriers
+                                inside loops, cp.async, special-function instructions) and, where cuobjdump is
+                                found, the SASS instructions per element of the main loop.
 
 Each variant calls the kernel's public launcher on CPU tensors of the real vocabulary size with the launch
 intercepted: the arguments the launcher passes go through Triton's own binder for a CUDA target, so the
@@ -14,6 +15,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -157,6 +159,40 @@ def ptxas_report(ptx: str, arch: int) -> dict:
     return {"registers": registers, "spill_stores": spill_stores, "spill_loads": spill_loads}
 
 
+def cuobjdump():
+    """Triton ships cuobjdump beside ptxas; else one on PATH; None where there is none."""
+    shipped = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return shipped if os.path.exists(shipped) else shutil.which("cuobjdump")
+
+
+def sass_instructions(cubin: bytes):
+    """(instructions in the longest loop, in the whole kernel) of a cubin's SASS, or None without cuobjdump. A loop
+    runs from a backward branch's target to the branch."""
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    addresses = [int(a, 16) for a in re.findall(r"^\s*/\*([0-9a-f]{4,})\*/\s+\S", sass, re.M)]
+    loops = []
+    for at, target in re.findall(r"^\s*/\*([0-9a-f]{4,})\*/[^;\n]*\bBRA\s+(?:`\()?0x([0-9a-f]+)", sass, re.M):
+        at, target = int(at, 16), int(target, 16)
+        if target < at:
+            loops.append(sum(target <= a <= at for a in addresses))
+    return max(loops, default=0), len(addresses)
+
+
+def per_thread_elements(kernel_name, kwargs) -> int:
+    """Columns one thread handles per loop iteration (logprob_forward) or per program (dlogits)."""
+    if kernel_name == "policy_grad":
+        return kwargs["BLOCK"] // (32 * kwargs["num_warps"])
+    return kwargs["BLOCK_V"] // (32 * kwargs["num_warps"])
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET to compile", file=sys.stderr)
@@ -174,6 +210,10 @@ def main() -> int:
                       "shared_bytes": compiled.metadata.shared, "shared_limit": SHARED_LIMIT[arch],
                       "cubin_bytes": len(compiled.asm["cubin"]), **ptxas_report(compiled.asm["ptx"], arch),
                       **ptx_facts(compiled.asm["ptx"])}
+            counts = sass_instructions(compiled.asm["cubin"])
+            elements = per_thread_elements(kernel_name, kwargs)
+            # per element: of the main loop where there is one, else of the whole kernel (one tile per program)
+            report["sass_per_element"] = None if counts is None else (counts[0] or counts[1]) / elements
             print(json.dumps(report), flush=True)
     return 0
 

@@ -13,6 +13,7 @@ import triton.language as tl  # noqa: E402
 from grpo_fast.backends import torch_ops  # noqa: E402
 from grpo_fast.chunked import LogitTransform  # noqa: E402
 from grpo_fast.kernels import dlogits_, logprob_forward  # noqa: E402
+from grpo_fast.kernels.launch import compiled  # noqa: E402
 from grpo_fast.kernels.transform import tanh  # noqa: E402
 
 
@@ -98,8 +99,9 @@ def test_policy_grad_kernel_matches_autograd(options, on_policy, with_is_ratio):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_padded_rows_match_unpadded_and_keep_the_padding_out(dtype, softcap):
-    """Rows padded to 16 elements (as chunked_pass allocates them) holding NaN in their padding: same results as a
-    contiguous buffer, the padding overwritten with zeros, nothing outside the rows touched."""
+    """Rows padded to 16 elements (as chunked_pass allocates them) holding NaN in their padding: the results of a
+    contiguous buffer to fp32 rounding (the two layouts read in different vector widths, so their sums run in
+    different orders), the padding overwritten with zeros, nothing outside the rows touched."""
     from grpo_fast.kernels.launch import has_padding, padded_width
 
     gen = torch.Generator().manual_seed(3)
@@ -115,14 +117,34 @@ def test_padded_rows_match_unpadded_and_keep_the_padding_out(dtype, softcap):
     expected = logprob_forward(logits, targets.contiguous(), **kw)
     actual = logprob_forward(padded, targets, padded=True, **kw)
     for name, a, e in zip(("lse", "logp", "entropy"), actual, expected):
-        assert torch.equal(a, e), name
+        assert_close(a, e, 1e-6, name=name)
     lse, _, entropy = expected
     g_logp, g_entropy = torch.randn(2, rows, generator=gen).to(DEVICE)
     dlogits_(logits, targets.contiguous(), lse, g_logp, entropy=entropy, g_entropy=g_entropy, **kw)
     dlogits_(padded, targets, lse, g_logp, entropy=entropy, g_entropy=g_entropy, padded=True, **kw)
-    assert torch.equal(padded, logits)
+    assert_close(padded, logits, 1e-6 if dtype == torch.float32 else 1e-3, name="dlogits")
     assert torch.all(storage[:rows, vocab:] == 0)
     assert torch.isnan(storage[rows]).all()                       # the row after the buffer is untouched
+
+
+def test_a_single_row_view_does_not_own_the_next_row():
+    """A (1, V) slice of a larger tensor is not followed by padding of its own: the next row belongs to the caller
+    and a dlogits pass must leave it as it was (it zeroed its first columns when any 1-row view counted as
+    padded)."""
+    from grpo_fast.backends import triton_ops
+    from grpo_fast.kernels.launch import has_padding
+
+    vocab = 100                                                   # not a multiple of 16: 12 padding columns
+    whole = torch.randn(3, vocab).to(DEVICE)
+    before = whole.clone()
+    row = whole[1:2]
+    assert not has_padding(row)
+    targets = torch.tensor([7]).to(DEVICE)
+    state = triton_ops.stats_(row, targets, LogitTransform(), need_entropy=True)
+    triton_ops.dlogits_(row, state, targets, torch.ones(1).to(DEVICE), None, LogitTransform())
+    assert torch.equal(whole[2], before[2]) and torch.equal(whole[0], before[0])
+    own = torch.empty(1, 112).to(DEVICE)[:, :vocab]               # a row with its padding allocated after it
+    assert has_padding(own)
 
 
 def test_launchers_run_on_the_tensors_device(monkeypatch):
@@ -151,15 +173,20 @@ def test_launchers_run_on_the_tensors_device(monkeypatch):
 
 
 def test_tanh_is_accurate_to_fp32_where_the_series_hands_over():
-    """The soft-cap's tanh: max relative error 5e-7 over [-3, 3] (was 1.9e-6 from cancellation just above 0.05)."""
-    x = torch.linspace(-3, 3, 4001).to(DEVICE)
+    """The soft-cap's tanh: max relative error 3e-7 over [-3, 3] with exact exp and division (the interpreter; was
+    4.3e-7 with 1 - 2 / (e^2x + 1), whose cancellation is 5x on the negative side), 1.5e-6 with the GPU's
+    approximate exp2 and division (2 ulp each, times the form's cancellation of 2.5 at the hand-over to the
+    series); exactly +-1 far out, where e^2x overflows."""
+    x = torch.cat([torch.linspace(-3, 3, 4001), torch.tensor([-1e4, -100.0, 100.0, 1e4])]).to(DEVICE)
     y = torch.empty_like(x)
-    _tanh_kernel[(1,)](x, y, x.numel(), BLOCK=4096)
+    _tanh_kernel[(1,)](x, y, x.numel(), BLOCK=4096 * 2, COMPILED=compiled(_tanh_kernel))
     exact = torch.tanh(x.double())
-    assert ((y.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max() < 5e-7
+    bound = 3e-7 if not compiled(_tanh_kernel) else 1.5e-6
+    assert ((y.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max() < bound
+    assert y[-4:].tolist() == [-1.0, -1.0, 1.0, 1.0]
 
 
 @triton.jit
-def _tanh_kernel(X, Y, n, BLOCK: tl.constexpr):
+def _tanh_kernel(X, Y, n, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(Y + offs, tanh(tl.load(X + offs, mask=offs < n)), mask=offs < n)
+    tl.store(Y + offs, tanh(tl.load(X + offs, mask=offs < n), COMPILED), mask=offs < n)

@@ -78,3 +78,62 @@ def test_half_inputs_return_fp32_logps(dtype, backend):
                                                      return_entropy=True)
     assert_close(logp, ref_logp, 2e-2, name="logp")
     assert_close(entropy, ref_entropy, 2e-2, name="entropy")
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_banned_tokens_with_a_minus_inf_bias(transform, backend):
+    """A -inf bias on banned tokens: every output and gradient finite. Without a soft-cap the banned tokens have
+    probability 0, so log-probs, entropies and gradients are those of the vocabulary without them (the Triton
+    stats kernel gave NaN lse and log-probs, both backends a NaN entropy from 0 * -inf); with one, -inf is capped
+    like any other logit, as in the reference."""
+    hidden, weight, targets, bias = inputs(shape=(3, 5), bias=True, vocab=53)
+    banned = torch.zeros(53, dtype=torch.bool, device=DEVICE)
+    banned[[0, 5, 17, 18, 52]] = True
+    targets = torch.where(banned[targets], 1, targets)            # banned tokens are never sampled
+    bias = bias.masked_fill(banned, float("-inf"))
+    ours = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logp, entropy = gf.token_logprobs(ours[0], ours[1], targets, bias=ours[2], return_entropy=True,
+                                      backend=backend, **transform)
+    gen = torch.Generator().manual_seed(2)
+    w_logp, w_entropy = torch.randn(2, *targets.shape, generator=gen).to(DEVICE)
+    grads = torch.autograd.grad((logp * w_logp).sum() + (entropy * w_entropy).sum(), ours)
+    assert all(torch.isfinite(t).all() for t in (logp, entropy, *grads))
+    softcap = "logit_softcap" in transform
+    kept = torch.ones_like(banned) if softcap else ~banned
+    ref_targets = torch.cumsum(kept.long(), 0)[targets] - 1                # the ids among the kept tokens
+    ref = [hidden.double().requires_grad_(), weight[kept].double().requires_grad_(),
+           bias[kept].double().requires_grad_()]
+    ref_logp, ref_entropy = reference.token_logprobs(ref[0], ref[1], ref_targets, bias=ref[2], return_entropy=True,
+                                                     **transform)
+    ref_grads = torch.autograd.grad((ref_logp * w_logp).sum() + (ref_entropy * w_entropy).sum(), ref)
+    assert_close(logp, ref_logp, 1e-5, name="logp")
+    assert_close(entropy, ref_entropy, 1e-5, name="entropy")
+    assert_close(grads[0], ref_grads[0], 1e-5, name="d hidden")
+    for name, grad, ref_grad in (("d weight", grads[1], ref_grads[1]), ("d bias", grads[2], ref_grads[2])):
+        assert_close(grad[kept], ref_grad, 1e-5, name=name)
+        assert softcap or torch.all(grad[banned] == 0), name
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_peaked_distributions_keep_the_relative_accuracy_of_entropy_and_logp(temperature, backend):
+    """Entropies from 1e-4 down to 1e-8 within 1e-3 relative of float64, and so the log-prob of the peak: fp32
+    loses all relative accuracy of lse - E[z] below about 1e-6 |z_max| (here logits near 15). Rows with two equal
+    peaks (entropy near ln 2) keep the ordinary accuracy."""
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 24, 300
+    gap = torch.linspace(16.0, 30.0, rows)[:, None] * temperature          # peak minus the others, in logits
+    logits = 15.0 - gap + 0.5 * torch.randn(rows, vocab, generator=gen)
+    peak = torch.randint(0, vocab, (rows,), generator=gen)
+    logits[torch.arange(rows), peak] = 15.0
+    logits[-2:, (peak[-2:] + 7) % vocab] = 15.0                            # two rows with a tie at the top
+    hidden = torch.eye(rows).to(DEVICE)                                   # hidden @ weight.T = logits, exactly
+    weight = logits.t().contiguous().to(DEVICE)
+    targets = peak.to(DEVICE)
+    logp, entropy = gf.token_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=True,
+                                      backend=backend)
+    ref_logp, ref_entropy = reference.token_logprobs(hidden.double(), weight.double(), targets,
+                                                     temperature=temperature, return_entropy=True)
+    assert ref_entropy[:-2].min() < 1e-8 and ref_entropy[:-2].max() > 1e-4
+    for name, ours, ref in (("entropy", entropy, ref_entropy), ("logp", logp, ref_logp)):
+        relative = ((ours.double() - ref).abs() / ref.abs()).max().item()
+        assert relative <= 1e-3, f"{name}: relative error {relative:.2e}"
