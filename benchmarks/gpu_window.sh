@@ -6,15 +6,16 @@
 # pytest, ...); (3) gpu_check with a budget, under a hard timeout; (4) the kernel tests (gpu_check.KERNEL_TESTS)
 # under a timeout, into OUT_DIR/kernel_tests.txt. gpu_check rewrites gpu_check.json and SUMMARY.md after every
 # phase, and every step appends to OUT_DIR/window.log as it goes, so a crash or a timeout keeps what was measured.
-# The whole window stays within WINDOW_S seconds (default 570: one 10-minute command of a GPU lease).
+# The whole window stays within WINDOW_S seconds (default 420: with the machine's start, about 9 of a
+# 15-minute GPU lease, which leaves room to run a shortened window again).
 #
 # Settings (environment variables):
 #   PYTHON                the interpreter (default python3)
-#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 240)
-#   GPU_CHECK_TIMEOUT     hard limit of the gpu_check phase (default 300)
+#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 180)
+#   GPU_CHECK_TIMEOUT     hard limit of the gpu_check phase (default 230)
 #   GPU_CHECK_ARGS        more gpu_check flags, e.g. "--device cpu --backend torch --quick" (a CPU dry run)
 #   KERNEL_TESTS          the kernel test command (default: gpu_check.KERNEL_TESTS, run verbosely)
-#   KERNEL_TESTS_TIMEOUT  its limit in seconds (default 200, less if the window has less left)
+#   KERNEL_TESTS_TIMEOUT  its limit in seconds (default 160, less if the window has less left)
 #   SKIP_INSTALL=1        use the environment as it is (a development checkout that is installed already)
 #   INSTALL_DRY_RUN=1     log the install commands instead of running them (to try the script on a dev machine)
 set -u -o pipefail
@@ -26,7 +27,7 @@ OUT=$(cd "$OUT" && pwd)
 [ -n "$WHEELS" ] && WHEELS=$(cd "$WHEELS" && pwd)
 cd "$(dirname "$0")/.."                       # the repository root: tests and `pip install -e .` run from here
 PY=${PYTHON:-python3}
-WINDOW_S=${WINDOW_S:-570}
+WINDOW_S=${WINDOW_S:-420}
 START=$SECONDS
 LOG="$OUT/window.log"
 export PYTHONUNBUFFERED=1                     # every row reaches the log as it is printed
@@ -96,10 +97,10 @@ EOF
 fi
 
 # (3) gpu_check: it writes OUT/gpu_check.json and OUT/SUMMARY.md after every phase
-CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-300}
+CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-230}
 [ "$CHECK_TIMEOUT" -gt "$(($(left) - 30))" ] && CHECK_TIMEOUT=$(($(left) - 30))
-log "gpu_check, budget ${GPU_CHECK_BUDGET:-240} s, timeout $CHECK_TIMEOUT s"
-timeout -k 10 "$CHECK_TIMEOUT" "$PY" -m grpo_fast.benchmarks.gpu_check "$OUT" --budget "${GPU_CHECK_BUDGET:-240}" \
+log "gpu_check, budget ${GPU_CHECK_BUDGET:-180} s, timeout $CHECK_TIMEOUT s"
+timeout -k 10 "$CHECK_TIMEOUT" "$PY" -m grpo_fast.benchmarks.gpu_check "$OUT" --budget "${GPU_CHECK_BUDGET:-180}" \
   ${GPU_CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
 CHECK_STATUS=$?
 log "gpu_check exit status $CHECK_STATUS (0 pass, 1 a correctness row failed, 124/137 timed out)"
@@ -109,7 +110,7 @@ rm -f "$OUT"/*.tmp                            # a write cut short by the timeout
 TESTS=${KERNEL_TESTS:-"$("$PY" -c 'from grpo_fast.benchmarks.gpu_check import KERNEL_TESTS; print(KERNEL_TESTS)' \
   2>>"$LOG") -vv --tb=short -p no:cacheprovider"}
 TESTS=${TESTS/#python /$PY }
-TEST_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-200}
+TEST_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-160}
 [ "$TEST_TIMEOUT" -gt "$(($(left) - 5))" ] && TEST_TIMEOUT=$(($(left) - 5))
 if [ "$TEST_TIMEOUT" -lt 20 ]; then
   log "kernel tests: skipped, $(left) s left in the window" | tee "$OUT/kernel_tests.txt"

@@ -36,7 +36,7 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
     assert "-m pip install -q --no-deps --no-build-isolation -e ." in log, log
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["finished"] and result["summary"][0].startswith("SUMMARY: PASS")
-    assert "--budget 240" in result["command"]
+    assert "--budget 180" in result["command"]
     assert (out / "kernel_tests.txt").read_text().splitlines()[-1] == "12345"
     assert "gpu_check: 0, kernel tests: 0" in done.stdout and "benchmarks/results/cpu/" in log
 
