@@ -29,7 +29,7 @@ def first_fit(shape, capacity: int, completion_length: int, margin: float):
     for dtype, optimizer, rank, label in OPTIONS:
         job = Job(prompt_length=512, completion_length=completion_length, group_size=8, prompts_per_step=4,
                   micro_batch_size=1, dtype=dtype, optimizer=optimizer, lora_rank=rank, gpu_memory_utilization=0.3)
-        estimate = plan(shape, job)
+        estimate = plan(shape, job, capacity)          # the loss's default chunk budget is a share of the card
         ok, needed = fits_in(shape, job, estimate, capacity)
         if ok and needed <= (1 - margin) * capacity:
             return label, estimate["total"], needed

@@ -54,13 +54,19 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_chunk_bytes(device: torch.device) -> int:
-    """256 MiB on CPU; on CUDA 1/16 of the device's total memory, clamped to [1 GiB, 8 GiB] (8 GiB on a 141 GB
-    card, 4.9 GiB on an 80 GB one, 1.4 GiB on a 24 GB one). It depends on the device model only, never on what is
-    free at the time, so the chunking of a shape is reproducible; pass chunk_bytes explicitly where less is free."""
+    """256 MiB on CPU; on CUDA `cuda_chunk_bytes` of the device's total memory. It depends on the device model
+    only, never on what is free at the time, so the chunking of a shape is reproducible; pass chunk_bytes
+    explicitly where less is free."""
     if device.type != "cuda":
         return DEFAULT_CHUNK_BYTES_CPU
-    total = torch.cuda.get_device_properties(device).total_memory
-    return int(min(max(total * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
+    return cuda_chunk_bytes(torch.cuda.get_device_properties(device).total_memory)
+
+
+def cuda_chunk_bytes(total_memory: int) -> int:
+    """The default chunk budget on a CUDA device of `total_memory` bytes: 1/16 of it, clamped to [1 GiB, 8 GiB]
+    (8 GiB on a 141 GB card, 4.9 GiB on an 80 GB one, 1.4 GiB on a 24 GB one). The planner
+    (grpo_fast/train/plan.py) counts the same budget per card."""
+    return int(min(max(total_memory * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
 
 
 def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops: backends.ChunkOps) -> int:

@@ -126,9 +126,10 @@ def log_memory_plan(config: TrainConfig, samples: list, device: torch.device, lo
         return
     prompt_bytes = max(len((tasks.problem_key(s) + (config.system_prompt or "")).encode()) for s in samples) + 64
     job = plan.training_job(config, prompt_bytes, device.type)
-    log(f"memory plan (grpo-fast plan for the table): {plan.summary(plan.plan(shape, job))}")
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    log(f"memory plan (grpo-fast plan for the table): {plan.summary(plan.plan(shape, job, capacity))}")
     if device.type == "cuda":
-        advice = plan.fit_advice(config, shape, prompt_bytes, torch.cuda.get_device_properties(device).total_memory)
+        advice = plan.fit_advice(config, shape, prompt_bytes, capacity)
         if advice:
             log(f"warning: this job may not fit: {advice}")
 

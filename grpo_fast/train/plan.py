@@ -2,8 +2,8 @@
 
     shape = PRESETS["qwen2.5-1.5b"]                      # or ModelShape.from_config("config.json")
     job = Job(prompt_length=512, completion_length=16384, group_size=8, micro_batch_size=1, loss="grpo_fast")
-    estimate = plan(shape, job)                          # {"weights": bytes, ..., "total": bytes}
-    print(format_plan(shape, job, estimate))             # a table and the cards it fits
+    estimate = plan(shape, job, CARDS["H100 80GB"])      # {"weights": bytes, ..., "total": bytes} on that card
+    print(format_report(report("qwen2.5-1.5b", shape, job)))   # a table and the cards it fits
 
 The peak is reached in the backward pass of a micro-batch, once gradients and optimizer states exist:
 
@@ -15,8 +15,9 @@ backward (norms in fp32, q/k/v, the rotary products, the attention output, the M
 products), with flash / memory-efficient attention (no (T x T) scores). Gradient checkpointing keeps each layer's
 input and recomputes one layer at a time. The loss buffers are what each implementation holds for the
 micro-batch's completion tokens: the full logits and their fp32 copies (naive), TRL 1.16's fused LM head tile,
-or grpo_fast's chunk buffer. Constants are checked against measured peaks (tests/test_memory_plan.py on CPU,
-benchmarks/long_context.py), not guessed.
+or grpo_fast's chunk buffer, whose default budget on CUDA depends on the card (grpo_fast.chunked.cuda_chunk_bytes).
+Constants are checked against measured peaks (tests/test_memory_plan.py on CPU, benchmarks/long_context.py), not
+guessed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from grpo_fast import chunked
 from grpo_fast.train import precision
 
 GIB = 2**30
@@ -232,8 +234,10 @@ def _bytes(dtype: str) -> tuple:
     return {"bf16-autocast": (4, 2), "bf16": (2, 2), "fp32": (4, 4)}[dtype]
 
 
-def plan(shape: ModelShape, job: Job) -> dict:
-    """Predicted peak memory per component, in bytes, and their sum as "total"."""
+def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> dict:
+    """Predicted peak memory per component, in bytes, and their sum as "total", on a CUDA card of `capacity`
+    bytes: grpo_fast's default chunk budget is a share of the card (grpo_fast.chunked.cuda_chunk_bytes). Without
+    a capacity the largest budget any card gets is counted, an upper bound. CPU plans do not depend on it."""
     param_bytes, act_bytes = _bytes(job.dtype)
     params = shape.num_parameters()
     trainable, trainable_bytes, autocast_copies = params, param_bytes, job.dtype == "bf16-autocast"
@@ -255,13 +259,13 @@ def plan(shape: ModelShape, job: Job) -> dict:
         activations = tokens * (shape.num_layers * h * act_bytes + int(RECOMPUTE_PEAK * per_layer) + around)
     else:
         activations = tokens * (shape.num_layers * per_layer + around)
-    loss_bytes = _loss_buffers(job, shape, completion_tokens, act_bytes)
+    loss_bytes = _loss_buffers(job, shape, completion_tokens, act_bytes, capacity)
     # A no-grad pass (reference log-probs with beta > 0, old log-probs for vLLM's correction) holds one layer's
     # transient working set and the loss's forward buffers.
     no_grad = 0
     if job.beta > 0 or job.engine == "vllm":
         no_grad = tokens * (int(RECOMPUTE_PEAK * per_layer) + around) + _loss_buffers(
-            job, shape, completion_tokens, act_bytes, forward_only=True)
+            job, shape, completion_tokens, act_bytes, capacity, forward_only=True)
     components = {
         "weights": params * param_bytes + (trainable * 4 if job.lora_rank else 0),
         "gradients": trainable * trainable_bytes,
@@ -277,7 +281,8 @@ def plan(shape: ModelShape, job: Job) -> dict:
     return components
 
 
-def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, forward_only: bool = False) -> int:
+def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capacity: Optional[int],
+                  forward_only: bool = False) -> int:
     v, h = shape.vocab_size, shape.hidden_size
     # fp32 d(hidden), and d(weight) unless the head is frozen (LoRA)
     gradients = 0 if forward_only else tokens * h * 4 + (0 if job.lora_rank else v * h * 4)
@@ -286,9 +291,13 @@ def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, forw
     if job.loss == "trl":
         tile = min(tokens, TRL_TILE[0]) * min(v, TRL_TILE[1]) * 4 * TRL_TILE_COPIES
         return tile + gradients
-    # On CUDA the loss's default budget is 1/8 of the memory free when it runs, at least 1 GiB: the plan counts the
-    # 1 GiB floor (more is only taken from memory that is free at that moment, so it cannot break a plan's fit).
-    chunk_bytes = job.chunk_bytes or (2**30 if job.device == "cuda" else 256 * 2**20)
+    # the loss's default budget: on CUDA a share of the card's total memory (the largest share of any card when
+    # no card is given), on CPU a fixed one
+    chunk_bytes = job.chunk_bytes
+    if chunk_bytes is None and job.device == "cuda":
+        chunk_bytes = chunked.CUDA_CHUNK_BYTES_MAX if capacity is None else chunked.cuda_chunk_bytes(capacity)
+    elif chunk_bytes is None:
+        chunk_bytes = chunked.DEFAULT_CHUNK_BYTES_CPU
     # the chunk's working set per logit: Triton works in place on the GEMM buffer; the PyTorch path (CPU) keeps
     # the buffer, an fp32 copy when it is not fp32, the probabilities and one temporary
     per_logit = act_bytes if job.device == "cuda" else act_bytes + (0 if act_bytes == 4 else 4) + 8
@@ -303,14 +312,20 @@ def kv_cache_needed(shape: ModelShape, job: Job) -> int:
     return sequences * (job.prompt_length + job.completion_length) * per_token
 
 
-def fits(shape: ModelShape, job: Job, estimate: dict) -> dict:
-    """card -> (fits, needed bytes): training peak plus, with vLLM colocated, its pool
-    (gpu_memory_utilization x card, which must also hold vLLM's bf16 weights and the KV cache)."""
-    return {card: fits_in(shape, job, estimate, capacity) for card, capacity in CARDS.items()}
+def fits(shape: ModelShape, job: Job) -> dict:
+    """card -> (fits, needed bytes, training peak bytes): the card's training peak (plan for that card) plus,
+    with vLLM colocated, its pool (gpu_memory_utilization x card, which must also hold vLLM's bf16 weights and
+    the KV cache)."""
+    result = {}
+    for card, capacity in CARDS.items():
+        estimate = plan(shape, job, capacity)
+        result[card] = fits_in(shape, job, estimate, capacity) + (estimate["total"],)
+    return result
 
 
 def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple:
-    """(fits, needed bytes) on a card of `capacity` bytes; see `fits`."""
+    """(fits, needed bytes) on a card of `capacity` bytes, for the estimate plan(shape, job, capacity); see
+    `fits`."""
     needed, pool_ok = estimate["total"], True
     if job.engine == "vllm":
         vllm_minimum = (shape.num_parameters() * 2
@@ -337,7 +352,7 @@ def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
     import dataclasses
 
     job = training_job(config, prompt_length, "cuda")
-    ok, needed = fits_in(shape, job, plan(shape, job), capacity)
+    ok, needed = fits_in(shape, job, plan(shape, job, capacity), capacity)
     if ok:
         return None
     message = f"the plan needs {needed / GIB:.1f} GiB on this {capacity / GIB:.1f} GiB card"
@@ -347,7 +362,7 @@ def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
         if all(getattr(config, key) == value for key, value in change.items()):
             continue
         changed = training_job(dataclasses.replace(config, **change), prompt_length, "cuda")
-        changed_ok, changed_needed = fits_in(shape, changed, plan(shape, changed), capacity)
+        changed_ok, changed_needed = fits_in(shape, changed, plan(shape, changed, capacity), capacity)
         if changed_ok:
             named = " with ".join(f"{key}: {value}" for key, value in change.items())
             return f"{message}; {named} would make it fit ({changed_needed / GIB:.1f} GiB){caveat}"
@@ -366,9 +381,10 @@ class PlanReport:
 
 
 def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
-    estimate = plan(shape, job)
-    cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card]}
-             for card, (ok, need) in fits(shape, job, estimate).items()}
+    estimate = plan(shape, job)                   # with no card: the largest chunk budget
+    cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card],
+                    "training_peak_bytes": int(peak)}
+             for card, (ok, need, peak) in fits(shape, job).items()}
     return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
                       components={k: int(v) for k, v in estimate.items()},
                       kv_cache_needed=kv_cache_needed(shape, job), cards=cards)
@@ -391,6 +407,11 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']}: pool = that share of the card; "
                      f"one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB (less is "
                      "fine: vLLM queues)")
+    if any(result["training_peak_bytes"] != report.components["total"] for result in report.cards.values()):
+        low, high = chunked.CUDA_CHUNK_BYTES_MIN / GIB, chunked.CUDA_CHUNK_BYTES_MAX / GIB
+        lines.append(f"loss_buffers counts the largest default chunk budget; a card's is "
+                     f"1/{1 / chunked.CUDA_CHUNK_FRACTION:g} of its memory within [{low:g}, {high:g}] GiB, "
+                     "and each card below counts its own")
     lines += ["", "GiB = 2^30 bytes; a card holds the total memory CUDA reports for it"]
     for card, result in report.cards.items():
         verdict = "fits" if result["fits"] else "does not fit"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from grpo_fast.train.plan import GIB, PRESETS, Job, ModelShape, load_shape, plan
+from grpo_fast.train.plan import CARDS, GIB, PRESETS, Job, ModelShape, load_shape, plan
 
 
 def test_parameter_count_matches_transformers(tmp_path):
@@ -35,9 +35,11 @@ def test_presets_have_the_published_sizes():
 
 def test_components_behave():
     shape = PRESETS["qwen2.5-1.5b"]
-    short, long = (plan(shape, Job(completion_length=n, loss="grpo_fast")) for n in (4096, 32768))
+    # past the card's chunk budget (1.4 GiB on a 24 GB card) grpo_fast's buffer stays, only d(hidden) grows
+    small_card = CARDS["24 GB (RTX 4090 / L4)"]
+    short, long = (plan(shape, Job(completion_length=n, loss="grpo_fast"), small_card) for n in (8192, 32768))
     naive_short, naive_long = (plan(shape, Job(completion_length=n, loss="naive")) for n in (4096, 32768))
-    assert long["loss_buffers"] - short["loss_buffers"] < 0.05 * long["loss_buffers"] + 28672 * 1536 * 4 + 1
+    assert long["loss_buffers"] - short["loss_buffers"] < 0.05 * long["loss_buffers"] + 24576 * 1536 * 4 + 1
     assert naive_long["loss_buffers"] > 7 * naive_short["loss_buffers"]            # grows with tokens
     tokens_v = 32768 * shape.vocab_size
     assert naive_long["loss_buffers"] >= tokens_v * (2 + 12)                         # bf16 logits + fp32 copies
@@ -101,3 +103,34 @@ def test_plan_within_20_percent_of_measured_cpu_peak(loss):
     planned = plan(shape, Job(prompt_length=PROMPT, completion_length=2048, group_size=2, micro_batch_size=1,
                               dtype="fp32", loss=loss, engine="hf", device="cpu"))["total"]
     assert 0.8 < planned / measured < 1.2, (planned / GIB, measured / GIB)
+
+
+def test_grpo_fast_chunk_is_the_loss_default_budget_of_each_card():
+    """On CUDA the loss's default chunk budget is a share of the card's total memory (chunked.cuda_chunk_bytes):
+    a job whose bf16 logits exceed 1 GiB counts 4.9 GiB on an 80 GB card and 1.4 GiB on a 24 GB one, not 1 GiB."""
+    import dataclasses
+
+    from grpo_fast import chunked
+    from grpo_fast.train.plan import fits, fits_in
+
+    shape = PRESETS["qwen2.5-1.5b"]
+    job = Job(completion_length=32768, engine="hf")                  # 32768 x 151936 bf16 logits: 9.3 GiB
+    one_gib = plan(shape, dataclasses.replace(job, chunk_bytes=GIB))
+    for card, budget in (("H100 80GB", 79.1 * GIB / 16), ("24 GB (RTX 4090 / L4)", 22.0 * GIB / 16),
+                         ("H200 141GB", 8 * GIB)):
+        capacity = CARDS[card]
+        assert chunked.cuda_chunk_bytes(capacity) == int(budget), card
+        estimate = plan(shape, job, capacity)
+        assert estimate["loss_buffers"] - one_gib["loss_buffers"] == int(budget) - GIB, card
+        assert estimate["total"] - one_gib["total"] == int(budget) - GIB, card
+        assert fits(shape, job)[card] == fits_in(shape, job, estimate, capacity) + (estimate["total"],)
+    assert plan(shape, job) == plan(shape, job, CARDS["H200 141GB"])   # no card: the largest budget, 8 GiB
+    # logits under the budget: the chunk holds them all, whatever the card; a given chunk_bytes overrides the card
+    short = Job(completion_length=1024, engine="hf")
+    assert len({plan(shape, short, capacity)["total"] for capacity in CARDS.values()}) == 1
+    assert all(plan(shape, dataclasses.replace(job, chunk_bytes=GIB), capacity) == one_gib
+               for capacity in CARDS.values())
+    # CPU plans do not depend on a card: 256 MiB
+    cpu = Job(completion_length=32768, engine="hf", device="cpu", dtype="fp32")
+    assert plan(shape, cpu, CARDS["H200 141GB"]) == plan(shape, cpu, CARDS["24 GB (RTX 4090 / L4)"]) == plan(shape, cpu)
+    assert plan(shape, cpu) == plan(shape, dataclasses.replace(cpu, chunk_bytes=chunked.DEFAULT_CHUNK_BYTES_CPU))
