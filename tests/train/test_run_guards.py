@@ -146,10 +146,10 @@ def test_resume_refuses_a_changed_model_or_data_and_applies_other_keys(tmp_path,
     monkeypatch.setattr(T, "policy_update", spy)
     logged = []
     helpers.CALLS.update(n=0, interrupt_at=None)
-    T.train(TrainConfig(**{**FAST, "max_steps": 3, "learning_rate": 5e-4, "weight_decay": 0.1},
+    T.train(TrainConfig(**{**FAST, "max_steps": 3, "learning_rate": 2.5e-4, "weight_decay": 0.1},
                         output_dir=str(tmp_path / "run")), resume=True, log=logged.append)
-    assert seen == {"lr": 5e-4, "weight_decay": 0.1}
-    assert any("learning_rate 0.001 -> 0.0005" in line for line in logged), logged
+    assert seen == {"lr": 2.5e-4, "weight_decay": 0.1}
+    assert any("learning_rate 0.0005 -> 0.00025" in line for line in logged), logged
 
 
 def test_the_checkpoint_keeps_the_tokenizer_the_weights_were_trained_with(tmp_path):
