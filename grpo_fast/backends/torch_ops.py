@@ -52,8 +52,8 @@ def transformed_(buffer, transform) -> torch.Tensor:
 def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
     """lse, logp and entropy relative to the row max m, with s = sum exp(z - m) and s - 1 summed without the
     max's own 1 (adding it would absorb a peaked row's small terms): lse = m + log1p(s - 1), logp = (z_t - m) -
-    log1p(s - 1), H = log1p(s - 1) - sum p (z - m), each accurate to its own size (H down to 1e-30, where
-    lse - sum p z cancels below about 1e-6)."""
+    log1p(s - 1), H = log1p(s - 1) - sum p (z - m), each accurate to its own size (tested down to H = 1e-8;
+    lse - sum p z loses all relative accuracy below about 1e-6 |m| in fp32)."""
     z = transformed_(buffer, transform)
     row_max, argmax = z.max(dim=-1, keepdim=True)
     shifted = torch.sub(z, row_max)                        # z - m <= 0
