@@ -91,6 +91,8 @@ def _eval(target: str, arguments: list) -> int:
     try:
         overrides = parse_overrides(arguments)
         if "num_samples" in overrides:
+            if "eval_samples" in overrides:
+                raise ValueError("--num-samples and --eval-samples are the same key: give one of them")
             overrides["eval_samples"] = overrides.pop("num_samples")
         evaluate_main(os.path.expanduser(target), overrides)
     except (ValueError, OSError) as error:

@@ -373,6 +373,29 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
+@functools.cache
+def _unique_keys_loader():
+    """yaml's SafeLoader, except that a key given twice in one mapping is an error (SafeLoader keeps the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            lines = {}                                            # key -> the line it was first given on
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":     # `<<: *base`: its keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, typing.Hashable) and key in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice, here and on line {lines[key]}; give it once",
+                        key_node.start_mark)
+                if isinstance(key, typing.Hashable):
+                    lines[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _read_yaml(path: str):
     import yaml
 
@@ -384,7 +407,7 @@ def _read_yaml(path: str):
         line = data[:error.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}: {error.reason})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_keys_loader())
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"{path}:{mark.line + 1}" if mark else path       # marks count lines from 0
@@ -432,20 +455,24 @@ def keys_help() -> str:
 
 
 def parse_overrides(items: list) -> dict:
-    """['--key', 'value', '--other', 'v'] -> {'key': 'value', 'other': 'v'} (dashes in keys become _)."""
+    """['--key', 'value', '--other=v'] -> {'key': 'value', 'other': 'v'}: dashes in keys become _, values are kept
+    exactly as given (`--output-dir=runs/my-run` is runs/my-run). A key given twice is an error."""
     overrides, index = {}, 0
     while index < len(items):
         item = items[index]
         if not item.startswith("--"):
             raise ValueError(f"expected --key value, got {item!r}")
-        key = item[2:].replace("-", "_")
-        if "=" in key:
-            key, value = key.split("=", 1)
+        key, equals, value = item[2:].partition("=")
+        if equals:
             index += 1
         else:
             if index + 1 >= len(items):
                 raise ValueError(f"--{key} needs a value")
             value = items[index + 1]
             index += 2
+        key = key.replace("-", "_")
+        if key in overrides:
+            raise ValueError(f"--{key.replace('_', '-')} is given twice ({overrides[key]!r} and {value!r}); give "
+                             "each key once")
         overrides[key] = value
     return overrides

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
-from grpo_fast.train.config import RULES, TrainConfig, load_config  # noqa: E402
+from grpo_fast.train.config import RULES, TrainConfig, load_config, parse_overrides  # noqa: E402
 
 NUMERIC = [f.name for f in dataclasses.fields(TrainConfig)
            if f.type in ("int", "float", "Optional[int]", "Optional[float]")]
@@ -211,3 +211,25 @@ def test_vespo_takes_the_rollout_correction_per_token():
             TrainConfig(loss_type="vespo", **corrected)
         assert TrainConfig(loss_type="vespo", importance_sampling="token_mask", **corrected).loss_type == "vespo"
     assert TrainConfig(loss_type="vespo").loss_config().loss_type == "vespo"   # HF in process: no correction
+
+
+def test_override_values_are_kept_exactly():
+    overrides = parse_overrides(["--output-dir=runs/my-run", "--system-prompt", "be brief - no steps",
+                                 "--task=data/my-file.jsonl"])
+    assert overrides == {"output_dir": "runs/my-run", "system_prompt": "be brief - no steps",
+                         "task": "data/my-file.jsonl"}
+
+
+def test_a_key_given_twice_is_an_error(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"^--max-steps is given twice \('3' and '4'\); give each key once$"):
+        parse_overrides(["--max-steps", "3", "--max_steps=4"])
+    path = tmp_path / "c.yaml"
+    path.write_text("max_steps: 3\nseed: 1\nmax_steps: 4\n")
+    with pytest.raises(ValueError) as error:
+        load_config(str(path))
+    assert str(error.value) == (f"{path}:3: not valid YAML (the key 'max_steps' is given twice, here and on line 1; "
+                                "give it once)")
+    path.write_text("max_steps: 3\n")
+    assert load_config(str(path), {"max_steps": "5"}).max_steps == 5        # the command line overrides the file
+    assert cli(["eval", str(tmp_path), "--num-samples", "2", "--eval-samples", "3"]) == 2
+    assert "--num-samples and --eval-samples are the same key" in capsys.readouterr().err
