@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import decimal
 import io
 import json
 import math
@@ -75,19 +76,20 @@ def load_samples(path: str, *, prompt_column: str = "prompt", solution_column: s
     # folder (deleted on leaving it), so nothing is left in HF_DATASETS_CACHE; save_to_disk folders are memory-mapped.
     with _quiet(datasets), tempfile.TemporaryDirectory(prefix="grpo_fast_data_") as cache:
         if os.path.isdir(path):
-            dataset, lines = _load_folder(datasets, path, split), None
+            dataset, lines, solutions = _load_folder(datasets, path, split), None, None
         elif split not in (None, "train"):
             raise ValueError(f"{path}: a file holds the one split 'train', not {split!r}")
         else:
-            dataset, lines = _load_file(datasets, path, cache, prompt_column, solution_column)
-        return _samples(path, dataset, prompt_column, solution_column, lines)
+            dataset, lines, solutions = _load_file(datasets, path, cache, prompt_column, solution_column)
+        return _samples(path, dataset, prompt_column, solution_column, lines, solutions)
 
 
 def _load_file(datasets, path: str, cache: str, prompt_column: str, solution_column: str):
-    """(the datasets.Dataset of the data file, the line of each row for JSON Lines, else None), read with `cache` as
-    datasets' cache_dir; the text is checked first, as datasets reports bad bytes and bad JSON without a line."""
+    """(the datasets.Dataset of the data file, the line of each row for JSON Lines, else None, the solution of each
+    row as the file writes it for JSON and JSON Lines, else None), read with `cache` as datasets' cache_dir; the
+    text is checked first, as datasets reports bad bytes and bad JSON without a line."""
     suffix = os.path.splitext(path)[1].lower()
-    source, lines, options = path, None, {}
+    source, lines, solutions, options = path, None, None, {}
     if suffix == ".parquet":
         _check_parquet(path)
     else:
@@ -101,22 +103,30 @@ def _load_file(datasets, path: str, cache: str, prompt_column: str, solution_col
         options = {"features": datasets.Features({prompt_column: string, solution_column: string}),
                    "keep_default_na": False, "na_values": [""]}
     elif suffix in (".jsonl", ".json"):
-        lines = _check_json(path, text, array_allowed=suffix == ".json")
+        lines, rows = _check_json(path, text, array_allowed=suffix == ".json")
+        # datasets reads a column mixing ints and floats as float64 (9007199254740993 -> ...992): the solutions
+        # are taken from the file's own text instead, numbers as written (see _solution)
+        solutions = [row.get(solution_column) for row in rows]
         from datasets.packaged_modules.json.json import JsonConfig
 
         # Recent datasets versions turn columns that look like agent traces into another schema: not wanted here.
         options = {"parse_agent_traces": False} if hasattr(JsonConfig, "parse_agent_traces") else {}
-        rows = "".join(line + "\n" for line in text.split("\n") if line.strip())
-        if lines is not None and rows != text:
+        if lines is None:
+            # datasets reads a JSON array through pandas, which refuses an integer beyond 64 bits: it reads the
+            # rows as JSON Lines instead
+            copy = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in json.loads(text))
+        else:
+            copy = "".join(line + "\n" for line in text.split("\n") if line.strip())
+        if copy != text:
             # Blank lines break datasets' handling of a column mixing types (text and messages, text and numbers),
             # so it reads a copy without them.
             source = os.path.join(cache, "rows.jsonl")
             with open(source, "w", encoding="utf-8") as f:
-                f.write(rows)
+                f.write(copy)
     reader = {".parquet": datasets.Dataset.from_parquet, ".csv": datasets.Dataset.from_csv}.get(
         suffix, datasets.Dataset.from_json)
     try:
-        return reader(source, cache_dir=cache, keep_in_memory=True, **options), lines
+        return reader(source, cache_dir=cache, keep_in_memory=True, **options), lines, solutions
     except Exception as error:  # datasets, pyarrow and pandas raise many kinds; keep one line of the cause
         raise _unreadable(path, FORMATS[suffix], error) from None
 
@@ -190,33 +200,49 @@ def _read_text(path: str) -> str:
     return text.removeprefix("\ufeff")
 
 
-def _check_json(path: str, text: str, array_allowed: bool) -> list[int] | None:
-    """The line number of each row of JSON Lines `text` (None for a JSON array); raises a ValueError naming the line
-    of a row that is not a JSON object."""
+class JsonNumber(str):
+    """The text of a number in a JSON file, exactly as written (json's parse_int / parse_float hook)."""
+
+
+def _json_rows(text: str):
+    return json.loads(text, parse_int=JsonNumber, parse_float=JsonNumber)
+
+
+def _check_json(path: str, text: str, array_allowed: bool) -> tuple[list[int] | None, list[dict]]:
+    """(the line number of each row of JSON Lines `text`, None for a JSON array; the rows, numbers as JsonNumber
+    text); raises a ValueError naming the line of a row that is not a JSON object."""
     if array_allowed and text.lstrip().startswith("["):
         try:
-            rows = json.loads(text)
+            rows = _json_rows(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{error.lineno}: not JSON ({error.msg} at column {error.colno})") from None
         for index, row in enumerate(rows):
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: item {index} of the array is a {type(row).__name__}, not a JSON object")
+                raise ValueError(f"{path}: item {index} of the array is a {_json_type(row)}, not a JSON object")
         if not rows:
             raise ValueError(f"{path}: no rows (an empty JSON array)")
-        return None
+        return None, rows
     hint = " (a .json file holds a JSON array of objects or one object per line)" if array_allowed else ""
-    numbers = []
+    numbers, rows = [], []
     for number, line in enumerate(text.split("\n"), 1):   # not splitlines: JSON text may hold a raw U+2028
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = _json_rows(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{number}: not JSON ({error.msg} at column {error.colno}){hint}") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}{hint}")
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {_json_type(row)}{hint}")
         numbers.append(number)
-    return numbers
+        rows.append(row)
+    return numbers, rows
+
+
+def _json_type(value) -> str:
+    """The Python type name json would give `value` (int or float for a number)."""
+    if isinstance(value, JsonNumber):
+        return "int" if value.lstrip("-").isdigit() else "float"
+    return type(value).__name__
 
 
 def _check_parquet(path: str) -> None:
@@ -250,12 +276,15 @@ def _check_columns(path: str, found: list[str], prompt_column: str, solution_col
             raise ValueError(f"{path}: no column {column!r} ({key}); columns found: {list(found)}")
 
 
-def _samples(path: str, dataset, prompt_column: str, solution_column: str, lines=None) -> list[dict]:
-    """The checked samples of a datasets.Dataset; `lines` (the line of each row) is named in errors when given."""
+def _samples(path: str, dataset, prompt_column: str, solution_column: str, lines=None, solutions=None) -> list[dict]:
+    """The checked samples of a datasets.Dataset; `lines` (the line of each row) is named in errors when given;
+    `solutions` (one per row, as the file writes them) stand in for the dataset's solution column when given."""
     _check_columns(path, dataset.column_names, prompt_column, solution_column)
     if dataset.num_rows == 0:
         raise ValueError(f"{path}: no rows")
     columns = dataset.with_format(None).select_columns(list(dict.fromkeys([prompt_column, solution_column]))).to_dict()
+    if solutions is not None and len(solutions) == dataset.num_rows:
+        columns[solution_column] = solutions
     samples = []
     for index, (prompt, solution) in enumerate(zip(columns[prompt_column], columns[solution_column])):
         row = f"{path}: row {index}" + (f" (line {lines[index]})" if lines else "")
@@ -283,7 +312,13 @@ def _prompt(value, where: str):
 
 
 def _solution(value, where: str) -> str:
-    """The gold answer as text: a string as is, a number by str() (an integral float such as 42.0 as "42")."""
+    """The gold answer as text: a string as is, a number by str() (an integral float such as 42.0 as "42"), a JSON
+    number as written in the file (digits exact however many; 42.0 and 4.2e1 as "42", 3.50 as "3.50")."""
+    if isinstance(value, JsonNumber):
+        number = decimal.Decimal(value)
+        if number.is_finite() and number == number.to_integral_value() and abs(number.adjusted()) < 1000:
+            return str(int(number))              # a whole number (not 1e100000, which int() would spell out)
+        return str(value)
     if isinstance(value, bool) or not isinstance(value, (str, int, float, type(None))):
         raise ValueError(f"{where}: expected text or a number, got {type(value).__name__}")
     if value is None or isinstance(value, float) and math.isnan(value) or isinstance(value, str) and not value.strip():

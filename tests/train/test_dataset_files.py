@@ -119,6 +119,19 @@ def test_integral_floats_render_as_integers(tmp_path):
     assert [s["solution"] for s in dataset_files.load_samples(path)] == ["42", "2.5", "7"]
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "json array", "csv"])
+def test_answers_keep_the_text_the_file_writes(tmp_path, kind):
+    # a column mixing ints and floats goes through float64 in datasets: 2**53 + 1 would read as 2**53
+    rows = [{"prompt": "a", "solution": 2**53 + 1}, {"prompt": "b", "solution": 2.5},
+            {"prompt": "c", "solution": 12345678901234567890123}, {"prompt": "d", "solution": 4.0}]
+    path = WRITERS[kind](tmp_path, rows)
+    assert [s["solution"] for s in dataset_files.load_samples(path)] == [
+        "9007199254740993", "2.5", "12345678901234567890123", "4.0" if kind == "csv" else "4"]
+    path = write_parquet(tmp_path / "ints.parquet", [{"prompt": "a", "solution": 2**53 + 1},
+                                                     {"prompt": "b", "solution": -(2**62)}])
+    assert [s["solution"] for s in dataset_files.load_samples(path)] == ["9007199254740993", str(-(2**62))]
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet", "save_to_disk Dataset"])
 def test_custom_column_names(tmp_path, kind):
     rows = [{"question": s["prompt"], "answer": s["solution"], "other": "x"} for s in SAMPLES]
