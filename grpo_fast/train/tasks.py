@@ -7,6 +7,7 @@ math-verify can parse).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -130,6 +131,51 @@ def load_task(config) -> tuple:
         raise ValueError(f"task {config.task!r}: every problem is among the held-out ones "
                          f"({len(held_out)} problems); nothing is left to train on")
     return training, held_out
+
+
+def _sample_hash(sample: dict) -> str:
+    return hashlib.sha256(json.dumps([sample["prompt"], sample["solution"]], ensure_ascii=False).encode()).hexdigest()
+
+
+def _hash_of(hashes) -> str:
+    return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+def data_identity(samples: list, held_out: list) -> dict:
+    """What a run's data is, to compare at a resume (check_data_identity): the number of training samples, a
+    SHA-256 of them in order and one of them in any order, and the held-out problems (problem_key of each, in
+    order). samples, held_out: as load_task returns them."""
+    hashes = [_sample_hash(sample) for sample in samples]
+    return {"samples": len(samples), "samples_sha256": _hash_of(hashes), "rows_sha256": _hash_of(sorted(hashes)),
+            "held_out": [problem_key(sample) for sample in held_out],
+            "held_out_sha256": _hash_of(_sample_hash(sample) for sample in held_out)}
+
+
+def check_data_identity(saved: dict | None, current: dict, source: str) -> None:
+    """Raises ValueError when the data a run resumes with (current, data_identity) is not the data its checkpoint
+    trained on (saved): rows added or removed, rows changed, their order changed (each step draws its prompts by
+    position), or other held-out problems (a held-out problem would become a training prompt). The error names
+    `source` (the dataset) and what changed. saved None (a checkpoint without it) is not checked."""
+    if saved is None or saved == current:
+        return
+    before, after = set(saved["held_out"]), set(current["held_out"])
+    if before != after:
+        trained = len(before - after)
+        change = (f"the held-out problems changed ({len(saved['held_out'])} -> {len(current['held_out'])}; "
+                  f"{trained} held out before would now be trained on)")
+    elif saved["samples"] != current["samples"]:
+        verb = "added" if current["samples"] > saved["samples"] else "removed"
+        change = (f"training rows {verb} ({saved['samples']} -> {current['samples']} samples)")
+    elif saved["rows_sha256"] != current["rows_sha256"]:
+        change = f"training rows changed ({current['samples']} samples, not the same ones)"
+    elif saved["samples_sha256"] != current["samples_sha256"]:
+        change = "the order of the rows changed (each step draws its prompts by position)"
+    elif saved["held_out"] != current["held_out"]:
+        change = "the order of the held-out problems changed"
+    else:
+        change = "the held-out problems' solutions changed"
+    raise ValueError(f"--resume: the data of {source!r} is not what the checkpoint trained on: {change}; restore "
+                     "the file the run started with, or start a new run in a new output_dir")
 
 
 def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:

@@ -1,5 +1,7 @@
 """The offline default's pieces: tokenizer trained in code, tiny model, arithmetic task, JSONL loading."""
 
+import json
+
 import pytest
 import torch
 
@@ -65,3 +67,29 @@ def test_gsm8k_subset():
     scores = accuracy_reward([f"<answer>\n{s['solution']}\n</answer>" for s in samples[:20]],
                              solution=[s["solution"] for s in samples[:20]])
     assert scores == [1.0] * 20
+
+
+def test_data_identity_names_what_changed_in_the_file(tmp_path):
+    from grpo_fast.train.config import TrainConfig
+
+    rows = [json.dumps({"prompt": f"{a}+{a}=", "solution": str(2 * a)}) for a in range(20)]
+    path = tmp_path / "data.jsonl"
+
+    def identity(lines, **keys):
+        path.write_text("\n".join(lines) + "\n")
+        return tasks.data_identity(*tasks.load_task(TrainConfig(task=str(path), **keys)))
+
+    saved = identity(rows, eval_fraction=0.2)
+    assert len(saved["held_out"]) == 4
+    tasks.check_data_identity(saved, identity(rows, eval_fraction=0.2), str(path))       # unchanged: no error
+    tasks.check_data_identity(None, saved, str(path))                                   # no record: not checked
+    shuffled = rows[10:] + rows[:10]
+    with pytest.raises(ValueError, match=r"data\.jsonl' is not what the checkpoint trained on: the held-out problems "
+                                         r"changed .*restore the file .* new output_dir"):
+        tasks.check_data_identity(saved, identity(shuffled, eval_fraction=0.2), str(path))
+    with pytest.raises(ValueError, match=r"the order of the rows changed"):
+        tasks.check_data_identity(identity(rows, eval_fraction=0.0), identity(shuffled, eval_fraction=0.0), str(path))
+    with pytest.raises(ValueError, match=r"training rows added \(20 -> 21 samples\)"):
+        tasks.check_data_identity(identity(rows, eval_fraction=0.0),
+                                  identity(rows + [json.dumps({"prompt": "x", "solution": "1"})], eval_fraction=0.0),
+                                  str(path))
