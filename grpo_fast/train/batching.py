@@ -7,8 +7,10 @@
 
 A rollout row is a left-padded prompt followed by a right-padded completion, so its real tokens are one
 contiguous run. Packed, the runs of a micro-batch are laid end to end in a single row whose position_ids restart
-at each sequence: transformers turns that into a block-diagonal causal mask (variable-length attention with
-flash-attention), and no token is padding. Padded, the rows keep their layout, cut down to the micro-batch's own
+at each sequence, and no token is padding; model_inputs also carries the sequence boundaries (cu_seq_lens_q / _k,
+max_length_q / _k, transformers' FlashAttentionKwargs), which flash-attention and grpo_fast.train.attention's
+per-sequence attention read, so that attention costs memory linear in the tokens (transformers' sdpa would build a
+dense (N, N) block-diagonal mask over the packed row instead: grpo_fast.train.attention.use_varlen_attention). Padded, the rows keep their layout, cut down to the micro-batch's own
 longest prompt and completion. Either way the loss sees the same (b, C) completion tensors.
 """
 
@@ -44,8 +46,8 @@ def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: 
 class MicroBatch:
     """Model inputs of some rollout rows and where each completion token's predicting hidden state lands.
 
-    model_inputs: keyword arguments of the decoder (input_ids with attention_mask, or with position_ids when
-    packed); hidden_index (b, C): flat positions in the decoder output (rows x length) of the hidden state that
+    model_inputs: keyword arguments of the decoder (input_ids with attention_mask, or with position_ids and the
+    sequence boundaries cu_seq_lens_q / _k (int32, [0, L_0, L_0 + L_1, ...]) and max_length_q / _k when packed); hidden_index (b, C): flat positions in the decoder output (rows x length) of the hidden state that
     predicts completion token t (0 where the completion has ended); rows: the rollout rows; completion_length: C.
     """
 
@@ -75,7 +77,12 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
         starts = torch.cumsum(lengths, 0) - lengths
         tokens = input_ids[rows][mask]                            # the real tokens, row after row
         position_ids = torch.cat([torch.arange(int(n), device=device) for n in lengths])
-        model_inputs = {"input_ids": tokens[None], "position_ids": position_ids[None], "attention_mask": None}
+        # the sequence boundaries, for variable-length attention (grpo_fast.train.attention, flash-attention)
+        cu_seq_lens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+        longest = int(lengths.max())
+        model_inputs = {"input_ids": tokens[None], "position_ids": position_ids[None], "attention_mask": None,
+                        "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
+                        "max_length_k": longest}
         predicting = starts[:, None] + prompt_lengths[:, None] - 1 + steps[None]
     else:
         longest_prompt = int(prompt_lengths.max())
