@@ -43,11 +43,12 @@ def main(argv=None) -> int:
     commands.add_parser(
         "eval", help="accuracy, pass@k and completion length on held-out problems (a run or a model folder)",
         usage="grpo-fast eval RUN_DIR|MODEL_DIR [--task T] [--num-samples K] [--engine hf|vllm] [--key value ...]",
-        description="RUN_DIR: a training run, evaluated with its config on the problems it held out (its "
-                    "model/ export, else its newest checkpoint). MODEL_DIR: a Hugging Face model folder, on all "
-                    "problems of --task. --num-samples K: completions per problem (pass@k for k up to K; "
-                    "default eval_samples). Any key of `grpo-fast train` may follow (e.g. --eval-prompts 200 "
-                    "--max-completion-length 512 --prompt-format chat). Prints the record as one JSON line.")
+        description="RUN_DIR: a training run, evaluated with its config on the problems it held out, at its "
+                    "newest checkpoint (its model/ export when that is the same step). MODEL_DIR: a Hugging Face "
+                    "model folder, on all problems of --task. --num-samples K: completions per problem (pass@k "
+                    "for k up to K; default eval_samples). Any key of `grpo-fast train` may follow (e.g. "
+                    "--eval-prompts 200 --max-completion-length 512 --prompt-format chat). Prints the record as one "
+                    "JSON line.")
     from grpo_fast.train.config import keys_help
 
     commands.add_parser(

@@ -92,12 +92,14 @@ def evaluate(engine, samples: list, tokenizer, config, world=distributed.World()
 
 
 def eval_config(target: str, overrides: dict):
-    """(TrainConfig, model folder or None, run checkpoint folder or None) for `grpo-fast eval TARGET`.
+    """(TrainConfig, model folder or None, what is evaluated, in words) for `grpo-fast eval TARGET`.
 
-    A run folder (one with checkpoints) is evaluated with its own config on its held-out problems, its model
-    taken from output_dir/model (the export at the end of the run) or else its newest checkpoint. A Hugging Face
+    A run folder (one with checkpoints) is evaluated with its own config on its held-out problems, and always on
+    its newest state: its newest checkpoint (model folder None: the caller exports it). Its model/ folder stands in
+    for that checkpoint only when it records the same step (grpo_fast_export.json, see grpo_fast.train.export):
+    the model/ of a run that finished and was then resumed and stopped early holds older weights. A Hugging Face
     model folder is evaluated with the trainer's defaults and needs --task. overrides: TrainConfig keys."""
-    from grpo_fast.train import checkpoint
+    from grpo_fast.train import checkpoint, export
     from grpo_fast.train.config import load_config
 
     if not os.path.isdir(target):
@@ -107,7 +109,7 @@ def eval_config(target: str, overrides: dict):
             raise ValueError(f"{target!r} is a model folder: name the problems with --task (arithmetic, gsm8k, or a "
                              ".jsonl / .json / .parquet / .csv file or a save_to_disk folder)")
         overrides = {**overrides, "model": target, "eval_task": overrides["task"]}
-        return load_config(None, overrides), target, None
+        return load_config(None, overrides), target, f"model {target}"
     folder, state = checkpoint.load_latest(target)
     if state is None:
         raise ValueError(f"{target!r} holds no checkpoint and no model (config.json): nothing to evaluate (a run "
@@ -118,8 +120,10 @@ def eval_config(target: str, overrides: dict):
     if "task" in overrides:                          # another task: all of its problems are held out
         overrides = {"eval_task": overrides.pop("task"), **overrides}
     config = load_config(None, {**state["config"], **overrides})
-    exported = os.path.join(target, "model")
-    return config, exported if os.path.isfile(os.path.join(exported, "config.json")) else None, folder
+    exported, step = os.path.join(target, "model"), state["step"]
+    if os.path.isfile(os.path.join(exported, "config.json")) and export.exported_step(exported) == step:
+        return config, exported, f"model {exported} (step {step}, the export of {folder})"
+    return config, None, f"checkpoint {folder} (step {step})"
 
 
 def main(target: str, overrides: dict, log=print) -> dict:
@@ -133,7 +137,7 @@ def main(target: str, overrides: dict, log=print) -> dict:
     from grpo_fast.train.engines import make_engine
     from grpo_fast.train.loop import load_model
 
-    config, model_dir, run_folder = eval_config(target, overrides)
+    config, model_dir, evaluated = eval_config(target, overrides)
     # eval_task's problems are all held out; otherwise the run's split of its task says which were
     held_out = tasks.load_eval_task(config) if config.eval_task else tasks.load_task(config)[1]
     held_out = held_out[:config.eval_prompts]
@@ -142,7 +146,7 @@ def main(target: str, overrides: dict, log=print) -> dict:
     device = distributed.resolve_device(config.device)
     dtype = precision.weights_dtype(precision.resolve(config.dtype, device.type, 0))
     with tempfile.TemporaryDirectory() as scratch:
-        if model_dir is None:                        # a run without its export: export its newest checkpoint
+        if model_dir is None:                        # a run's newest checkpoint, not in model/: export it
             model_dir = export.export_run(target, os.path.join(scratch, "model"))
         model, tokenizer = load_model(dataclasses.replace(config, model=model_dir), held_out, dtype=dtype)
         model.to(device).eval()
@@ -152,6 +156,6 @@ def main(target: str, overrides: dict, log=print) -> dict:
             record = evaluate(engine, held_out, tokenizer, config, device=device)
     source = config.eval_task or config.task
     print(f"{target}: {record['problems']} held-out problems of {source!r} x {config.eval_samples} samples, "
-          f"model {model_dir if run_folder is None else run_folder}", file=sys.stderr)
+          f"{evaluated}", file=sys.stderr)
     log(json.dumps(record))
     return record

@@ -1,5 +1,6 @@
 """Evaluation: the pass@k estimator, the held-out split, eval.jsonl during training, and `grpo-fast eval`."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -123,13 +124,38 @@ def test_eval_cli(tmp_path, capsys):
     T.train(TrainConfig(**{**FAST, "max_steps": 2, "eval_every": 0}, output_dir=str(tmp_path / "run")),
             log=lambda *_: None)
     assert cli(["eval", str(tmp_path / "run"), "--num-samples", "2", "--eval-prompts", "3"]) == 0
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    record = json.loads(out.strip().splitlines()[-1])
+    checkpoint_2 = tmp_path / "run" / "checkpoint-2"
+    assert err.strip().endswith(f"model {tmp_path / 'run' / 'model'} (step 2, the export of {checkpoint_2})") or \
+        err.strip().endswith(f"checkpoint {checkpoint_2} (step 2)"), err       # what was evaluated, truly
     assert (record["problems"], record["samples"], sorted(k for k in record if k.startswith("pass@"))) == \
            (3, 2, ["pass@1", "pass@2"])
     # a model folder on all problems of a task: the vendored GSM8K subset's first 2
     assert cli(["eval", str(tmp_path / "run" / "model"), "--task", "gsm8k", "--eval-prompts", "2",
                 "--num-samples", "1"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["problems"] == 2
+
+
+def test_eval_of_a_run_takes_its_newest_checkpoint_unless_model_is_that_step(tmp_path):
+    """A run that finished (model/ exported at its last step), was resumed and stopped early has a newer
+    checkpoint than its model/: that checkpoint is what `grpo-fast eval RUN` evaluates, and names."""
+    run = tmp_path / "run"
+    os.makedirs(run / "checkpoint-5")
+    torch.save({"step": 5, "config": dataclasses.asdict(TrainConfig(output_dir=str(run)))},
+               run / "checkpoint-5" / "state.pt")
+    os.makedirs(run / "model")
+    (run / "model" / "config.json").write_text("{}")
+    for record in (None, '{"step": 3}', "not json"):       # an older export, without a record or with another step
+        if record is not None:
+            (run / "model" / "grpo_fast_export.json").write_text(record)
+        config, model_dir, evaluated = E.eval_config(str(run), {})
+        assert (model_dir, evaluated) == (None, f"checkpoint {run / 'checkpoint-5'} (step 5)")
+        assert config.output_dir == str(run)
+    (run / "model" / "grpo_fast_export.json").write_text('{"step": 5}')     # the export of that very checkpoint
+    _, model_dir, evaluated = E.eval_config(str(run), {})
+    assert (model_dir, evaluated) == (str(run / "model"), f"model {run / 'model'} (step 5, the export of "
+                                                          f"{run / 'checkpoint-5'})")
 
 
 def test_eval_errors(tmp_path, capsys):

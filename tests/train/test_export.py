@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.export import export_run  # noqa: E402
+from grpo_fast.train.export import export_run, exported_step  # noqa: E402
 from grpo_fast.train.update import Policy, completion_logprobs  # noqa: E402
 from tests.train.test_batching import rollout  # noqa: E402
 
@@ -40,6 +40,7 @@ def test_a_run_exports_a_model_transformers_loads_with_the_same_logprobs(tmp_pat
     # the same weights through `grpo-fast export` from the checkpoint, which rebuilds the model from its config
     assert cli(["export", str(tmp_path / "run"), str(tmp_path / "again")]) == 0
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert exported_step(str(tmp_path / "again")) == 2                    # the step its weights are from
     vocab = len(tokenizer)
     expected = logprobs_of(model, config, vocab)
     torch.testing.assert_close(logprobs_of(again, config, vocab), expected, rtol=0, atol=1e-6)
