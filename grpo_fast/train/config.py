@@ -100,7 +100,8 @@ class TrainConfig:
     importance_sampling_cap: float = _rollouts(3.0, "cap of the rollout correction's ratio")
     importance_sampling_min: float = _rollouts(0.0, "lower bound of the rollout correction's ratio: truncated up "
                                                     "to it, or masked below it (0: none)")
-    rewards: list[str] = _rewards(["exact_match"], 'names from grpo_fast.train.rewards.REWARDS or "module:function" '
+    rewards: list[str] = _rewards(["exact_match"], 'names from grpo_fast.train.rewards.REWARDS, "module:function" '
+                                                '(also from the working directory) or "path/to/file.py:function" '
                                                 "(comma-separated)")
     reward_weights: Optional[list[float]] = _rewards(None, "one weight per reward (comma-separated); None: all 1")
     scale_rewards: str = _rewards("group", f"advantages divided by the reward std of: {_one_of(SCALES)}")

@@ -436,19 +436,79 @@ REWARDS = {
 
 
 def load_reward(spec: str, **options) -> Callable:
-    """A built-in reward by name (see REWARDS) or a user function as `package.module:function`."""
+    """A built-in reward by name (see REWARDS) or a user function: `package.module:function` (imported as usual,
+    else from the working directory, as `python -m` would find it) or `path/to/file.py:function` (a file, relative
+    to the working directory). Raises a one-line ValueError naming the spec and what is wrong: no such module or
+    file, a syntax error (file and line), an error while importing it, no such function, not callable."""
     if spec in REWARDS:
         return REWARDS[spec](**options)
-    if ":" not in spec:
-        raise ValueError(f"reward must be one of {sorted(REWARDS)} or 'module:function', got {spec!r}")
-    module_name, _, attribute = spec.partition(":")
+    target, _, attribute = spec.rpartition(":")
+    if not target or not attribute:
+        raise ValueError(f"reward must be one of {sorted(REWARDS)}, 'module:function' or 'path/to/file.py:function', "
+                         f"got {spec!r}")
     try:
-        function = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"cannot load reward {spec!r}: {error}") from error
+        module = _module_of_file(target) if target.endswith(".py") else _module_named(target, attribute)
+    except SyntaxError as error:
+        raise ValueError(f"cannot load reward {spec!r}: {error.filename}:{error.lineno}: {error.msg}") from None
+    except _NotFound as error:
+        raise ValueError(f"cannot load reward {spec!r}: {error}") from None
+    except Exception as error:                      # the module's own code failed (a missing dependency, a bug)
+        raise ValueError(f"cannot load reward {spec!r}: importing {target} raised {type(error).__name__}: "
+                         f"{_first_line(error)}") from error
+    function = getattr(module, attribute, None)
+    if function is None:
+        raise ValueError(f"cannot load reward {spec!r}: {target} has no {attribute!r}")
     if not callable(function):
         raise ValueError(f"reward {spec!r} is not callable")
     return function
+
+
+class _NotFound(Exception):
+    """No module or file of that name."""
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def _module_named(name: str, attribute: str):
+    """The module `name`, imported; a module only the working directory holds is imported from there (the
+    `grpo-fast` console script, unlike `python -m`, does not put it on sys.path), with the working directory
+    added at the end of sys.path so that installed packages keep precedence."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        top = name.partition(".")[0]
+        if error.name not in (name, top):           # the module was found; something it imports was not
+            raise
+        here = os.getcwd()
+        if here in map(os.path.abspath, sys.path) or not (os.path.isfile(os.path.join(here, top + ".py")) or
+                                                          os.path.isdir(os.path.join(here, top))):
+            raise _NotFound(f"no module {error.name!r} on the Python path or in the working directory {here}; "
+                             f"name its file instead (path/to/file.py:{attribute}) or install it") from None
+    sys.path.append(here)
+    return importlib.import_module(name)
+
+
+def _module_of_file(path: str):
+    """The module of the Python file at `path` (relative to the working directory), loaded once."""
+    import importlib.util
+
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise _NotFound(f"no such file {path}")
+    name = "_grpo_fast_reward_" + re.sub(r"\W", "_", path)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module                      # before it runs: dataclasses and pickling look it up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _scores_of(name: str, scores, count: int) -> tuple:

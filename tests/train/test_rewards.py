@@ -1,7 +1,9 @@
 """Each reward on fixed strings, including an <answer> that holds a bare number with no LaTeX."""
 
+import importlib
 import math
 import re
+import sys
 import threading
 
 import numpy as np
@@ -154,3 +156,24 @@ def test_non_finite_scores_are_skipped_with_one_warning():
 def test_no_reward_functions():
     with pytest.raises(ValueError, match=r"^at least one reward function is needed, got none$"):
         R.weighted_rewards([], None, ["a"])
+
+
+def test_user_rewards_from_the_working_directory_or_a_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])  # as a console script
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cwd_reward_ok.py").write_text("def ones(completions, **_):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "cwd_reward_bad.py").write_text("def broken(completions, **_):\n    return [\n\ndef other(:\n")
+    importlib.invalidate_caches()
+    assert R.load_reward("cwd_reward_ok:ones")(["a", "b"]) == [1.0, 1.0]
+    assert R.load_reward("cwd_reward_ok.py:ones")(["a"]) == [1.0]
+    assert R.load_reward(f"{tmp_path / 'cwd_reward_ok.py'}:ones") is R.load_reward("cwd_reward_ok.py:ones")
+    for spec in ("cwd_reward_bad:broken", "cwd_reward_bad.py:broken"):      # one line: the file and the line
+        with pytest.raises(ValueError, match=rf"^cannot load reward '{spec}': .*cwd_reward_bad\.py:[24]: .+$"):
+            R.load_reward(spec)
+    with pytest.raises(ValueError, match=r"no module 'no_such_reward' on the Python path or in the working "
+                                         r"directory .*; name its file instead \(path/to/file\.py:fn\)"):
+        R.load_reward("no_such_reward:fn")
+    with pytest.raises(ValueError, match=r"no such file .*missing\.py"):
+        R.load_reward("missing.py:fn")
+    with pytest.raises(ValueError, match=r"cwd_reward_ok\.py has no 'nope'"):
+        R.load_reward("cwd_reward_ok.py:nope")
