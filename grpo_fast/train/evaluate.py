@@ -153,9 +153,10 @@ def main(target: str, overrides: dict, log=print) -> dict:
         if model_dir is None:                        # a run's newest checkpoint, not in model/: export it
             model_dir = export.export_run(target, os.path.join(scratch, "model"))
         model, tokenizer = load_model(dataclasses.replace(config, model=model_dir), held_out, dtype=dtype)
+        longest = tasks.longest_prompt(held_out, tokenizer, config)
+        tasks.check_context(longest, config.max_completion_length, model.config)
         model.to(device).eval()
-        engine = make_engine(config, model, tokenizer, tasks.longest_prompt(held_out, tokenizer, config),
-                             model_dir=model_dir)
+        engine = make_engine(config, model, tokenizer, longest, model_dir=model_dir)
         with torch.no_grad():
             record = evaluate(engine, held_out, tokenizer, config, device=device)
     source = config.eval_task or config.task

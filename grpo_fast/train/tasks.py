@@ -213,5 +213,22 @@ def longest_prompt(samples: list, tokenizer, config) -> int:
     return max(map(len, prompt_ids([prompt_text(s, tokenizer, config) for s in samples], tokenizer)))
 
 
+def check_context(prompt_tokens: int, max_completion_length: int, model_config) -> None:
+    """Raises ValueError when the longest prompt (prompt_tokens, see longest_prompt) and max_completion_length
+    sampled tokens do not fit the model's context, model_config.max_position_embeddings (of its text config for a
+    multimodal one); a config without it is not checked. The error says which key to change."""
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is None and hasattr(model_config, "get_text_config"):
+        context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    total = prompt_tokens + max_completion_length
+    if not isinstance(context, int) or isinstance(context, bool) or context <= 0 or total <= context:
+        return
+    fix = (f"set max_completion_length to at most {context - prompt_tokens}, or shorten the prompts"
+           if prompt_tokens < context else "shorten the prompts (or leave the longest out of the dataset)")
+    raise ValueError(f"the longest prompt ({prompt_tokens} tokens) plus max_completion_length "
+                     f"({max_completion_length}) is {total} tokens, beyond the model's context of {context} "
+                     f"(max_position_embeddings): {fix}")
+
+
 def prompt_ids(texts: list, tokenizer) -> list:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]

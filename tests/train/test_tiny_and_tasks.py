@@ -93,3 +93,17 @@ def test_data_identity_names_what_changed_in_the_file(tmp_path):
         tasks.check_data_identity(identity(rows, eval_fraction=0.0),
                                   identity(rows + [json.dumps({"prompt": "x", "solution": "1"})], eval_fraction=0.0),
                                   str(path))
+
+
+def test_prompt_and_completion_must_fit_the_models_context():
+    from types import SimpleNamespace
+
+    tasks.check_context(1000, 24, SimpleNamespace(max_position_embeddings=1024))         # exactly full: fits
+    tasks.check_context(5000, 5000, SimpleNamespace())                                   # no limit known
+    with pytest.raises(ValueError, match=r"^the longest prompt \(1000 tokens\) plus max_completion_length \(25\) "
+                                         r"is 1025 tokens, beyond the model's context of 1024 "
+                                         r"\(max_position_embeddings\): set max_completion_length to at most 24, or "
+                                         r"shorten the prompts$"):
+        tasks.check_context(1000, 25, SimpleNamespace(max_position_embeddings=1024))
+    with pytest.raises(ValueError, match=r"1030 tokens, .*: shorten the prompts"):
+        tasks.check_context(1024, 6, tiny_qwen2(64, num_layers=1).config)              # a real config
