@@ -66,7 +66,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              max_length_k: Optional[int] = None, position_ids: Optional[torch.Tensor] = None,
                              **kwargs) -> tuple:
     """torch.cat([sdpa_attention_forward(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None)[0] for s, e in
-    segments], dim=1): causal attention within each sequence of a packed row, without any (N, N) tensor.
+    segments], dim=1): causal attention within each sequence of a packed row, without any (N, N) tensor, and
+    with no op over the whole row per sequence (the pieces come from one split).
 
     query (1, heads, N, D), key / value (1, kv_heads, N, D) (grouped-query heads as sdpa takes them); the segments
     come from cu_seq_lens_q (== cu_seq_lens_k), else from position_ids restarting at 0. Returns ((1, N, heads, D),
@@ -90,14 +91,18 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         spans = segments_from_positions(position_ids, length)
     else:
         spans = [(0, length)]
+    if len(spans) == 1:
+        pieces = [(query, key, value)]
+    else:       # split, not slices: its backward writes each gradient once (a slice's zero-fills the whole tensor)
+        sizes = [end - start for start, end in spans]
+        pieces = list(zip(*(t.split(sizes, dim=2) for t in (query, key, value))))
     outputs = []
-    for start, end in spans:
-        mask = None
-        if sliding_window is not None and end - start > sliding_window:
-            steps = torch.arange(end - start, device=query.device)
+    for q, k, v in pieces:
+        mask, size = None, q.shape[2]
+        if sliding_window is not None and size > sliding_window:
+            steps = torch.arange(size, device=query.device)
             behind = steps[:, None] - steps[None, :]                  # query index - key index
             mask = ((behind >= 0) & (behind < sliding_window))[None, None]
-        q, k, v = (t if (start, end) == (0, length) else t[:, :, start:end] for t in (query, key, value))
         outputs.append(sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0])
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 

@@ -8,12 +8,17 @@
 The peak is reached in the backward pass of a micro-batch, once gradients and optimizer states exist:
 
     weights + gradients + optimizer states + reference model + autocast weight copies
-        + max(activations + loss buffers of one training micro-batch, one no-grad log-prob pass) + runtime
+        + max(activations + loss buffers + attention mask of one training micro-batch, one no-grad log-prob pass)
+        + runtime
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
-products), with flash / memory-efficient attention (no (T x T) scores). Gradient checkpointing keeps each layer's
-input and recomputes one layer at a time. The loss buffers are what each implementation holds for the
+products), with the attention the trainer selects (grpo_fast.train.attention): flash-attention or one sdpa per
+packed sequence, no (T x T) scores. A mask is counted where one is built: a padded micro-batch of several rows
+gets a (b, 1, L, L) bool mask from transformers (sdpa, and the per-sequence attention, which hands padded batches
+to sdpa; not flash-attention), which PyTorch's sdpa turns into an additive mask of the compute dtype in each
+layer; plain sdpa over a packed row (attention="sdpa", the old default) gets a dense (1, 1, N, N) one over all N
+tokens of the micro-batch. Gradient checkpointing keeps each layer's input and recomputes one layer at a time. The loss buffers are what each implementation holds for the
 micro-batch's completion tokens: the full logits and their fp32 copies (naive), TRL 1.16's fused LM head tile,
 or grpo_fast's chunk buffer, whose default budget on CUDA depends on the card (grpo_fast.chunked.cuda_chunk_bytes).
 Constants are checked against measured peaks (tests/test_memory_plan.py on CPU, benchmarks/long_context.py), not
@@ -167,6 +172,9 @@ TRL_TILE = (4096, 32768)        # tokens x vocabulary columns of TRL 1.16's Chun
 TRL_TILE_COPIES = 3
 CUDA_CONTEXT = 600 * 2**20      # CUDA context and cuBLAS workspaces
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
+# attention implementations a plan can be for; "auto": what the trainer selects on the job's device
+# (grpo_fast.train.attention.choose_attention)
+ATTENTIONS = ("auto", "flash_attention_2", "grpo_fast_varlen", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -189,10 +197,12 @@ class Job:
     gpu_memory_utilization: float = 0.3
     chunk_bytes: Optional[int] = None
     device: str = "cuda"
+    packing: bool = True
+    attention: str = "auto"
 
     def __post_init__(self):
         for name, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("loss", LOSSES),
-                              ("engine", ENGINES), ("device", ("cuda", "cpu"))):
+                              ("engine", ENGINES), ("device", ("cuda", "cpu")), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         precision.check(self.dtype, self.optimizer, self.lora_rank, installed=False)
@@ -207,6 +217,16 @@ class Job:
         _require("beta", self.beta, 0 <= self.beta < math.inf, "a finite number >= 0")
         _require("gpu_memory_utilization", self.gpu_memory_utilization, 0 < self.gpu_memory_utilization < 1,
                  "in (0, 1)")
+
+    @property
+    def attention_implementation(self) -> str:
+        """The attention the job runs: `attention`, or for "auto" the trainer's choice on the job's device and
+        dtype (flash_attention_2 needs the flash_attn package here)."""
+        if self.attention != "auto":
+            return self.attention
+        from grpo_fast.train.attention import choose_attention
+
+        return choose_attention(self.device, self.dtype)
 
     @property
     def micro_batch_sequences(self) -> int:
@@ -234,10 +254,30 @@ def _bytes(dtype: str) -> tuple:
     return {"bf16-autocast": (4, 2), "bf16": (2, 2), "fp32": (4, 4)}[dtype]
 
 
-def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> dict:
+class Estimate(dict):
+    """plan()'s {component: bytes} with the attention implementation it was counted for (`.attention`)."""
+
+    attention: str = ""
+
+
+def mask_elements(job: Job, attention: str) -> int:
+    """Elements of the attention mask one micro-batch builds: b x L x L for padded rows (unless flash-attention,
+    which unpads instead), N x N for plain sdpa over a packed row of N tokens, none for variable-length attention
+    or a single sequence (no padding and nothing packed)."""
+    sequences = job.micro_batch_sequences
+    length = job.prompt_length + job.completion_length
+    if sequences == 1 or attention == "flash_attention_2":
+        return 0
+    if not job.packing:
+        return sequences * length * length
+    return (sequences * length) ** 2 if attention == "sdpa" else 0
+
+
+def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimate:
     """Predicted peak memory per component, in bytes, and their sum as "total", on a CUDA card of `capacity`
     bytes: grpo_fast's default chunk budget is a share of the card (grpo_fast.chunked.cuda_chunk_bytes). Without
-    a capacity the largest budget any card gets is counted, an upper bound. CPU plans do not depend on it."""
+    a capacity the largest budget any card gets is counted, an upper bound. CPU plans do not depend on it.
+    The result's .attention names the attention implementation counted."""
     param_bytes, act_bytes = _bytes(job.dtype)
     params = shape.num_parameters()
     trainable, trainable_bytes, autocast_copies = params, param_bytes, job.dtype == "bf16-autocast"
@@ -260,25 +300,35 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> dict:
     else:
         activations = tokens * (shape.num_layers * per_layer + around)
     loss_bytes = _loss_buffers(job, shape, completion_tokens, act_bytes, capacity)
+    # the bool mask lives through the micro-batch's forward and backward (an input of every checkpointed layer);
+    # sdpa's additive copy of it in the compute dtype is saved for backward by one layer at a time with
+    # checkpointing, by every layer without
+    attention = job.attention_implementation
+    elements = mask_elements(job, attention)
+    mask_bytes = elements * (1 + act_bytes * (1 if job.gradient_checkpointing else shape.num_layers))
     # A no-grad pass (reference log-probs with beta > 0, old log-probs for vLLM's correction) holds one layer's
     # transient working set and the loss's forward buffers.
     no_grad = 0
     if job.beta > 0 or job.engine == "vllm":
         no_grad = tokens * (int(RECOMPUTE_PEAK * per_layer) + around) + _loss_buffers(
-            job, shape, completion_tokens, act_bytes, capacity, forward_only=True)
+            job, shape, completion_tokens, act_bytes, capacity, forward_only=True) + elements * (1 + act_bytes)
+    training = activations + loss_bytes + mask_bytes >= no_grad
     components = {
         "weights": params * param_bytes + (trainable * 4 if job.lora_rank else 0),
         "gradients": trainable * trainable_bytes,
         "optimizer": trainable * state_bytes,
         "reference_model": params * param_bytes if job.beta > 0 else 0,
         "autocast_weight_copies": params * 2 if autocast_copies and job.device == "cuda" else 0,
-        "activations": activations if activations + loss_bytes >= no_grad else 0,
-        "loss_buffers": loss_bytes if activations + loss_bytes >= no_grad else 0,
-        "no_grad_pass": 0 if activations + loss_bytes >= no_grad else no_grad,
+        "activations": activations if training else 0,
+        "loss_buffers": loss_bytes if training else 0,
+        "attention_mask": mask_bytes if training else 0,
+        "no_grad_pass": 0 if training else no_grad,
         "runtime": CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE,
     }
     components["total"] = sum(components.values())
-    return components
+    estimate = Estimate(components)
+    estimate.attention = attention
+    return estimate
 
 
 def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capacity: Optional[int],
@@ -378,6 +428,7 @@ class PlanReport:
     components: dict
     kv_cache_needed: int
     cards: dict = field(default_factory=dict)
+    attention: str = ""
 
 
 def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
@@ -387,7 +438,7 @@ def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
              for card, (ok, need, peak) in fits(shape, job).items()}
     return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
                       components={k: int(v) for k, v in estimate.items()},
-                      kv_cache_needed=kv_cache_needed(shape, job), cards=cards)
+                      kv_cache_needed=kv_cache_needed(shape, job), cards=cards, attention=estimate.attention)
 
 
 def format_report(report: PlanReport) -> str:
@@ -396,7 +447,9 @@ def format_report(report: PlanReport) -> str:
              f"{job['completion_length']} tokens, group {job['group_size']}, micro-batch "
              f"{job['micro_batch_size']} seq, {job['dtype']}, {job['optimizer']}, checkpointing "
              f"{'on' if job['gradient_checkpointing'] else 'off'}, "
-             f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}", "",
+             f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}, "
+             f"{'packed' if job.get('packing', True) else 'padded'} micro-batches, attention "
+             f"{report.attention or job.get('attention', 'auto')}", "",
              f"{'component':<24}{'GiB':>10}"]
     for name, value in report.components.items():
         if name == "total":
@@ -467,14 +520,18 @@ def training_job(config, prompt_length: int, device: str) -> Job:
                lora_rank=config.lora_rank,
                gradient_checkpointing=config.gradient_checkpointing,
                loss="naive" if config.loss_implementation == "naive" else "grpo_fast", beta=config.beta,
-               engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device)
+               engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device,
+               packing=config.packing)
 
 
 def summary(estimate: dict, largest: int = 3) -> str:
-    """'X GiB at the peak: a GiB name, b GiB name, ...' with the `largest` components."""
+    """'X GiB at the peak, mostly name a GiB, name b GiB, ...' with the `largest` components, and the attention
+    counted ('; attention grpo_fast_varlen') for a plan() estimate."""
     parts = sorted(((v, k) for k, v in estimate.items() if k != "total"), reverse=True)[:largest]
+    attention = getattr(estimate, "attention", "")
     return (f"{estimate['total'] / GIB:.2f} GiB at the peak, mostly " +
-            ", ".join(f"{name} {value / GIB:.2f} GiB" for value, name in parts))
+            ", ".join(f"{name} {value / GIB:.2f} GiB" for value, name in parts) +
+            (f"; attention {attention}" if attention else ""))
 
 
 def add_arguments(parser) -> None:
@@ -497,6 +554,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default=defaults.engine)
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--no-packing", action="store_true", help="padded micro-batches (the trainer's packing: "
+                        "false)")
+    parser.add_argument("--attention", choices=ATTENTIONS, default="auto",
+                        help="auto: the trainer's (flash_attention_2 on CUDA with flash_attn, else "
+                        "grpo_fast_varlen); sdpa: transformers' default, a dense mask over a packed micro-batch")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
 
 
@@ -520,7 +582,8 @@ def main(args) -> int:
                   dtype=args.dtype, optimizer=args.optimizer,
                   gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
                   loss=args.loss, beta=args.beta, engine=args.engine,
-                  gpu_memory_utilization=args.gpu_memory_utilization, device=args.device)
+                  gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
+                  packing=not args.no_packing, attention=args.attention)
     except JobValueError as error:       # named by the option the user typed
         option = "--" + error.field.replace("_", "-")
         print(f"grpo-fast plan: {option} must be {error.expected}, got {error.value!r}", file=sys.stderr)

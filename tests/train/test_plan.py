@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from grpo_fast.train.plan import CARDS, GIB, PRESETS, Job, ModelShape, load_shape, plan
+from grpo_fast.train.plan import CARDS, GIB, PRESETS, Job, ModelShape, load_shape, plan, summary
 
 
 def test_parameter_count_matches_transformers(tmp_path):
@@ -134,3 +134,30 @@ def test_grpo_fast_chunk_is_the_loss_default_budget_of_each_card():
     cpu = Job(completion_length=32768, engine="hf", device="cpu", dtype="fp32")
     assert plan(shape, cpu, CARDS["H200 141GB"]) == plan(shape, cpu, CARDS["24 GB (RTX 4090 / L4)"]) == plan(shape, cpu)
     assert plan(shape, cpu) == plan(shape, dataclasses.replace(cpu, chunk_bytes=chunked.DEFAULT_CHUNK_BYTES_CPU))
+
+
+def test_attention_mask_is_counted_where_it_is_built():
+    shape = PRESETS["qwen2.5-1.5b"]
+    common = dict(prompt_length=512, completion_length=6000, micro_batch_size=20, dtype="bf16-autocast")
+    tokens, length = 20 * 6512, 6512
+    varlen = plan(shape, Job(**common, attention="grpo_fast_varlen"))
+    flash = plan(shape, Job(**common, attention="flash_attention_2"))
+    dense = plan(shape, Job(**common, attention="sdpa"))                  # sdpa over a packed row: (N, N)
+    padded = plan(shape, Job(**common, attention="grpo_fast_varlen", packing=False))       # (b, 1, L, L)
+    assert varlen["attention_mask"] == flash["attention_mask"] == 0
+    assert plan(shape, Job(**common, attention="flash_attention_2", packing=False))["attention_mask"] == 0
+    # a bool mask and sdpa's bf16 additive copy in the one checkpointed layer being recomputed
+    assert dense["attention_mask"] == tokens * tokens * (1 + 2) == dense["total"] - varlen["total"]
+    assert padded["attention_mask"] == 20 * length * length * (1 + 2)
+    no_ckpt = plan(shape, Job(**common, attention="sdpa", packing=False, gradient_checkpointing=False))
+    assert no_ckpt["attention_mask"] == 20 * length * length * (1 + 2 * shape.num_layers)
+    one = dict(common, micro_batch_size=1)               # one sequence: nothing packed, no padding, no mask
+    assert plan(shape, Job(**one, attention="sdpa"))["attention_mask"] == 0
+    assert plan(shape, Job(**one, packing=False))["attention_mask"] == 0
+    for estimate in (varlen, dense, padded, no_ckpt):
+        assert estimate["total"] == sum(v for k, v in estimate.items() if k != "total")
+    assert dense.attention == "sdpa" and summary(dense).endswith("; attention sdpa")
+    assert "attention_mask" in summary(dense)
+    assert plan(shape, Job(device="cpu", dtype="fp32")).attention == "grpo_fast_varlen"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Job(attention="eager")
