@@ -10,9 +10,10 @@ hidden 128, 2 layers, 4 heads of 32, 2 KV heads, vocabulary 300, fp32), one micr
 whose prompts are 16-48 tokens and completions uniformly L/2 to L tokens (random ids, seeded: every
 configuration sees the same rollout), and `steps` policy updates (grpo_fast.train.update.policy_update: loss
 dapo, AdamW, gradient checkpointing on as the trainer's default) after one warm-up update. Time: the median
-update; memory: the child's peak RSS (getrusage ru_maxrss) and its growth above the RSS before the model was
-built. Writes the JSON and a Markdown table next to it; committed results are never overwritten unless --output
-names them.
+update (wall clock, and the process's CPU time, which a busy machine disturbs less); memory: the child's peak
+RSS (getrusage ru_maxrss) and its growth above the RSS before the model was built. Writes the JSON and a
+Markdown table next to it (default ./packing.json: committed results are only overwritten when --output names
+them).
 """
 
 import argparse
@@ -69,16 +70,18 @@ def worker(args) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    seconds = []
+    seconds, cpu_seconds = [], []
     for step in range(args.steps + 1):                    # the first one warms up
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         policy_update(Policy.of(model), optimizer, batch, config)
         if step:
             seconds.append(time.perf_counter() - started)
+            cpu_seconds.append(time.process_time() - cpu_started)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024         # Linux: KiB
     return {"attention": name, "packing": packing, "length": length, "sequences": sequences,
             "tokens": int(batch.attention_mask.sum()), "padded_tokens": int(batch.attention_mask.numel()),
-            "update_seconds": statistics.median(seconds), "seconds": seconds, "peak_rss_bytes": peak,
+            "update_seconds": statistics.median(seconds), "seconds": seconds,
+            "update_cpu_seconds": statistics.median(cpu_seconds), "peak_rss_bytes": peak,
             "rss_growth_bytes": peak - baseline}
 
 
@@ -102,15 +105,16 @@ def measure(args, attention: str, packing: bool, length: int, sequences: int) ->
 
 def table(rows: list) -> list:
     lines = ["| completion tokens (max) | sequences | attention | layout | real / padded tokens | update (s) | "
-             "peak RSS (MiB) | RSS growth (MiB) |", "|---|---|---|---|---|---|---|---|"]
+             "update CPU time (s) | peak RSS (MiB) | RSS growth (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         layout = "packed" if row["packing"] else "padded"
         if "error" in row:
             lines.append(f"| {row['length']} | {row['sequences']} | {row['attention']} | {layout} | - | "
-                         f"{row['error']} | - | - |")
+                         f"{row['error']} | - | - | - |")
             continue
         lines.append(f"| {row['length']} | {row['sequences']} | {row['attention']} | {layout} | {row['tokens']} / "
-                     f"{row['padded_tokens']} | {row['update_seconds']:.2f} | {row['peak_rss_bytes'] / MIB:.0f} | "
+                     f"{row['padded_tokens']} | {row['update_seconds']:.2f} | {row['update_cpu_seconds']:.2f} | "
+                     f"{row['peak_rss_bytes'] / MIB:.0f} | "
                      f"{row['rss_growth_bytes'] / MIB:.0f} |")
     return lines
 

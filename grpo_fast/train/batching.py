@@ -10,8 +10,9 @@ contiguous run. Packed, the runs of a micro-batch are laid end to end in a singl
 at each sequence, and no token is padding; model_inputs also carries the sequence boundaries (cu_seq_lens_q / _k,
 max_length_q / _k, transformers' FlashAttentionKwargs), which flash-attention and grpo_fast.train.attention's
 per-sequence attention read, so that attention costs memory linear in the tokens (transformers' sdpa would build a
-dense (N, N) block-diagonal mask over the packed row instead: grpo_fast.train.attention.use_varlen_attention). Padded, the rows keep their layout, cut down to the micro-batch's own
-longest prompt and completion. Either way the loss sees the same (b, C) completion tensors.
+dense (N, N) block-diagonal mask over the packed row instead: grpo_fast.train.attention.use_varlen_attention).
+Padded, the rows keep their layout, cut down to the micro-batch's own longest prompt and completion. Either way
+the loss sees the same (b, C) completion tensors.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class MicroBatch:
     """Model inputs of some rollout rows and where each completion token's predicting hidden state lands.
 
     model_inputs: keyword arguments of the decoder (input_ids with attention_mask, or with position_ids and the
-    sequence boundaries cu_seq_lens_q / _k (int32, [0, L_0, L_0 + L_1, ...]) and max_length_q / _k when packed); hidden_index (b, C): flat positions in the decoder output (rows x length) of the hidden state that
-    predicts completion token t (0 where the completion has ended); rows: the rollout rows; completion_length: C.
+    sequence boundaries cu_seq_lens_q / _k (int32, [0, L_0, L_0 + L_1, ...]) and max_length_q / _k when packed);
+    hidden_index (b, C): flat positions in the decoder output (rows x length) of the hidden state that predicts
+    completion token t (0 where the completion has ended); rows: the rollout rows; completion_length: C.
     """
 
     rows: list

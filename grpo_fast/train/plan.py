@@ -18,9 +18,10 @@ packed sequence, no (T x T) scores. A mask is counted where one is built: a padd
 gets a (b, 1, L, L) bool mask from transformers (sdpa, and the per-sequence attention, which hands padded batches
 to sdpa; not flash-attention), which PyTorch's sdpa turns into an additive mask of the compute dtype in each
 layer; plain sdpa over a packed row (attention="sdpa", the old default) gets a dense (1, 1, N, N) one over all N
-tokens of the micro-batch. Gradient checkpointing keeps each layer's input and recomputes one layer at a time. The loss buffers are what each implementation holds for the
-micro-batch's completion tokens: the full logits and their fp32 copies (naive), TRL 1.16's fused LM head tile,
-or grpo_fast's chunk buffer, whose default budget on CUDA depends on the card (grpo_fast.chunked.cuda_chunk_bytes).
+tokens of the micro-batch. Gradient checkpointing keeps each layer's input and recomputes one layer at a time.
+The loss buffers are what each implementation holds for the micro-batch's completion tokens: the full logits and
+their fp32 copies (naive), TRL 1.16's fused LM head tile, or grpo_fast's chunk buffer, whose default budget on
+CUDA depends on the card (grpo_fast.chunked.cuda_chunk_bytes).
 Constants are checked against measured peaks (tests/test_memory_plan.py on CPU, benchmarks/long_context.py), not
 guessed.
 """
