@@ -314,8 +314,8 @@ class RolloutProcess:
             raise EngineStartError(
                 f"the rollout process exited with code {code} before it started: a spawned process imports the "
                 f"trainer's main module ({getattr(sys.modules.get('__main__'), '__file__', None)}) again, so a "
-                f"script must make its training call under `if __name__ == \"__main__\":` (the process's own "
-                f"error is printed above)")
+                f"script must make its training call under `if __name__ == \"__main__\":` (its own error, if "
+                f"any, is printed above)")
         error = EngineStartError if request == "start" else EngineError
         raise error(f"the rollout process ({self.config.engine} engine) died with exit code {code} "
                     f"before answering request {request!r}")

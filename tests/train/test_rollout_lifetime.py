@@ -200,3 +200,31 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     assert refused[0] == (f"REFUSED max_staleness=1 runs the engine in a spawned process, which imports "
                                     f"{script} again and would run its training call again: put the call under "
                                     f"`if __name__ == \"__main__\":` in {script}"), refused
+
+
+def test_a_rollout_process_that_dies_before_it_starts_names_the_main_module(tmp_path):
+    """What the refusal above cannot see (here a script that exits when imported as the spawned process's main
+    module): the process's death before it runs is named, with the likely cause and its fix."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        if __name__ == "__mp_main__":              # the rollout process importing this script again
+            sys.exit(4)
+        from grpo_fast.train import TrainConfig, train
+
+        if __name__ == "__main__":
+            config = TrainConfig(max_staleness=1, sft_steps=0, max_steps=1, group_size=2, prompts_per_step=2,
+                                 eval_every=0, output_dir={str(tmp_path / "run")!r})
+            try:
+                train(config, log=lambda *_: None)
+            except ValueError as error:
+                print("REFUSED", error)
+                sys.exit(3)
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=environment(),
+                            timeout=120)
+    refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED ")]
+    assert result.returncode == 3 and refused, result.stdout[-2000:] + result.stderr[-4000:]
+    assert refused[0] == (f"REFUSED the rollout process exited with code 4 before it started: a spawned process "
+                          f"imports the trainer's main module ({script}) again, so a script must make its training "
+                          f"call under `if __name__ == \"__main__\":` (its own error, if any, is printed above)")
