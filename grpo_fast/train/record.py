@@ -140,6 +140,13 @@ class RunFiles:
             with open(self.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def evaluated_steps(self) -> set:
+        """The steps eval.jsonl holds an evaluation of (a resume redoes a due one that an interrupt cut)."""
+        if not os.path.exists(self.evals):
+            return set()
+        with open(self.evals) as f:
+            return {json.loads(line)["step"] for line in f if line.strip()}
+
     def add_eval(self, record: dict) -> None:
         if self.is_main:
             with open(self.evals, "a") as f:

@@ -100,7 +100,7 @@ def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
 
 def test_a_failing_reward_names_the_step(tmp_path):
     config = TrainConfig(**{**FAST, "rewards": ["tests.helpers:broken_reward"]}, output_dir=str(tmp_path))
-    with pytest.raises(RuntimeError, match="step 0: reward broken_reward failed on a batch of 16 completions"):
+    with pytest.raises(RuntimeError, match="step 1: reward broken_reward failed on a batch of 16 completions"):
         T.train(config, log=lambda *_: None)
     config = TrainConfig(**{**FAST, "rewards": ["tests.helpers:broken_reward"], "eval_every": 50, "eval_prompts": 5},
                          output_dir=str(tmp_path / "eval"))
@@ -190,7 +190,7 @@ def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engines.HFEngine, "generate", crash)
     config = TrainConfig(**{**FAST, "sft_steps": 0, "eval_every": 0}, output_dir=str(tmp_path / "a"))
-    with pytest.raises(RuntimeError, match=r"step 0: the hf engine failed to generate for prompts \[.*\]: out of KV"):
+    with pytest.raises(RuntimeError, match=r"step 1: the hf engine failed to generate for prompts \[.*\]: out of KV"):
         T.train(config, log=lambda *_: None)
     config = TrainConfig(**{**FAST, "sft_steps": 0, "eval_every": 50}, output_dir=str(tmp_path / "b"))
     with pytest.raises(RuntimeError, match=r"evaluation at step 0: the hf engine failed on 100 held-out problems: "
