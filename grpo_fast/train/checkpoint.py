@@ -1,8 +1,9 @@
 """Checkpoints: written atomically (the last good one survives a crash or a full disk), resumed exactly.
 
 output_dir/checkpoint-{step}/state.pt holds the model, optimizer and scheduler states, the random states, the
-KL reference and the run's config, as full (unsharded) tensors keyed by parameter name: a checkpoint written by
-any number of processes (plain, DDP or FSDP2) resumes with any other. The tokenizer is saved beside it, so that a
+KL reference, the run's config and its data's identity (a hash of the samples, the held-out problems), as full
+(unsharded) tensors keyed by parameter name: a checkpoint written by any number of processes (plain, DDP or
+FSDP2) resumes with any other. The tokenizer is saved beside it, so that a
 resume reads the ids the weights were trained with. Only the newest complete checkpoint is kept, and weights
 that are not finite are never written.
 """
@@ -56,14 +57,15 @@ def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> 
     return final
 
 
-def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, config=None) -> dict:
+def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, config=None, data=None) -> dict:
     """Everything a resume needs, as full (unsharded) tensors keyed by parameter name. Call it on every rank
     (a collective under FSDP2). policy: a grpo_fast.train.update.Policy; of a LoRA model only the adapters are
     kept when the base is the model the run loads (no warm start: sft_steps 0).
 
     rng: the (torch, python) random states to resume with; default the current ones. ref_model: the KL
     reference (beta > 0), so that a resumed run keeps the same one. config: the run's TrainConfig, which a
-    resume compares with its own.
+    resume compares with its own. data: the identity of the run's data (grpo_fast.train.tasks.data_identity),
+    which a resume checks.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -75,7 +77,7 @@ def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, confi
             "optimizer": get_optimizer_state_dict(policy.forward, optimizer, options=options),
             "scheduler": scheduler.state_dict(), "torch_rng": torch_rng, "python_rng": python_rng,
             "ref_model": None if ref_model is None else ref_model.state_dict(),
-            "config": None if config is None else dataclasses.asdict(config)}
+            "config": None if config is None else dataclasses.asdict(config), "data": data}
 
 
 def latest_checkpoint(output_dir: str):
@@ -90,7 +92,14 @@ def load_latest(output_dir: str):
     folder = latest_checkpoint(output_dir)
     if folder is None:
         return None, None
-    return folder, torch.load(os.path.join(folder, "state.pt"), weights_only=False, map_location="cpu")
+    path = os.path.join(folder, "state.pt")
+    try:
+        return folder, torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as error:                     # empty, truncated or overwritten: torch's errors name no file
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"checkpoint {path} cannot be read ({type(error).__name__}: {reason[:120]}); it was cut "
+                         f"short or damaged after it was written: restore it from a copy, or start a new run "
+                         f"without --resume in another output_dir") from None
 
 
 def resume_changes(saved: dict, config) -> dict:

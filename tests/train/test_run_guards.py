@@ -202,3 +202,45 @@ def test_train_help_lists_every_key_with_its_default(capsys):
     for field in dataclasses.fields(TrainConfig):
         assert f"  {field.name}: " in out, field.name
     assert "max_grad_norm: float = 1.0" in out
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "missing"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, damage):
+    run(tmp_path, max_steps=2, save_every=2)
+    path = tmp_path / "run" / "checkpoint-2" / "state.pt"
+    data = path.read_bytes()
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(b"" if damage == "empty" else data[:len(data) // 2])
+    capsys.readouterr()                                         # the first run's output
+    assert cli(["train", "--output-dir", str(tmp_path / "run"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {path} cannot be read" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("change", ["shuffled", "row added"])
+def test_resume_refuses_a_dataset_file_that_changed(tmp_path, change):
+    rows = [json.dumps({"prompt": f"{a}+{b}=", "solution": str(a + b)}) for a in range(6) for b in range(6)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    run(tmp_path, task=str(data), max_steps=1, save_every=1, sft_steps=0)
+    changed = rows[::-1] if change == "shuffled" else rows + [json.dumps({"prompt": "9+9=", "solution": "18"})]
+    data.write_text("\n".join(changed) + "\n")
+    with pytest.raises(ValueError, match=f"--resume: the data of '{data}' is not what the checkpoint trained on"):
+        run(tmp_path, task=str(data), max_steps=2, save_every=1, sft_steps=0, resume=True)
+    data.write_text("\n".join(rows) + "\n")                                 # the file as it was: resumes
+    assert [r["step"] for r in run(tmp_path, task=str(data), max_steps=2, save_every=1, sft_steps=0,
+                                   resume=True)] == [2]
+
+
+def test_an_interrupt_while_the_engine_starts_leaves_the_folder_free(tmp_path, monkeypatch, capsys):
+    from grpo_fast.train.record import run_contents
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "make_engine", interrupted)
+    assert cli(["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0"]) == 130
+    assert "nothing was saved" in capsys.readouterr().err
+    assert run_contents(str(tmp_path / "run")) == []           # a new run may use the folder
