@@ -125,6 +125,10 @@ def _train(arguments: list) -> int:
     except (ValueError, OSError, RunError) as error:         # the cause is named: one line, not a traceback
         print(f"grpo-fast train: {error}", file=sys.stderr)
         return 2
+    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
+    if history and os.path.exists(metrics_path):      # the whole run's steps, a resumed one's earlier part too
+        with open(metrics_path) as f:
+            history = [json.loads(text) for text in f if text.strip()] or history
     if history and os.environ.get("RANK", "0") == "0":
         tenth = max(1, len(history) // 10)
         first = sum(r["reward"] for r in history[:tenth]) / tenth

@@ -246,6 +246,10 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     model, tokenizer = load_model(config, samples, folder and checkpoint.load_tokenizer(folder),
                                   precision.weights_dtype(dtype))
     model.to(device)
+    if config.lora_rank:
+        lora.check_target_modules(model, config)  # before the warm start trains anything
+    max_prompt_tokens = tasks.longest_prompt(samples + eval_problems, tokenizer, config)
+    tasks.check_context(max_prompt_tokens, config.max_completion_length, model.config)
     reward_fns = [load_reward(name) for name in config.rewards]
     if config.eval_reward and eval_problems:
         load_reward(config.eval_reward)           # a bad name fails here, before anything is written
@@ -269,7 +273,6 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         reference_policy = Policy.of(ref_model or model, dtype, adapters_off=ref_model is None)
     optimizer, scheduler = optimizer_for(policy, config, state)
     state = None                                  # the checkpoint's tensors are loaded: free them
-    max_prompt_tokens = tasks.longest_prompt(samples + eval_problems, tokenizer, config)
     sharded = config.distributed == "fsdp2" and world.size > 1
     engine = make_engine(config, model, tokenizer, max_prompt_tokens,
                          model_dir=None if config.model == "tiny" else config.model,
@@ -387,7 +390,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         weights = lora.engine_weights(model)      # every rank: a collective under FSDP2
         if world.is_main:                         # the trained policy as a Hugging Face folder, LoRA merged
             export.save_model_folder(model, tokenizer, os.path.join(config.output_dir, "model"), weights,
-                                     replace=True)
+                                     replace=True, step=start_step + len(history))
         distributed.barrier(world)
     except EngineError as error:              # the rollout process: the step it failed in; nothing new saved
         raise RunError(f"step {step + 1}: {error}; the last checkpoint is intact (--resume continues from it)") \

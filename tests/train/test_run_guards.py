@@ -244,3 +244,12 @@ def test_an_interrupt_while_the_engine_starts_leaves_the_folder_free(tmp_path, m
     assert cli(["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0"]) == 130
     assert "nothing was saved" in capsys.readouterr().err
     assert run_contents(str(tmp_path / "run")) == []           # a new run may use the folder
+
+
+def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, capsys):
+    arguments = ["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0", "--eval-every", "0",
+                 "--group-size", "2", "--prompts-per-step", "2"]
+    assert cli([*arguments, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    assert cli([*arguments, "--max-steps", "3", "--resume"]) == 0
+    assert "done: 3 steps" in capsys.readouterr().out
