@@ -21,13 +21,13 @@ ValueError too (the loop's setup errors are ValueErrors: one line at the command
 
 The process dies with the trainer, whatever kills it: on Linux the kernel sends it SIGKILL when the trainer dies
 (PR_SET_PDEATHSIG), and a thread that polls its parent's pid covers the other platforms and a trainer that started
-it from another thread (the kernel signal follows the starting thread, not the process). Requests and results go
+it from a thread other than its main one (the kernel signal follows the starting thread, not the process, so it is
+not set then). Requests and results go
 through a pipe, not multiprocessing queues: queues are named semaphores in /dev/shm, which only multiprocessing's
 resource tracker removes, so a SIGKILL of the whole process group left them behind; a pipe closes with its
 processes. The process ignores SIGINT and SIGTERM: a Ctrl-C or `timeout` reaches the whole process group, and
 the trainer, which saves first, stops this process itself.
 """
-
 
 from __future__ import annotations
 
