@@ -80,10 +80,12 @@ class Trainer:
 
     def __init__(self, output_dir):
         self.output_dir = str(output_dir)
-        self.log = open(os.path.join(os.path.dirname(self.output_dir), f"{os.path.basename(output_dir)}.log"), "w")
+        self.log = open(f"{self.output_dir}.log", "w")
+        temp = f"{self.output_dir}-tmp"       # multiprocessing's temp folder, which a SIGKILL leaves: not in /tmp
+        os.makedirs(temp)
         self.process = subprocess.Popen([sys.executable, "-m", "grpo_fast.cli", "train", *TINY_RUN, "--output-dir",
                                          self.output_dir], stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=environment(), cwd=ROOT, start_new_session=True)
+                                        env={**environment(), "TMPDIR": temp}, cwd=ROOT, start_new_session=True)
 
     def wait_until_serving(self, timeout=120) -> dict:
         """Waits until the engine is ready (the run's first file is written after it) and returns the trainer's
