@@ -23,6 +23,7 @@ import importlib.util
 import math
 import os
 import random
+import threading
 
 import torch
 
@@ -222,6 +223,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     KeyboardInterrupt (its `checkpoint` attribute names the folder), from which `resume=True` continues bit for
     bit (grpo_fast.train.signals)."""
     from tqdm.auto import tqdm
+
+    tqdm.set_lock(threading.RLock())              # tqdm's default lock is a multiprocessing one, a file in /dev/shm
 
     world = distributed.init(config.device)
     config.check_world(world.size)                # every config x processes check, before anything runs
