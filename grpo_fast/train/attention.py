@@ -11,10 +11,10 @@ avoid it, chosen by `choose_attention`:
 
 - "flash_attention_2" (CUDA with the flash_attn package, fp16 / bf16 compute): flash_attn_varlen_func over the
   segments that `cu_seq_lens_q` / `cu_seq_lens_k` (transformers' FlashAttentionKwargs) describe.
-- "grpo_fast_varlen" (everywhere else): one causal sdpa per packed sequence, taking the segments from the same
-  keyword arguments. Anything that is not a packed row (padded batches, generation with a KV cache, left-padded
-  prompts) goes to transformers' own sdpa unchanged, so generation and padded micro-batches compute exactly what
-  sdpa computes.
+- "grpo_fast_varlen" (everywhere else): causal sdpa within each packed sequence, taking the segments from the
+  same keyword arguments (sequences of similar length batched into one call, right-padded, no mask). Anything
+  that is not a packed row (padded batches, generation with a KV cache, left-padded prompts) goes to
+  transformers' own sdpa unchanged, so generation and padded micro-batches compute exactly what sdpa computes.
 
 The decoder hands its keyword arguments down to the attention function (transformers 5's Llama / Qwen2 layers pass
 **kwargs through to `attention_interface(...)`), so the micro-batch's cu_seq_lens_* and max_length_* reach it.
@@ -33,6 +33,9 @@ import torch
 NAME = "grpo_fast_varlen"
 FLASH = "flash_attention_2"
 HALF_PRECISIONS = ("bf16-autocast", "bf16", "fp16", torch.bfloat16, torch.float16)
+# sequences of similar length share one causal sdpa call, right-padded, while the padding stays within this share
+# of their tokens: PyTorch's CPU kernel runs many small calls at about half the speed of one batched call
+PADDING_SLACK = 0.25
 
 
 def segments(cu_seq_lens: torch.Tensor, length: int, name: str = "cu_seq_lens_q") -> list:
@@ -66,8 +69,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              max_length_k: Optional[int] = None, position_ids: Optional[torch.Tensor] = None,
                              **kwargs) -> tuple:
     """torch.cat([sdpa_attention_forward(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None)[0] for s, e in
-    segments], dim=1): causal attention within each sequence of a packed row, without any (N, N) tensor, and
-    with no op over the whole row per sequence (the pieces come from one split).
+    segments], dim=1): causal attention within each sequence of a packed row, without any mask or (N, N)
+    tensor. Sequences of similar length run as one right-padded causal batch (length_groups; causality keeps a
+    real query off the padding behind its sequence), so there are a few sdpa calls per layer, not one per sequence.
 
     query (1, heads, N, D), key / value (1, kv_heads, N, D) (grouped-query heads as sdpa takes them); the segments
     come from cu_seq_lens_q (== cu_seq_lens_k), else from position_ids restarting at 0. Returns ((1, N, heads, D),
@@ -91,20 +95,67 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         spans = segments_from_positions(position_ids, length)
     else:
         spans = [(0, length)]
-    if len(spans) == 1:
-        pieces = [(query, key, value)]
-    else:       # split, not slices: its backward writes each gradient once (a slice's zero-fills the whole tensor)
+    if len(spans) == 1 or sliding_window is not None:
         sizes = [end - start for start, end in spans]
-        pieces = list(zip(*(t.split(sizes, dim=2) for t in (query, key, value))))
-    outputs = []
-    for q, k, v in pieces:
-        mask, size = None, q.shape[2]
-        if sliding_window is not None and size > sliding_window:
-            steps = torch.arange(size, device=query.device)
-            behind = steps[:, None] - steps[None, :]                  # query index - key index
-            mask = ((behind >= 0) & (behind < sliding_window))[None, None]
-        outputs.append(sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0])
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+        pieces = [(query, key, value)] if len(spans) == 1 else list(zip(*(t.split(sizes, dim=2)
+                                                                         for t in (query, key, value))))
+        outputs = [_per_sequence(module, piece, sliding_window, dropout, scaling) for piece in pieces]
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+    return _grouped(module, query, key, value, spans, dropout, scaling), None
+
+
+def _per_sequence(module, piece: tuple, sliding_window: Optional[int], dropout: float, scaling) -> torch.Tensor:
+    """(1, L, heads, D): causal sdpa over one sequence, within a sliding window when one is given."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = piece
+    mask, size = None, q.shape[2]
+    if sliding_window is not None and size > sliding_window:
+        steps = torch.arange(size, device=q.device)
+        behind = steps[:, None] - steps[None, :]                  # query index - key index
+        mask = ((behind >= 0) & (behind < sliding_window))[None, None]
+    return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+
+
+def length_groups(sizes: list, slack: float = PADDING_SLACK) -> list:
+    """Indices of `sizes` in groups of similar length, longest first: a group's count x its longest stays within
+    (1 + slack) x its tokens (a sequence alone always fits)."""
+    groups, current, tokens = [], [], 0
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if current and (len(current) + 1) * sizes[current[0]] > (1 + slack) * (tokens + sizes[index]):
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(index)
+        tokens += sizes[index]
+    return groups + [current]
+
+
+def _grouped(module, query, key, value, spans: list, dropout: float, scaling) -> torch.Tensor:
+    """(1, N, heads, D): each group of similar-length sequences as one right-padded batch under a causal sdpa (a
+    real query never reaches the padding after its sequence), the padded rows dropped; no mask is built."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    device, length = query.device, query.shape[2]
+    sizes = [end - start for start, end in spans]
+    # (N, heads x D) rows: the projections' own layout, so a gather is one index_select (and its backward one
+    # index_add) over whole rows
+    rows = [t[0].transpose(0, 1).reshape(length, -1) for t in (query, key, value)]
+    outputs, positions = [], []
+    for group in length_groups(sizes):
+        starts = torch.tensor([spans[i][0] for i in group], device=device)
+        lengths = torch.tensor([sizes[i] for i in group], device=device)
+        steps = torch.arange(sizes[group[0]], device=device)
+        # (g, L_max) token indices; the padding repeats a sequence's last token, which causality hides
+        index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)
+        q, k, v = (r.index_select(0, index.reshape(-1)).view(*index.shape, t.shape[1], t.shape[3]).transpose(1, 2)
+                   for r, t in zip(rows, (query, key, value)))                         # (g, heads, L_max, D)
+        out = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+        real = (steps[None] < lengths[:, None]).reshape(-1).nonzero().reshape(-1)
+        outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))         # (tokens, heads, D)
+        positions.append(index.reshape(-1)[real])
+    order = torch.empty(length, dtype=torch.long, device=device)
+    order[torch.cat(positions)] = torch.arange(length, device=device)
+    return torch.cat(outputs).index_select(0, order)[None]
 
 
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,

@@ -176,3 +176,13 @@ def test_bad_boundaries_name_the_argument():
         attention.segments(torch.tensor([0, 4, 4, 10]), 10)
     assert attention.segments(torch.tensor([0, 4, 10]), 10) == [(0, 4), (4, 10)]
     assert attention.segments_from_positions(torch.tensor([[0, 1, 2, 0, 1]]), 5) == [(0, 3), (3, 5)]
+
+
+def test_similar_lengths_share_a_call_within_the_padding_slack():
+    sizes = [400, 100, 390, 380, 50, 5]
+    groups = attention.length_groups(sizes, slack=0.25)
+    assert sorted(i for group in groups for i in group) == list(range(6))
+    for group in groups:
+        longest = max(sizes[i] for i in group)
+        assert sizes[group[0]] == longest and len(group) * longest <= 1.25 * sum(sizes[i] for i in group)
+    assert groups[0] == [0, 2, 3] and attention.length_groups([7]) == [[0]]
