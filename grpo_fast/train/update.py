@@ -129,19 +129,46 @@ def completion_logprobs(policy: Policy, rollout: Rollout, config: TrainConfig,
     return logps
 
 
+class Fp32GradientSum:
+    """Sums the gradients of several backward passes in fp32 for parameters held in a lower precision (bf16
+    weights), which would otherwise add each micro-batch's gradient into a bf16 .grad: 8 micro-batches round the
+    sum 8 times. `add()` after each backward moves .grad into the fp32 sum; `finish()` puts the sum back in .grad,
+    rounded once to the parameter's dtype. One process only: DDP and FSDP2 reduce .grad as they accumulate it."""
+
+    def __init__(self, parameters):
+        self.parameters = [p for p in parameters if p.requires_grad and p.dtype != torch.float32]
+        self.sums = {}
+
+    def add(self) -> None:
+        for param in self.parameters:
+            if param.grad is not None:
+                if param in self.sums:
+                    self.sums[param] += param.grad.float()
+                else:
+                    self.sums[param] = param.grad.float()
+                param.grad = None
+
+    def finish(self) -> None:
+        for param, total in self.sums.items():
+            param.grad = total.to(param.dtype)
+        self.sums = {}
+
+
 def accumulate_gradients(policy: Policy, rollout: Rollout, config: TrainConfig,
                          world: distributed.World = distributed.World()) -> dict:
     """Backward of the step's loss, micro-batch by micro-batch: the micro-batch losses are weighted
     (`variants.micro_batch_share`, over the sequences and tokens of all ranks) so that their sum is the loss of
     the whole rollout at once, however it is cut, packed and spread over ranks. Every rank runs as many backward
     passes as the busiest (extra ones weigh 0) and reduces gradients in the last. Returns the loss and the loss
-    metrics (token-weighted means over micro-batches), summed over ranks."""
+    metrics (token-weighted means over micro-batches), summed over ranks. With one process, gradients of bf16
+    weights accumulate over micro-batches in fp32 (Fp32GradientSum)."""
     loss_config = config.loss_config()
     loss_function = LOSS_IMPLEMENTATIONS[config.loss_implementation]
     device = rollout.loss_mask.device
     totals = distributed.sum_over_ranks({"sequences": rollout.input_ids.shape[0],
                                          "tokens": float(rollout.loss_mask.sum())}, world, device)
     batches = micro_batches(rollout, config, world)
+    fp32_sum = Fp32GradientSum(policy.forward.parameters()) if world.size == 1 and len(batches) > 1 else None
     summed = {"loss": 0.0}
     for index, (micro, counts) in enumerate(batches):
         hidden, weight, head_kwargs = completion_hidden(policy, micro, config.offload_activations)
@@ -157,10 +184,14 @@ def accumulate_gradients(policy: Policy, rollout: Rollout, config: TrainConfig,
         loss = loss * share
         with distributed.gradient_sync(policy.forward, enabled=index == len(batches) - 1):
             (loss * world.size).backward()          # DDP and FSDP2 average gradients over ranks
+        if fp32_sum is not None:
+            fp32_sum.add()
         summed["loss"] += loss.item()
         token_share = float(mask.sum()) / max(1.0, totals["tokens"]) if counts else 0.0
         for name, value in metrics.items():
             summed[name] = summed.get(name, 0.0) + value.item() * token_share
+    if fp32_sum is not None:
+        fp32_sum.finish()
     return distributed.sum_over_ranks(summed, world, device)
 
 

@@ -235,3 +235,47 @@ def test_lora_checkpoint_holds_the_adapters_and_restores_them():
     with pytest.raises(ValueError, match="the checkpoint's adapters do not fit this model: missing"):
         checkpoint.restore_model(lora.add_adapters(model(), lora_config(lora_target_modules=["q_proj", "o_proj"])),
                                  {**state, "step": 1})
+
+
+def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(monkeypatch):
+    """With bf16 weights and 8 micro-batches, the step's gradient is the fp32 sum of the 8 micro-batch gradients,
+    rounded once to bf16: within one rounding (2^-8 relative) of the float64 sum, where adding them into a bf16
+    .grad rounds 8 times."""
+    from grpo_fast.train import update
+    from grpo_fast.train.engines import pack
+    from grpo_fast.train.update import Rollout, accumulate_gradients
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (3 + row % 4,), generator=generator).tolist() for row in range(8)]
+    completions = [torch.randint(1, 64, (2 + row % 5,), generator=generator).tolist() for row in range(8)]
+    generation = pack(prompts, completions, [False] * 8, pad_token_id=0)
+    batch = Rollout(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
+                    prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
+                    loss_mask=generation.completion_mask, advantages=torch.randn(8, generator=generator))
+    model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=0).to(torch.bfloat16)
+    parts = []                                    # each micro-batch's own gradient, as its backward left it
+    original_add = update.Fp32GradientSum.add
+
+    def record(self):
+        parts.append({p: p.grad.double() for p in self.parameters if p.grad is not None})
+        original_add(self)
+
+    monkeypatch.setattr(update.Fp32GradientSum, "add", record)
+    accumulate_gradients(Policy.of(model), batch, TrainConfig(micro_batch_size=1, gradient_checkpointing=False,
+                                                              max_completion_length=8))
+    assert len(parts) == 8
+    worst, errors, norms = 0.0, {"fp32": 0.0, "bf16": 0.0}, 0.0
+    for param in model.parameters():
+        exact = sum(part[param] for part in parts)
+        in_bf16 = parts[0][param].to(torch.bfloat16)
+        for part in parts[1:]:
+            in_bf16 = in_bf16 + part[param].to(torch.bfloat16)    # what a bf16 .grad accumulates
+        one_rounding = exact.abs().clamp(min=1e-30) * 2.0 ** -8   # bf16 keeps 8 significant bits
+        worst = max(worst, float(((param.grad.double() - exact).abs() / one_rounding).max()))
+        errors["fp32"] += float((param.grad.double() - exact).square().sum())
+        errors["bf16"] += float((in_bf16.double() - exact).square().sum())
+        norms += float(exact.square().sum())
+    relative = {name: (error / norms) ** 0.5 for name, error in errors.items()}
+    print(f"gradient error relative to its norm: fp32 sum {relative['fp32']:.2e}, bf16 sum {relative['bf16']:.2e}")
+    assert worst <= 1.0 + 1e-3, worst                          # each weight's gradient rounded once
+    assert relative["bf16"] > 1.5 * relative["fp32"], relative  # the bf16 sum is worse: the test tells them apart
