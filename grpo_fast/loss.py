@@ -99,8 +99,8 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         )
         return loss_from(logp_c, entropy_c)
 
-    def compact(t):
-        return None if t is None else t.expand(shape).reshape(-1).index_select(0, index)
+    def compact(t):     # detached: the kernels take values; the gradients to these inputs come from `side` below
+        return None if t is None else t.detach().expand(shape).reshape(-1).index_select(0, index)
 
     # Token-separable objectives: the policy mask multiplies the policy term as is_ratio does, so the kernels take
     # their product.
@@ -121,7 +121,10 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         chunk = terms.slice(start, end)
         return ops.policy_grad(logp, chunk), chunk.entropy_grad
 
+    per_token_values = {}
+
     def finish(logp_c, entropy_c):
+        per_token_values.update(logp=logp_c, entropy=entropy_c)
         with torch.no_grad():
             return loss_from(logp_c, entropy_c)
 
@@ -131,6 +134,14 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     metrics: dict = {}
     loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish,
                                   metrics, guard)
+
+    side = (batch.advantages, batch.old_logps, batch.ref_logps, batch.is_ratio)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in side):
+        # A learned baseline, say: the loss is the torch loss math of the per-token log-probs and these inputs, so
+        # at the kernels' (fixed) log-probs its gradient to them is that math's. Run it once more with autograd on
+        # (O(tokens), no GEMM) and add it with value zero: the loss keeps the fused value, and gains their gradient.
+        side_loss, _ = loss_from(per_token_values["logp"].detach(), per_token_values["entropy"].detach())
+        loss = loss + (side_loss - side_loss.detach())
     return loss, metrics
 
 
@@ -218,8 +229,11 @@ def grpo_loss(
         "entropy", "kl" (beta > 0), "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"
         (clipped objectives), "cispo_clip_ratio" (cispo) or "vespo/phi_seq_mean" (vespo).
 
-    The gradient is first-order only (create_graph=True raises), and hidden, weight and bias must not change in
-    place before the backward (it raises, as torch does for tensors saved for backward).
+    Gradients flow to hidden, weight and bias, and to advantages, old_logps, ref_logps and is_ratio where they
+    require grad (a learned baseline, say), as in the full-logits `grpo_fast.reference.grpo_loss`; those take one
+    more pass of the per-token loss math (no GEMM), only when asked for. The gradient is first-order only
+    (create_graph=True raises), and hidden, weight and bias must not change in place before the backward (it
+    raises, as torch does for tensors saved for backward).
     """
     config = loss_config(
         config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,

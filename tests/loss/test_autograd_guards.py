@@ -1,12 +1,14 @@
 """What the chunked gradients cannot do raises instead of returning a wrong number: double backward, and in-place
-changes of hidden / weight / bias between the forward and the backward."""
+changes of hidden / weight / bias between the forward and the backward. And what they can do beyond hidden, weight
+and bias: gradients to advantages, old_logps, ref_logps and is_ratio, as the full-logits reference gives them."""
 
 import pytest
 import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import make_batch
+from grpo_fast.variants import LOSS_TYPES
+from tests.helpers import as_float64, assert_close, make_batch
 
 LEVELS = ["token", "sequence"]       # fused (gradient in the forward) and two-phase (through token_logprobs)
 
@@ -148,3 +150,81 @@ def test_training_steps_and_repeated_backward_still_work(level, backend):
         loss = call_loss(gf.grpo_loss, dict(inputs, hidden=layer(source)), level, backend)
         inputs["weight"].add_(1.0)
     assert torch.isfinite(loss) and not loss.requires_grad
+
+
+# ------------------------------------------------- gradients to the per-token inputs (a learned baseline, say)
+SIDE_INPUTS = ("advantages", "old_logps", "ref_logps", "is_ratio")
+SIDE_OPTIONS = {"dr_grpo": dict(max_completion_length=8), "cispo": dict(epsilon_high=1.1)}
+
+
+def side_inputs(seed=0, per_token_adv=False):
+    """Small loss inputs (hidden, weight, bias require grad) whose old log-probs lie near the policy's (ratios
+    around 1, some clipped), so that no variant's weights vanish."""
+    inputs = make_batch(batch=3, seq=6, vocab=19, seed=seed, bias=True, per_token_adv=per_token_adv)
+    gen = torch.Generator().manual_seed(seed + 1)
+    logp = reference.token_logprobs(inputs["hidden"], inputs["weight"], inputs["targets"], bias=inputs["bias"])
+    noise = 0.3 * torch.randn(logp.shape, generator=gen)
+    inputs["old_logps"] = torch.where(inputs["mask"], logp + noise, inputs["old_logps"])
+    for key in ("hidden", "weight", "bias"):
+        inputs[key] = inputs[key].clone().requires_grad_()
+    return inputs
+
+
+def side_grads(fn, inputs, options, names=SIDE_INPUTS + ("hidden",)):
+    """(loss, {name: d(loss)/d(name)}) with fresh leaves for `names`; zeros where the loss does not depend on one
+    (cispo's and vespo's detached weights)."""
+    inputs = {k: (v.detach().clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
+    loss, _ = fn(**inputs, **options)
+    grads = torch.autograd.grad(loss, [inputs[k] for k in names], allow_unused=True, materialize_grads=True)
+    return loss, dict(zip(names, grads))
+
+
+def assert_side_grads_match(inputs, options, backend, names=SIDE_INPUTS + ("hidden",)):
+    loss, grads = side_grads(gf.grpo_loss, inputs, dict(options, backend=backend), names)
+    ref_loss, ref_grads = side_grads(reference.grpo_loss, as_float64(inputs), options, names)
+    assert ref_grads["advantages"].abs().max() > 0
+    assert_close(loss, ref_loss, 1e-5, atol=1e-7, name="loss")
+    for name in names:
+        assert grads[name].dtype == inputs[name].dtype
+        assert_close(grads[name], ref_grads[name], 1e-5, atol=1e-7, name=f"d{name}")
+    return loss
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+def test_grpo_loss_gradients_to_advantages_and_log_probs_match_reference(loss_type, level, backend):
+    """Every registered variant: d(loss)/d(advantages, old_logps, ref_logps, is_ratio) as the float64 reference's,
+    and the loss unchanged by asking for them."""
+    inputs = side_inputs()
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, use_bias_correction_kl=True,
+                   entropy_coef=0.01, **SIDE_OPTIONS.get(loss_type, {}))
+    loss = assert_side_grads_match(inputs, options, backend)
+    plain, _ = gf.grpo_loss(**inputs, **options, backend=backend)
+    assert torch.equal(loss, plain)
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_grpo_loss_module_learned_baseline_gradient(frozen_head, backend):
+    """Per-token advantages A = returns - baseline with a trainable baseline, through GRPOLoss; with a frozen LM
+    head and constant hidden states too (the loss then depends on the baseline alone)."""
+    inputs = side_inputs(seed=1, per_token_adv=True)
+    if frozen_head:
+        for key in ("hidden", "weight", "bias"):
+            inputs[key] = inputs[key].detach()
+    module = gf.GRPOLoss(loss_type="grpo", epsilon_high=0.28, delta=1.5, backend=backend)
+    returns = inputs.pop("advantages")
+    del inputs["ref_logps"]
+    baseline = torch.zeros_like(returns).requires_grad_()
+    loss, _ = module(advantages=returns - baseline, **inputs)
+    (grad,) = torch.autograd.grad(loss, baseline)
+    ref_baseline = torch.zeros_like(returns, dtype=torch.float64).requires_grad_()
+    ref_inputs = as_float64(inputs)
+    ref_loss, _ = reference.grpo_loss(advantages=returns.double() - ref_baseline, **ref_inputs, loss_type="grpo",
+                                      epsilon_high=0.28, delta=1.5)
+    (ref_grad,) = torch.autograd.grad(ref_loss, ref_baseline)
+    assert ref_grad.abs().max() > 0
+    assert_close(grad, ref_grad, 1e-5, atol=1e-7, name="d(baseline)")
+
+    with torch.no_grad():
+        loss, _ = module(advantages=returns - baseline, **inputs)
+    assert not loss.requires_grad
