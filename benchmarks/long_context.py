@@ -3,14 +3,17 @@ grpo_fast's loss and the full-logits (naive) loss, next to what `grpo_fast.train
 
 python -m grpo_fast.benchmarks.long_context [--lengths 4096 8192 16384 32768] [--losses grpo_fast naive]
                                             [--vocab 32768] [--hidden 256] [--group-size 2] [--out DIR]
+                                            [--carry-over 32768]
 
 Each (loss, length) runs in a fresh process: a tiny Qwen2-style model (random weights, the given vocabulary),
 a rollout of group_size random completions of that length after a 32-token prompt, and `steps` optimizer steps of
 `grpo_fast.train.update.policy_update` (AdamW, one sequence per micro-batch, gradient checkpointing on or off, a
-reference model with beta > 0). Memory is the peak RSS above the process's RSS before the model was built (on
-CUDA the allocator's peak); time is the median step. A run the planner predicts past --max-gib is not started.
-Writes long_context.md / .json and memory / time plots to --out (--replan: only recompute the plan's columns of
-an existing --out/long_context.json with the current planner, the measurements as they were).
+reference model with beta > 0), with the trainer's attention (grpo_fast.train.attention.use_varlen_attention).
+Memory is the peak RSS above the process's RSS before the model was built (on CUDA the allocator's peak); time is
+the median step. A run the planner predicts past --max-gib is not started. Writes long_context.md / .json and
+memory / time plots to --out (--replan: only recompute the plan's columns of an existing --out/long_context.json
+with the current planner, the measurements as they were; --carry-over LENGTH...: take those lengths' rows from it
+as they were measured, marked so, instead of running them again).
 """
 
 import argparse
@@ -49,6 +52,7 @@ def worker(args) -> dict:
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
     from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.train.attention import use_varlen_attention
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.tiny import tiny_qwen2
     from grpo_fast.train.update import Policy, Rollout, completion_logprobs, policy_update
@@ -62,6 +66,7 @@ def worker(args) -> dict:
     shape = shape_for(args)
     model = tiny_qwen2(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=shape.num_heads,
                        num_kv_heads=shape.num_kv_heads, max_positions=PROMPT + length).to(device)
+    attention = use_varlen_attention(model, device, "bf16-autocast" if cuda else "fp32")
     ref_model = None
     if args.beta > 0:
         import copy
@@ -91,7 +96,8 @@ def worker(args) -> dict:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - baseline
-    return {"loss": loss, "length": length, "peak_bytes": int(peak), "step_seconds": statistics.median(seconds)}
+    return {"loss": loss, "length": length, "peak_bytes": int(peak), "step_seconds": statistics.median(seconds),
+            "attention": attention}
 
 
 def measure(args, length: int, loss: str) -> dict:
@@ -111,9 +117,18 @@ def measure(args, length: int, loss: str) -> dict:
 
 
 def run(args) -> list:
-    rows = []
-    for length in args.lengths:
+    rows, earlier = [], {}
+    if args.carry_over:
+        with open(os.path.join(args.out, "long_context.json")) as f:
+            saved = json.load(f)
+        earlier = {(row["loss"], row["length"]): dict(row, carried_over=saved["command"]) for row in saved["rows"]}
+    for length in sorted(set(args.lengths) | set(args.carry_over or [])):
         for loss in args.losses:
+            if length in (args.carry_over or []):
+                if (loss, length) in earlier:
+                    rows.append(earlier[(loss, length)])
+                    replan(rows[-1:], args)
+                continue
             row = {"loss": loss, "length": length}
             replan([row], args)
             if row["planned_bytes"] > args.max_gib * GIB:
@@ -137,15 +152,20 @@ def write(rows: list, args, out: str, command: str) -> None:
     from grpo_fast.profiling import machine_name
 
     os.makedirs(out, exist_ok=True)
+    attention = sorted({row["attention"] for row in rows if "attention" in row and "carried_over" not in row})
     setting = (f"tiny Qwen2-style model, hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}; "
                f"{args.group_size} completions per step after a {PROMPT}-token prompt, one per micro-batch, "
                f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, beta {args.beta}, AdamW, "
-               f"median of {args.steps} steps")
-    lines = [f"# Long completions on {machine_name(args.device)}", "", setting, "",
+               f"median of {args.steps} steps" + (f", attention {' / '.join(attention)}" if attention else ""))
+    lines = [f"# Long completions on {machine_name(args.device)}", "", setting, ""] + (
+        [args.note, ""] if args.note else []) + [
              f"`{command}`" + (" (planned columns recomputed with `--replan`)" if args.replan else ""), "",
              "| completion tokens | loss | peak memory (GiB) | planned (GiB) | planned / measured | step (s) |",
              "|---|---|---|---|---|---|"]
+    carried = sorted({row["carried_over"] for row in rows if "carried_over" in row})
     for row in rows:
+        if "carried_over" in row:
+            row = dict(row, loss=f"{row['loss']} *")
         if "error" in row:
             lines.append(f"| {row['length']} | {row['loss']} | {row['error']} | {row['planned_bytes'] / GIB:.2f} "
                          "| - | - |")
@@ -153,6 +173,9 @@ def write(rows: list, args, out: str, command: str) -> None:
             lines.append(f"| {row['length']} | {row['loss']} | {row['peak_bytes'] / GIB:.2f} | "
                          f"{row['planned_bytes'] / GIB:.2f} | {row['planned_bytes'] / row['peak_bytes']:.2f} | "
                          f"{row['step_seconds']:.1f} |")
+    for command_before in carried:
+        lines += ["", f"\\* carried over as measured by `{command_before}` (one sequence per micro-batch runs the "
+                  "same attention either way), planned columns from the current planner"]
     with open(os.path.join(out, "long_context.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "long_context.json"), "w") as f:
@@ -202,6 +225,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-gib", type=float, default=18.0, help="skip runs planned above this")
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--carry-over", type=int, nargs="+", default=None, metavar="LENGTH",
+                        help="take these lengths' rows from --out/long_context.json as measured before")
+    parser.add_argument("--note", default=None, help="a line for the table's header (how the machine was)")
     parser.add_argument("--replan", action="store_true",
                         help="recompute the planned columns of --out/long_context.json with the current planner")
     parser.add_argument("--worker-length", type=int, help=argparse.SUPPRESS)
