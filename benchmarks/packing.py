@@ -133,7 +133,8 @@ def write(rows: list, args, command: str) -> None:
     markdown = os.path.splitext(args.output)[0] + ".md"
     lines = [f"# Packed and padded micro-batches on {machine}", "", setting, "", f"`{command}`", "",
              "sdpa: transformers' default attention (a packed row gets a dense (N, N) block-diagonal mask); "
-             "grpo_fast_varlen: grpo_fast.train.attention (one causal sdpa per packed sequence).", ""]
+             "grpo_fast_varlen: grpo_fast.train.attention (causal sdpa within each packed sequence, sequences of "
+             "similar length batched into one call, no mask).", ""]
     with open(markdown, "w") as f:
         f.write("\n".join(lines + table(rows)) + "\n")
 
