@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from grpo_fast.train import checkpoint, distributed, export, lora, plan, precision, signals, tasks, tracking
+from grpo_fast.train import attention, checkpoint, distributed, export, lora, plan, precision, signals, tasks, tracking
 from grpo_fast.train.advantages import group_advantages
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.engines import importance_weights, make_engine
@@ -249,6 +249,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     model, tokenizer = load_model(config, samples, folder and checkpoint.load_tokenizer(folder),
                                   precision.weights_dtype(dtype))
     model.to(device)
+    log(f"attention: {attention.use_varlen_attention(model, device, dtype)}")   # packed rows: linear memory
     if config.lora_rank:
         lora.check_target_modules(model, config)  # before the warm start trains anything
     max_prompt_tokens = tasks.longest_prompt(samples + eval_problems, tokenizer, config)

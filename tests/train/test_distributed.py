@@ -117,15 +117,31 @@ FAST = ["--sft-steps", "20", "--max-steps", "2", "--save-every", "2", "--group-s
 LORA = ["--lora-rank", "4", "--learning-rate", "0.05", "--sft-steps", "0"]
 
 
+def options(*parts):
+    """--key value lists joined, a later list's value replacing an earlier one's (a key given twice is an
+    error), flags such as --resume kept."""
+    joined, flags = {}, []
+    for part in parts:
+        index = 0
+        while index < len(part):
+            if index + 1 < len(part) and not part[index + 1].startswith("--"):
+                joined[part[index]] = part[index + 1]
+                index += 2
+            else:
+                flags.append(part[index])
+                index += 1
+    return [item for pair in joined.items() for item in pair] + flags
+
+
 @pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp2", []), ("ddp", LORA), ("fsdp2", LORA)],
                          ids=["ddp", "fsdp2", "ddp-lora", "fsdp2-lora"])
 def test_torchrun_matches_one_process_and_resumes(strategy, extra, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     two = tmp_path / "two"
-    torchrun(2, FAST + ["--output-dir", str(two), "--distributed", strategy] + extra, env)
+    torchrun(2, options(FAST, ["--output-dir", str(two), "--distributed", strategy], extra), env)
     one = tmp_path / "one"
-    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST + ["--output-dir", str(one)] + extra,
+    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + options(FAST, ["--output-dir", str(one)], extra),
                    check=True, capture_output=True, env=env, timeout=900)
     a, b = records(two), records(one)
     assert [r["step"] for r in a] == [1, 2]
@@ -137,9 +153,9 @@ def test_torchrun_matches_one_process_and_resumes(strategy, extra, tmp_path):
         saved = torch.load(two / "checkpoint-2" / "state.pt", weights_only=False)["model"]
         assert saved and all(".lora_" in name for name in saved)
     # a checkpoint written by 2 processes resumes in one
-    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + FAST[:2] + ["--max-steps", "3"] + FAST[4:]
-                   + ["--output-dir", str(two), "--resume"] + extra, check=True, capture_output=True, env=env,
-                   timeout=900)
+    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"]
+                   + options(FAST, ["--max-steps", "3", "--output-dir", str(two), "--resume"], extra),
+                   check=True, capture_output=True, env=env, timeout=900)
     assert [r["step"] for r in records(two)] == [1, 2, 3]
 
 
