@@ -5,11 +5,21 @@
     estimate = plan(shape, job, CARDS["H100 80GB"])      # {"weights": bytes, ..., "total": bytes} on that card
     print(format_report(report("qwen2.5-1.5b", shape, job)))   # a table and the cards it fits
 
-The peak is reached in the backward pass of a micro-batch, once gradients and optimizer states exist:
+The training peak is reached in the backward pass of a micro-batch, once gradients and optimizer states exist:
 
-    weights + gradients + optimizer states + reference model + autocast weight copies
+    weights + gradients + fp32 gradient sum + optimizer states + reference model + autocast weight copies
         + max(activations + loss buffers + attention mask of one training micro-batch, one no-grad log-prob pass)
         + runtime
+
+The fp32 gradient sum is counted for bf16 weights with more than one micro-batch per step (one process sums the
+micro-batches' gradients in fp32: grpo_fast.train.update.Fp32GradientSum), 4 bytes per trainable parameter.
+The HF engine in the trainer's process (max_staleness 0) generates before the update, with gradients freed: a
+second peak of weights + optimizer states + reference model + runtime + its KV cache (one model.generate call of
+group_size sequences at prompt + completion tokens, in the weights' dtype) + one decode step's logits; the plan's
+peak is the higher of the two (its prefill's transient activations are not counted). With max_staleness >= 1 the
+engine runs in its own process on the same device while the trainer updates: the HF engine's weights, KV cache,
+the fp32 logits of every decode step it keeps for the sampling log-probs and a second runtime are added
+(rollout_*); vLLM's weights and cache are in its pool either way (fits_in adds the pool).
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
@@ -172,6 +182,10 @@ NAIVE_LOGIT_COPIES = 3          # fp32 logits, log_softmax saved for backward, i
 TRL_TILE = (4096, 32768)        # tokens x vocabulary columns of TRL 1.16's ChunkedLogProbFunction tile
 TRL_TILE_COPIES = 3
 CUDA_CONTEXT = 600 * 2**20      # CUDA context and cuBLAS workspaces
+# bytes per logit of one HF decode step beyond the model's output: the fp32 next-token scores, the processors'
+# fp32 copy, top-p's sorted values (fp32) and indices (int64)
+GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
+ROLLOUT_LOGIT_COPIES = 3        # a rollout process's kept fp32 logits, their stacked copy / temperature, log_softmax
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
 # (grpo_fast.train.attention.choose_attention)
@@ -200,6 +214,7 @@ class Job:
     device: str = "cuda"
     packing: bool = True
     attention: str = "auto"
+    max_staleness: int = 0
 
     def __post_init__(self):
         for name, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("loss", LOSSES),
@@ -215,6 +230,8 @@ class Job:
             value = getattr(self, name)
             _require(name, value, value is None or value > 0, "> 0 (or unset)")
         _require("lora_rank", self.lora_rank, self.lora_rank >= 0, ">= 0 (0: full training)")
+        _require("max_staleness", self.max_staleness, self.max_staleness >= 0,
+                 ">= 0 (0: generate, then update; k >= 1: the engine in its own process)")
         _require("beta", self.beta, 0 <= self.beta < math.inf, "a finite number >= 0")
         _require("gpu_memory_utilization", self.gpu_memory_utilization, 0 < self.gpu_memory_utilization < 1,
                  "in (0, 1)")
@@ -236,6 +253,11 @@ class Job:
         per_sequence = self.prompt_length + self.completion_length
         return max(1, min(self.micro_batch_size, self.micro_batch_tokens // per_sequence))
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches of one process's step, every sequence at full length (the most there can be)."""
+        return -(-self.prompts_per_step * self.group_size // self.micro_batch_sequences)
+
 
 class JobValueError(ValueError):
     """A Job field out of range; `field` lets the command line name its option instead."""
@@ -256,9 +278,14 @@ def _bytes(dtype: str) -> tuple:
 
 
 class Estimate(dict):
-    """plan()'s {component: bytes} with the attention implementation it was counted for (`.attention`)."""
+    """plan()'s {component: bytes} with the attention implementation it was counted for (`.attention`), the
+    training peak (`.training_peak`: the update's, without a rollout process) and the in-process HF engine's
+    generation peak (`.generation_peak`, 0 for other engines); "total" is the higher one (plus a rollout
+    process's memory)."""
 
     attention: str = ""
+    training_peak: int = 0
+    generation_peak: int = 0
 
 
 def mask_elements(job: Job, attention: str) -> int:
@@ -310,13 +337,22 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     # A no-grad pass (reference log-probs with beta > 0, old log-probs for vLLM's correction) holds one layer's
     # transient working set and the loss's forward buffers.
     no_grad = 0
-    if job.beta > 0 or job.engine == "vllm":
+    if job.beta > 0 or job.engine == "vllm" or job.max_staleness:      # a rollout process's log-probs: corrected
         no_grad = tokens * (int(RECOMPUTE_PEAK * per_layer) + around) + _loss_buffers(
             job, shape, completion_tokens, act_bytes, capacity, forward_only=True) + elements * (1 + act_bytes)
     training = activations + loss_bytes + mask_bytes >= no_grad
+    weights = params * param_bytes + (trainable * 4 if job.lora_rank else 0)
+    # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.Fp32GradientSum)
+    fp32_sum = trainable * 4 if trainable_bytes == 2 and job.micro_batches_per_step > 1 else 0
+    runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE
+    # The HF engine generates one prompt's group per model.generate call, with the policy's weights in their own
+    # dtype (no autocast): the KV cache of group_size sequences at full length and one decode step's logits.
+    kv_cache = hf_kv_cache(shape, job)
+    step_logits = job.group_size * shape.vocab_size * (param_bytes + GENERATE_LOGIT_BYTES)
     components = {
-        "weights": params * param_bytes + (trainable * 4 if job.lora_rank else 0),
+        "weights": weights,
         "gradients": trainable * trainable_bytes,
+        "fp32_gradient_sum": fp32_sum,
         "optimizer": trainable * state_bytes,
         "reference_model": params * param_bytes if job.beta > 0 else 0,
         "autocast_weight_copies": params * 2 if autocast_copies and job.device == "cuda" else 0,
@@ -324,11 +360,34 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
         "loss_buffers": loss_bytes if training else 0,
         "attention_mask": mask_bytes if training else 0,
         "no_grad_pass": 0 if training else no_grad,
-        "runtime": CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE,
+        "kv_cache": 0,
+        "generation_logits": 0,
+        "runtime": runtime,
     }
+    training_peak = sum(components.values())
+    # In-process HF generation runs before the update, gradients freed (zero_grad(set_to_none=True)): a separate
+    # peak of the weights, optimizer states, reference model, KV cache and decode logits. When it is the higher
+    # one, the components are those it holds.
+    generation_peak = 0
+    if job.engine == "hf" and not job.max_staleness:
+        held = ("weights", "optimizer", "reference_model", "runtime")
+        generation_peak = sum(components[name] for name in held) + kv_cache + step_logits
+        if generation_peak > training_peak:
+            components = {name: value if name in held else 0 for name, value in components.items()}
+            components["kv_cache"], components["generation_logits"] = kv_cache, step_logits
+    # max_staleness >= 1: the engine's own process, at the same time as the update. The HF engine holds the
+    # policy's weights in their dtype, its KV cache, and every step's fp32 logits for the sampling log-probs
+    # (output_logits), their stacked copy and its log_softmax; vLLM's weights and cache are in its pool (fits_in).
+    if job.max_staleness and job.engine == "hf":
+        components["rollout_weights"] = params * param_bytes
+        components["rollout_kv_cache"] = kv_cache
+        components["rollout_logits"] = (job.group_size * job.completion_length * shape.vocab_size * 4
+                                        * ROLLOUT_LOGIT_COPIES + step_logits)
+        components["rollout_runtime"] = runtime
     components["total"] = sum(components.values())
     estimate = Estimate(components)
     estimate.attention = attention
+    estimate.training_peak, estimate.generation_peak = training_peak, generation_peak
     return estimate
 
 
@@ -356,6 +415,13 @@ def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capa
     return buffer + tokens * 4 * 8 + gradients                             # plus per-token fp32 vectors
 
 
+def hf_kv_cache(shape: ModelShape, job: Job) -> int:
+    """Bytes of the HF engine's KV cache: one model.generate call of group_size sequences up to prompt +
+    completion tokens, keys and values of every layer in the weights' dtype (grpo_fast.train.engines.HFEngine)."""
+    tokens = job.group_size * (job.prompt_length + job.completion_length)
+    return 2 * shape.num_layers * shape.kv_dim * tokens * _bytes(job.dtype)[0]
+
+
 def kv_cache_needed(shape: ModelShape, job: Job) -> int:
     """Bytes of bf16 KV cache that hold every sequence of one step at full length at once."""
     sequences = job.group_size * job.prompts_per_step
@@ -364,7 +430,7 @@ def kv_cache_needed(shape: ModelShape, job: Job) -> int:
 
 
 def fits(shape: ModelShape, job: Job) -> dict:
-    """card -> (fits, needed bytes, training peak bytes): the card's training peak (plan for that card) plus,
+    """card -> (fits, needed bytes, peak bytes): the card's peak (plan for that card's "total") plus,
     with vLLM colocated, its pool (gpu_memory_utilization x card, which must also hold vLLM's bf16 weights and
     the KV cache)."""
     result = {}
@@ -430,6 +496,8 @@ class PlanReport:
     kv_cache_needed: int
     cards: dict = field(default_factory=dict)
     attention: str = ""
+    training_peak: int = 0
+    generation_peak: int = 0
 
 
 def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
@@ -439,7 +507,8 @@ def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
              for card, (ok, need, peak) in fits(shape, job).items()}
     return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
                       components={k: int(v) for k, v in estimate.items()},
-                      kv_cache_needed=kv_cache_needed(shape, job), cards=cards, attention=estimate.attention)
+                      kv_cache_needed=kv_cache_needed(shape, job), cards=cards, attention=estimate.attention,
+                      training_peak=int(estimate.training_peak), generation_peak=int(estimate.generation_peak))
 
 
 def format_report(report: PlanReport) -> str:
@@ -456,11 +525,20 @@ def format_report(report: PlanReport) -> str:
         if name == "total":
             continue
         lines.append(f"{name:<24}{value / GIB:>10.2f}")
-    lines.append(f"{'training peak':<24}{report.components['total'] / GIB:>10.2f}")
+    lines.append(f"{'peak':<24}{report.components['total'] / GIB:>10.2f}")
+    staleness = job.get("max_staleness", 0)
     if job["engine"] == "vllm":
-        lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']}: pool = that share of the card; "
-                     f"one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB (less is "
-                     "fine: vLLM queues)")
+        where = "in its own process" if staleness else "in this process"
+        lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']} {where}: pool = that share of "
+                     f"the card; one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB "
+                     "(less is fine: vLLM queues)")
+    elif staleness:
+        lines.append(f"max_staleness={staleness}: the HF engine's process holds its own weights, KV cache and "
+                     "logits (rollout_*) while the trainer updates")
+    else:
+        lines.append(f"HF generation peak {report.generation_peak / GIB:.2f} GiB (weights, optimizer, reference, "
+                     f"KV cache, one decode step's logits), training peak {report.training_peak / GIB:.2f} GiB: "
+                     "the peak is the higher")
     if any(result["training_peak_bytes"] != report.components["total"] for result in report.cards.values()):
         low, high = chunked.CUDA_CHUNK_BYTES_MIN / GIB, chunked.CUDA_CHUNK_BYTES_MAX / GIB
         lines.append(f"loss_buffers counts the largest default chunk budget; a card's is "
@@ -510,7 +588,7 @@ def training_shape(config) -> ModelShape:
 
 
 def training_job(config, prompt_length: int, device: str) -> Job:
-    """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL, engine, dtype (auto: bf16
+    """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL, engine, staleness, dtype (auto: bf16
     autocast over fp32 weights on CUDA, fp32 on CPU), optimizer and LoRA rank on `device`. prompt_length: the
     longest prompt in tokens, which the config alone does not know."""
     device = "cpu" if config.device == "cpu" else device
@@ -522,7 +600,7 @@ def training_job(config, prompt_length: int, device: str) -> Job:
                gradient_checkpointing=config.gradient_checkpointing,
                loss="naive" if config.loss_implementation == "naive" else "grpo_fast", beta=config.beta,
                engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device,
-               packing=config.packing)
+               packing=config.packing, max_staleness=config.max_staleness)
 
 
 def summary(estimate: dict, largest: int = 3) -> str:
@@ -554,6 +632,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--beta", type=float, default=0.0, help="> 0 keeps a reference model")
     parser.add_argument("--engine", choices=ENGINES, default=defaults.engine)
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness,
+                        help="0: generate, then update; k >= 1: the engine in its own process on the same device")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--no-packing", action="store_true", help="padded micro-batches (the trainer's packing: "
                         "false)")
@@ -584,7 +664,7 @@ def main(args) -> int:
                   gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
                   loss=args.loss, beta=args.beta, engine=args.engine,
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-                  packing=not args.no_packing, attention=args.attention)
+                  packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness)
     except JobValueError as error:       # named by the option the user typed
         option = "--" + error.field.replace("_", "-")
         print(f"grpo-fast plan: {option} must be {error.expected}, got {error.value!r}", file=sys.stderr)
