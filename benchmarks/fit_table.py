@@ -13,22 +13,25 @@ import argparse
 
 from grpo_fast.train.plan import CARDS, GIB, PRESETS, Job, fits_in, plan
 
-# (dtype, optimizer, lora_rank, label), most exact first
-OPTIONS = (("bf16-autocast", "adamw", 0, "default (fp32 weights, bf16 autocast, AdamW)"),
-           ("bf16", "adamw", 0, "bf16 + adamw (fp32 master)"),
-           ("bf16", "adamw-bf16", 0, "bf16 + adamw-bf16"),
-           ("bf16", "adamw8bit", 0, "bf16 + adamw8bit"),
-           ("bf16", "adamw", 64, "LoRA r=64, bf16 base"),
-           ("bf16", "adamw", 16, "LoRA r=16, bf16 base"))
+# (dtype, optimizer, grad_accum_dtype, lora_rank, label), most exact first
+OPTIONS = (("bf16-autocast", "adamw", "fp32", 0, "default (fp32 weights, bf16 autocast, AdamW)"),
+           ("bf16", "adamw", "fp32", 0, "bf16 + adamw (fp32 master)"),
+           ("bf16", "adamw-bf16", "fp32", 0, "bf16 + adamw-bf16"),
+           ("bf16", "adamw8bit", "fp32", 0, "bf16 + adamw8bit"),
+           ("bf16", "adamw-bf16", "bf16", 0, "bf16 + adamw-bf16, bf16 gradient sums"),
+           ("bf16", "adamw8bit", "bf16", 0, "bf16 + adamw8bit, bf16 gradient sums"),
+           ("bf16", "adamw", "fp32", 64, "LoRA r=64, bf16 base"),
+           ("bf16", "adamw", "fp32", 16, "LoRA r=16, bf16 base"))
 TABLE_CARDS = {"24 GB": CARDS["24 GB (RTX 4090 / L4)"], "80 GB": CARDS["H100 80GB"],
                "H200 141 GB": CARDS["H200 141GB"]}
 
 
 def first_fit(shape, capacity: int, completion_length: int, margin: float):
     """(label, training peak bytes, needed bytes with vLLM) of the first option that fits, or None."""
-    for dtype, optimizer, rank, label in OPTIONS:
+    for dtype, optimizer, grad_sum, rank, label in OPTIONS:
         job = Job(prompt_length=512, completion_length=completion_length, group_size=8, prompts_per_step=4,
-                  micro_batch_size=1, dtype=dtype, optimizer=optimizer, lora_rank=rank, gpu_memory_utilization=0.3)
+                  micro_batch_size=1, dtype=dtype, optimizer=optimizer, grad_accum_dtype=grad_sum, lora_rank=rank,
+                  gpu_memory_utilization=0.3)
         estimate = plan(shape, job, capacity)          # the loss's default chunk budget is a share of the card
         ok, needed = fits_in(shape, job, estimate, capacity)
         if ok and needed <= (1 - margin) * capacity:

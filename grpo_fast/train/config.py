@@ -136,6 +136,9 @@ class TrainConfig:
                                  "(bf16 weights), auto (fp32 on CPU; on CUDA bf16-autocast, or bf16 with LoRA)")
     optimizer: str = _memory("adamw", "adamw (fp32 master weights under bf16), adamw8bit (8-bit states), adamw-bf16 "
                                       "(bf16 states, dtype bf16); the last two need torchao")
+    grad_accum_dtype: str = _memory("fp32", "what gradients of bf16 weights add up in over a step's micro-batches: "
+                                            "fp32 (an fp32 copy of them while the step runs; one process) or bf16 "
+                                            "(no copy; rounded at every micro-batch)")
     lora_rank: int = _memory(0, "rank of LoRA adapters trained instead of the whole model (0: full training)")
     lora_alpha: Optional[float] = _memory(None, "LoRA scale numerator: updates are scaled by lora_alpha / lora_rank "
                                                 "(None: 2 x lora_rank)")
@@ -271,7 +274,8 @@ class TrainConfig:
 # every key with a fixed set of values
 CHOICES = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
            "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"), "scale_rewards": SCALES,
-           "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant")}
+           "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant"),
+           "grad_accum_dtype": ("fp32", "bf16")}
 
 
 def _rule(text: str, test):

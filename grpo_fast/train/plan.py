@@ -204,6 +204,7 @@ class Job:
     micro_batch_tokens: Optional[int] = None
     dtype: str = "bf16-autocast"
     optimizer: str = "adamw"
+    grad_accum_dtype: str = "fp32"
     gradient_checkpointing: bool = True
     lora_rank: int = 0
     loss: str = "grpo_fast"
@@ -218,6 +219,7 @@ class Job:
 
     def __post_init__(self):
         for name, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("loss", LOSSES),
+                              ("grad_accum_dtype", ("fp32", "bf16")),
                               ("engine", ENGINES), ("device", ("cuda", "cpu")), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -343,7 +345,9 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     training = activations + loss_bytes + mask_bytes >= no_grad
     weights = params * param_bytes + (trainable * 4 if job.lora_rank else 0)
     # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.Fp32GradientSum)
-    fp32_sum = trainable * 4 if trainable_bytes == 2 and job.micro_batches_per_step > 1 else 0
+    fp32_sum = 0                 # grpo_fast.train.update.Fp32GradientSum: bf16 gradients summed over micro-batches
+    if job.grad_accum_dtype == "fp32" and trainable_bytes == 2 and job.micro_batches_per_step > 1:
+        fp32_sum = trainable * 4
     runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE
     # The HF engine generates one prompt's group per model.generate call, with the policy's weights in their own
     # dtype (no autocast): the KV cache of group_size sequences at full length and one decode step's logits.
@@ -596,7 +600,7 @@ def training_job(config, prompt_length: int, device: str) -> Job:
                group_size=config.group_size, prompts_per_step=config.prompts_per_step,
                micro_batch_size=config.micro_batch_size, micro_batch_tokens=config.micro_batch_tokens,
                dtype=precision.resolve(config.dtype, device, config.lora_rank), optimizer=config.optimizer,
-               lora_rank=config.lora_rank,
+               grad_accum_dtype=config.grad_accum_dtype, lora_rank=config.lora_rank,
                gradient_checkpointing=config.gradient_checkpointing,
                loss="naive" if config.loss_implementation == "naive" else "grpo_fast", beta=config.beta,
                engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device,
@@ -626,6 +630,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
                         help="bf16-autocast: fp32 weights, bf16 compute (the trainer on GPU)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    parser.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default=defaults.grad_accum_dtype,
+                        help="what bf16 weights' gradients add up in over micro-batches (fp32: an fp32 copy)")
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full training")
     parser.add_argument("--loss", choices=LOSSES, default=defaults.loss)
@@ -660,7 +666,7 @@ def main(args) -> int:
         job = Job(prompt_length=args.prompt_length, completion_length=args.completion_length,
                   group_size=args.group_size, prompts_per_step=args.prompts_per_step,
                   micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens,
-                  dtype=args.dtype, optimizer=args.optimizer,
+                  dtype=args.dtype, optimizer=args.optimizer, grad_accum_dtype=args.grad_accum_dtype,
                   gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
                   loss=args.loss, beta=args.beta, engine=args.engine,
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,

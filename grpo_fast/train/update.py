@@ -160,15 +160,17 @@ def accumulate_gradients(policy: Policy, rollout: Rollout, config: TrainConfig,
     (`variants.micro_batch_share`, over the sequences and tokens of all ranks) so that their sum is the loss of
     the whole rollout at once, however it is cut, packed and spread over ranks. Every rank runs as many backward
     passes as the busiest (extra ones weigh 0) and reduces gradients in the last. Returns the loss and the loss
-    metrics (token-weighted means over micro-batches), summed over ranks. With one process, gradients of bf16
-    weights accumulate over micro-batches in fp32 (Fp32GradientSum)."""
+    metrics (token-weighted means over micro-batches), summed over ranks. With one process and grad_accum_dtype
+    fp32 (the default), gradients of bf16 weights accumulate over micro-batches in fp32 (Fp32GradientSum)."""
     loss_config = config.loss_config()
     loss_function = LOSS_IMPLEMENTATIONS[config.loss_implementation]
     device = rollout.loss_mask.device
     totals = distributed.sum_over_ranks({"sequences": rollout.input_ids.shape[0],
                                          "tokens": float(rollout.loss_mask.sum())}, world, device)
     batches = micro_batches(rollout, config, world)
-    fp32_sum = Fp32GradientSum(policy.forward.parameters()) if world.size == 1 and len(batches) > 1 else None
+    fp32_sum = None
+    if config.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
+        fp32_sum = Fp32GradientSum(policy.forward.parameters())
     summed = {"loss": 0.0}
     for index, (micro, counts) in enumerate(batches):
         hidden, weight, head_kwargs = completion_hidden(policy, micro, config.offload_activations)

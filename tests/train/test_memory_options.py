@@ -279,3 +279,9 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(monkeypatch):
     print(f"gradient error relative to its norm: fp32 sum {relative['fp32']:.2e}, bf16 sum {relative['bf16']:.2e}")
     assert worst <= 1.0 + 1e-3, worst                          # each weight's gradient rounded once
     assert relative["bf16"] > 1.5 * relative["fp32"], relative  # the bf16 sum is worse: the test tells them apart
+    # grad_accum_dtype bf16: the sum stays in the bf16 .grad, as a bf16 .grad adds it
+    parts.clear()
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(Policy.of(model), batch, TrainConfig(micro_batch_size=1, gradient_checkpointing=False,
+                                                              max_completion_length=8, grad_accum_dtype="bf16"))
+    assert not parts and all(p.grad.dtype == torch.bfloat16 for p in model.parameters())

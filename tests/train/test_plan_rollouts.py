@@ -70,6 +70,10 @@ def test_bf16_weights_sum_gradients_in_fp32_over_several_micro_batches():
     # fp32 weights (bf16-autocast, fp32) and fp32 LoRA adapters accumulate in fp32 .grad already
     for fields in ({"dtype": "bf16-autocast"}, {"dtype": "fp32"}, {"lora_rank": 16}):
         assert P.plan(shape, dataclasses.replace(two, **fields))["fp32_gradient_sum"] == 0, fields
+    # grad_accum_dtype bf16 sums them in bf16, without the copy; the trainer's key reaches the plan
+    assert P.plan(shape, dataclasses.replace(two, grad_accum_dtype="bf16"))["fp32_gradient_sum"] == 0
+    job = P.training_job(TrainConfig(dtype="bf16", grad_accum_dtype="bf16"), 64, "cuda")
+    assert job.grad_accum_dtype == "bf16"
 
 
 def test_training_job_carries_max_staleness():
