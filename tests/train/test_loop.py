@@ -111,8 +111,9 @@ def test_a_failing_reward_names_the_step(tmp_path):
 # The README's main job (task max, 10 warm-start steps, 300 GRPO steps), measured on a 2-core AMD EPYC: mean reward
 # of the first / last tenth of the steps 0.051 -> 0.953 on seed 0, held-out accuracy 0.013 -> 0.963; over seeds 0-4
 # (python -m grpo_fast.benchmarks.default_run_seeds --threads 1) last tenths 0.926-0.965, held-out 0.922-0.965
-# (with the dense block mask before the per-sequence attention: 0.920-0.966 and 0.895-0.965); bf16 weights with 8-bit AdamW (seed 0) 0.049 -> 0.956, held-out 0.013 -> 0.965. The bounds leave
-# room for another CPU's rounding (another trajectory from the same seed).
+# (with the dense block mask before the per-sequence attention: 0.920-0.966 and 0.895-0.965); bf16 weights with
+# 8-bit AdamW (seed 0) 0.049 -> 0.957, held-out 0.013 -> 0.960. The bounds leave room for another CPU's rounding
+# (another trajectory from the same seed).
 # With max_staleness 1 (the engine in its own process, one step ahead) seed 0 measured 0.051 -> 0.957, held-out
 # 0.013 -> 0.963 (at the previous learning rate, 1e-3: 0.096 -> 0.795, held-out 0.745); its bounds stay wider.
 LEARNS = {"fp32": {}, "bf16-adamw8bit": {"dtype": "bf16", "optimizer": "adamw8bit"},
