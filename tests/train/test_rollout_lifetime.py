@@ -178,6 +178,15 @@ def test_a_vllm_engine_that_cannot_start_is_one_line_naming_the_folder(tmp_path)
                                "(max_model_len 64, vllm_gpu_memory_utilization 0.3): "), lines
 
 
+def refusals(script) -> list:
+    """The REFUSED lines a script prints when train() refuses it (it then exits with 3)."""
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=environment(),
+                            timeout=120)
+    refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED ")]
+    assert result.returncode == 3 and refused, result.stdout[-2000:] + result.stderr[-4000:]
+    return refused
+
+
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     """Spawning the rollout process imports the main script again: a training call outside `if __name__ ==
     "__main__":` would run again in it. The trainer refuses before it spawns anything."""
@@ -194,10 +203,7 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
             print("REFUSED", error)
             sys.exit(3)
     """))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=environment(),
-                            timeout=120)
-    refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED ")]
-    assert result.returncode == 3 and refused, result.stdout[-2000:] + result.stderr[-4000:]
+    refused = refusals(script)
     assert not os.path.exists(tmp_path / "run" / "engine_model")           # nothing written, nothing spawned
     assert refused[0] == (f"REFUSED max_staleness=1 runs the engine in a spawned process, which imports "
                                     f"{script} again and would run its training call again: put the call under "
@@ -223,10 +229,7 @@ def test_a_rollout_process_that_dies_before_it_starts_names_the_main_module(tmp_
                 print("REFUSED", error)
                 sys.exit(3)
     """))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=environment(),
-                            timeout=120)
-    refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED ")]
-    assert result.returncode == 3 and refused, result.stdout[-2000:] + result.stderr[-4000:]
+    refused = refusals(script)
     assert refused[0] == (f"REFUSED the rollout process exited with code 4 before it started: a spawned process "
                           f"imports the trainer's main module ({script}) again, so a script must make its training "
                           f"call under `if __name__ == \"__main__\":` (its own error, if any, is printed above)")
