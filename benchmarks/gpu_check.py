@@ -37,6 +37,7 @@ import grpo_fast as gf
 from grpo_fast import backends, chunked, reference
 from grpo_fast.benchmarks.harness import Shape, relative_error, shape_argument
 from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch, grpo_fast_fused
+from grpo_fast.numerics import LogitTransform
 from grpo_fast.profiling import machine_name
 from grpo_fast.variants import LossConfig, TokenTerms
 
@@ -331,7 +332,7 @@ def pass_times(shape, dtype, device, backend, env, repeats=5) -> list:
     terms = TokenTerms(LossConfig(**LOSS), advantages=batch.advantages.expand(rows).contiguous(),
                        weights=torch.full((rows,), 1 / shape.tokens, device=device),
                        old_logps=batch.old_logps[0, :rows], ref_logps=batch.ref_logps[0, :rows])
-    transform, state = chunked.LogitTransform(), {}
+    transform, state = LogitTransform(), {}
     if rows >= shape.tokens:                                      # one chunk: its GEMM writes d(weight) directly
         gemm3 = lambda: chunked.WeightGrad(weight.shape, dtype, weight.device, True).add(buffer, h)  # noqa: E731
     else:                                                         # a later chunk: adds into the fp32 accumulator

@@ -6,7 +6,9 @@ The loss library (this package's top level; it imports nothing from the two belo
     loss          `grpo_loss` / `GRPOLoss`: the policy loss, fused (3 GEMM passes) or two-phase
     chunked       the chunk loop shared by both, and the d(weight) accumulation
     backends/     how a chunk is processed: PyTorch, the Triton kernels (`grpo_fast.kernels`), a vocabulary-
-                  parallel head
+                  parallel head; their interface `ChunkOps` in backends/base
+    numerics      `accumulation_dtype` and `LogitTransform`: the leaf the chunk loop, the backends, the checks
+                  and the reference all import
     inputs        argument checks: every error names the argument, the expected and the actual value
     reference     the same loss from the full logits: the test oracle and the benchmark baseline
     models        final hidden states and LM-head parameters of Hugging Face causal LMs

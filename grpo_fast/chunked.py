@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 
 from grpo_fast import backends
+from grpo_fast.backends.base import ChunkOps
+from grpo_fast.numerics import LogitTransform, accumulation_dtype
 
 DEFAULT_CHUNK_BYTES_CPU = 256 * 2**20
 # On CUDA the budget is a fixed share of the device's total memory, within bounds: a given shape and dtype on a
@@ -30,15 +32,6 @@ CUDA_CHUNK_BYTES_MAX = 8 * 2**30
 ROW_ALIGN = 16                     # buffer rows padded to 16 elements: 16-byte vectors in the Triton kernels
 
 
-@dataclass(frozen=True)
-class LogitTransform:
-    """z = softcap * tanh(y * scale / softcap) / temperature (no tanh when softcap is None)."""
-
-    scale: float = 1.0
-    softcap: Optional[float] = None
-    temperature: float = 1.0
-
-
 @dataclass
 class PassResult:
     logp: torch.Tensor                       # (N,) fp32 (fp64 for fp64 inputs)
@@ -46,11 +39,6 @@ class PassResult:
     grad_hidden: Optional[torch.Tensor]      # (N, H) in hidden's dtype
     grad_weight: Optional[torch.Tensor]      # (V, H) in weight's dtype
     grad_bias: Optional[torch.Tensor]        # (V,) in bias's dtype
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for every input dtype but fp64 (kept so that float64 gradchecks see float64 math)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def default_chunk_bytes(device: torch.device) -> int:
@@ -69,13 +57,13 @@ def cuda_chunk_bytes(total_memory: int) -> int:
     return int(min(max(total_memory * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
 
 
-def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops: backends.ChunkOps) -> int:
+def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops: ChunkOps) -> int:
     """How many tokens one chunk holds so that the backend's working set stays within chunk_bytes."""
     bytes_per_row = padded_width(vocab_size) * ops.bytes_per_logit(dtype)
     return max(1, chunk_bytes // bytes_per_row)
 
 
-def chunk_plan(hidden, weight, chunk_bytes, backend, ops=None) -> tuple[backends.ChunkOps, int, int]:
+def chunk_plan(hidden, weight, chunk_bytes, backend, ops=None) -> tuple[ChunkOps, int, int]:
     """(ops, chunk_bytes, rows) of a chunked pass of hidden (N, H) against weight (V, H): the backend `backend` on
     hidden's device unless `ops` is given, the default budget when chunk_bytes is None, the tokens per chunk."""
     if ops is None:
@@ -238,7 +226,7 @@ def chunked_pass(
     bias: Optional[torch.Tensor],
     targets: torch.Tensor,
     transform: LogitTransform,
-    ops: backends.ChunkOps,
+    ops: ChunkOps,
     rows: int,
     *,
     need_entropy: bool,

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.chunked import LogitTransform, accumulation_dtype
+from grpo_fast.numerics import LogitTransform, accumulation_dtype
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -7,15 +7,9 @@ from typing import Optional
 import torch
 
 from grpo_fast import backends
-from grpo_fast.chunked import (
-    LogitTransform,
-    VersionGuard,
-    accumulation_dtype,
-    chunk_plan,
-    chunked_pass,
-    forbid_double_backward,
-)
+from grpo_fast.chunked import VersionGuard, chunk_plan, chunked_pass, forbid_double_backward
 from grpo_fast.inputs import check_chunk_bytes, check_lm_head, check_target_range, check_transform
+from grpo_fast.numerics import LogitTransform, accumulation_dtype
 
 
 class _TokenLogprobs(torch.autograd.Function):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from grpo_fast import backends
-from grpo_fast.chunked import LogitTransform, VersionGuard, chunk_plan, chunked_pass, forbid_double_backward
+from grpo_fast.chunked import VersionGuard, chunk_plan, chunked_pass, forbid_double_backward
 from grpo_fast.inputs import (
     PolicyBatch,
     check_chunk_bytes,
@@ -18,6 +18,7 @@ from grpo_fast.inputs import (
     policy_batch,
 )
 from grpo_fast.logprobs import flat_token_logprobs
+from grpo_fast.numerics import LogitTransform
 from grpo_fast.variants import LossConfig, TokenTerms, entropy_weights, loss_config, policy_loss, token_weights
 
 

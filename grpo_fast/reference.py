@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.chunked import accumulation_dtype
 from grpo_fast.inputs import check_lm_head, check_transform, policy_batch
+from grpo_fast.numerics import accumulation_dtype
 from grpo_fast.variants import LossConfig, loss_config, policy_loss
 
 

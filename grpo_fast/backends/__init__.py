@@ -1,7 +1,8 @@
 """The executions of the chunk passes: `torch` (any device), `triton` (CUDA, or the CPU interpreter) and a
 vocabulary-parallel head (`vocab_parallel`, PyTorch math on one rank's slice).
 
-Every backend is a `ChunkOps` and declares what the chunk loop (`grpo_fast.chunked`) uses:
+Every backend is a `ChunkOps` (the interface, in the leaf `grpo_fast.backends.base`) and declares what the chunk
+loop (`grpo_fast.chunked`) uses:
     bytes_per_logit(dtype)      working-set bytes per logit, which sizes the chunks
     chunk_vocab(vocab_rows)     the vocabulary size chunks are sized by (the head's rows; the largest slice when
                                 the head is split, so that every rank takes the same steps)
@@ -19,33 +20,14 @@ move 16-byte vectors). `resolve` returns one shared instance per backend.
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 
 import torch
 
+from grpo_fast.backends import torch_ops
+from grpo_fast.backends.base import ChunkOps
+from grpo_fast.backends.vocab_parallel import VocabParallelOps, VocabShard
+
 BACKENDS = ("auto", "torch", "triton")
-
-
-class ChunkOps(ABC):
-    """What a backend provides (see the module docstring); the defaults are those of a single-device head."""
-
-    @abstractmethod
-    def bytes_per_logit(self, dtype: torch.dtype) -> int: ...
-
-    @abstractmethod
-    def stats_(self, buffer, targets, transform, need_entropy): ...
-
-    @abstractmethod
-    def policy_grad(self, logp, terms) -> torch.Tensor: ...
-
-    @abstractmethod
-    def dlogits_(self, buffer, state, targets, g_logp, g_entropy, transform) -> None: ...
-
-    def chunk_vocab(self, vocab_rows: int) -> int:
-        return vocab_rows
-
-    def all_reduce_grad_hidden(self, grad_hidden: torch.Tensor) -> None:
-        pass                  # one device holds the whole head, so d(hidden) is already complete
 
 
 def triton_available() -> bool:
@@ -78,7 +60,7 @@ def resolve(backend: str, device: torch.device) -> ChunkOps:
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
                 f"got tensors on {device}"
             )
-        try:
+        try:         # deferred: it needs triton and grpo_fast.kernels, which torch-only users may lack
             from grpo_fast.backends import triton_ops
         except ModuleNotFoundError as error:      # a source tree on sys.path without an install
             if error.name != "grpo_fast.kernels":
@@ -86,8 +68,6 @@ def resolve(backend: str, device: torch.device) -> ChunkOps:
             raise ImportError("backend='triton' needs grpo_fast.kernels (the repository's kernels/ folder), which is "
                               "importable only from an install: run `pip install -e .` in the repository") from None
         return triton_ops.OPS
-    from grpo_fast.backends import torch_ops
-
     return torch_ops.OPS
 
 
@@ -100,7 +80,5 @@ def resolve_head(backend: str, device: torch.device, vocab_rows: int, process_gr
     if backend == "triton":
         raise ValueError("a vocabulary-parallel head (process_group) runs on backend 'torch' or 'auto', got "
                          "'triton'")
-    from grpo_fast.backends.vocab_parallel import VocabParallelOps, VocabShard
-
     shard = VocabShard.of(vocab_rows, process_group, device)
     return VocabParallelOps(shard), shard.total_size

@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.backends import ChunkOps
-from grpo_fast.chunked import accumulation_dtype
+from grpo_fast.backends.base import ChunkOps
+from grpo_fast.numerics import accumulation_dtype
 from grpo_fast.variants import token_loss_grad
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.backends import ChunkOps
+from grpo_fast.backends.base import ChunkOps
 from grpo_fast.kernels import dlogits_ as _dlogits_kernel
 from grpo_fast.kernels import logprob_forward
 from grpo_fast.kernels import policy_grad as _policy_grad_kernel

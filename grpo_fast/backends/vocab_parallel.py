@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from grpo_fast.backends import ChunkOps, torch_ops
+from grpo_fast.backends import torch_ops
+from grpo_fast.backends.base import ChunkOps
 from grpo_fast.backends.torch_ops import ChunkState
 
 

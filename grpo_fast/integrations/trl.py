@@ -24,10 +24,10 @@ import warnings
 
 import torch
 
-from grpo_fast.chunked import LogitTransform
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
 from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
+from grpo_fast.numerics import LogitTransform
 from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, importance_ratio, k3_kl, masked_mean, vespo_weights
 
 try:

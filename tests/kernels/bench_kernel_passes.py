@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_fast import backends
-from grpo_fast.chunked import LogitTransform
+from grpo_fast.numerics import LogitTransform
 from grpo_fast.variants import LossConfig, TokenTerms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,10 +11,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from grpo_fast.backends import torch_ops  # noqa: E402
-from grpo_fast.chunked import LogitTransform  # noqa: E402
 from grpo_fast.kernels import dlogits_, logprob_forward  # noqa: E402
 from grpo_fast.kernels.launch import compiled  # noqa: E402
 from grpo_fast.kernels.transform import tanh  # noqa: E402
+from grpo_fast.numerics import LogitTransform  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])

@@ -239,8 +239,8 @@ def test_entropy_mask_narrows_the_bonus(level, backend):
     """checked_policy_loss(entropy_mask=m): the bonus is the mean entropy over the mask's tokens where m is 1 (TRL's
     bonus under its high-entropy filter), the policy term unchanged; float64 reference, both paths (fused, two
     phases)."""
-    from grpo_fast.chunked import LogitTransform
     from grpo_fast.loss import checked_policy_loss
+    from grpo_fast.numerics import LogitTransform
 
     inputs = make_batch(bias=True)
     for name in ("is_ratio", "old_logps", "ref_logps"):     # on-policy: the bonus is not drowned by the ratio terms
@@ -273,8 +273,8 @@ def test_policy_mask_weighs_the_policy_term_alone(loss_type, backend):
     """checked_policy_loss(policy_mask=m) multiplies each token's policy term by m (TRL's off-policy and
     high-entropy masks): for token-level objectives as an is_ratio of m does, for vespo after its sequence
     weight, which m does not enter (float64 reference, gradients included)."""
-    from grpo_fast.chunked import LogitTransform
     from grpo_fast.loss import checked_policy_loss
+    from grpo_fast.numerics import LogitTransform
     from grpo_fast.variants import vespo_weights
 
     inputs = make_batch(bias=True)
