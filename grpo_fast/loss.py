@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import fields
 from typing import Optional
 
 import torch
@@ -146,6 +148,18 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     return loss, metrics
 
 
+def _shows_loss_options(fn):
+    """fn, whose signature ends in **loss_options, with LossConfig's fields and their defaults shown in its place as
+    keyword-only parameters: what help(), inspect.signature and editors that read signatures at run time show."""
+    signature = inspect.signature(fn)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    options = [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                                 annotation=field.type) for field in fields(LossConfig)]
+    fn.__signature__ = signature.replace(parameters=own + options)
+    return fn
+
+
+@_shows_loss_options
 def grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -157,29 +171,15 @@ def grpo_loss(
     ref_logps: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
     config: Optional[LossConfig] = None,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    epsilon_low: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    delta: Optional[float] = None,
-    beta: float = 0.0,
-    use_bias_correction_kl: bool = False,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
-    max_completion_length: Optional[int] = None,
     num_items_in_batch=None,
     is_ratio: Optional[torch.Tensor] = None,
-    entropy_coef: float = 0.0,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
     chunk_bytes: Optional[int] = None,
     backend: str = "auto",
     process_group=None,
+    **loss_options,
 ):
     """GRPO-family policy loss from final hidden states and the LM-head weight, without the (N, V) logits.
 
@@ -206,20 +206,22 @@ def grpo_loss(
         is_ratio: optional per-token rollout importance-sampling correction (e.g. vLLM), a constant factor; vespo
             multiplies it into each sequence's ratio instead (token by token: a per-sequence ratio repeated over
             the tokens would count once per token).
-        config: the loss options as one `LossConfig`, whose fields are the keywords of the same names below;
-            when it is given, those keywords must keep their defaults.
-        loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (see
-            `grpo_fast.variants.LOSS_TYPES`).
-        importance_sampling_level: "token" or "sequence" (GSPO; LUSPO's paper level).
-        epsilon_low, epsilon_high, delta: clipping (epsilon_high defaults to epsilon_low; delta caps r).
-        beta, use_bias_correction_kl: k3 KL weight and its importance-ratio correction.
+        config: the loss options as one `LossConfig`; or None, and the options as keywords (**loss_options).
+        loss_options: LossConfig's fields as keywords, each documented there; a keyword that is no field raises a
+            ValueError naming it, and beside a config every option must keep its default:
+            loss_type: grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (default "dapo"; see
+                `grpo_fast.variants.LOSS_TYPES`).
+            importance_sampling_level: "token" or "sequence" (GSPO; LUSPO's paper level).
+            epsilon_low, epsilon_high, delta: clipping (epsilon_high defaults to epsilon_low; delta caps r).
+            beta, use_bias_correction_kl: k3 KL weight and its importance-ratio correction.
+            max_completion_length: dr_grpo's normalizer.
+            entropy_coef: subtract entropy_coef * masked mean entropy (the entropy gradient flows).
+            sapo_temperature_pos / sapo_temperature_neg: SAPO gate temperatures.
+            vespo_k_pos, vespo_lambda_pos / vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight of the sequence
+                ratio w, e^lambda * w^k * e^(-lambda * w), for A >= 0 / A < 0 (see `grpo_fast.variants.vespo_weights`).
         temperature, logit_scale, logit_softcap: logit transform, as in `token_logprobs`.
-        max_completion_length: dr_grpo's normalizer. num_items_in_batch: dapo / cispo / vespo normalizer (default: the
-            number of mask tokens in this call; pass the global count when accumulating).
-        entropy_coef: subtract entropy_coef * masked mean entropy (the entropy gradient flows).
-        sapo_temperature_pos / sapo_temperature_neg: SAPO gate temperatures.
-        vespo_k_pos, vespo_lambda_pos / vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight of the sequence ratio
-            w, e^lambda * w^k * e^(-lambda * w), for A >= 0 / A < 0 (see `grpo_fast.variants.vespo_weights`).
+        num_items_in_batch: dapo / cispo / vespo normalizer (default: the number of mask tokens in this call; pass
+            the global count when accumulating).
         chunk_bytes, backend: as in `token_logprobs`.
         process_group: for a vocabulary-parallel LM head: weight (and bias) hold this rank's rows of the
             vocabulary (ranks in order, any sizes); every rank passes the same hidden, targets and the rest, and
@@ -236,13 +238,7 @@ def grpo_loss(
     (create_graph=True raises), and hidden, weight and bias must not change in place before the backward (it
     raises, as torch does for tensors saved for backward).
     """
-    config = loss_config(
-        config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, entropy_coef=entropy_coef, max_completion_length=max_completion_length,
-    )
+    config = loss_config(config, **loss_options)
     transform = check_transform(temperature, logit_scale, logit_softcap)
     return checked_policy_loss(
         hidden, weight, targets, advantages, mask, config=config, transform=transform, old_logps=old_logps,
@@ -276,28 +272,29 @@ def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: Lo
 
 
 class GRPOLoss(nn.Module):
-    """`grpo_loss` as a module holding its configuration.
+    """`grpo_loss` as a module holding its options: `GRPOLoss(config, **options)(hidden, weight, targets,
+    advantages, mask, ...)` equals `grpo_loss(hidden, weight, targets, advantages, mask, ..., config=config,
+    **options)`.
 
-    loss, metrics = GRPOLoss(loss_type="dapo", beta=0.04)(hidden, weight, targets, advantages, mask,
-                                                          old_logps=..., ref_logps=...)
-    Constructor arguments: every keyword of `grpo_loss` that configures the loss (config, loss_type through
-    backend), except the per-batch num_items_in_batch; forward takes the tensors and num_items_in_batch.
+        loss, metrics = GRPOLoss(loss_type="dapo", beta=0.04)(hidden, weight, targets, advantages, mask,
+                                                              old_logps=..., ref_logps=...)
+
+    Tensors, shapes, dtypes and the returned (loss, metrics) are `grpo_loss`'s: hidden (B, T, H) or (N, H) fp32 /
+    bf16 / fp16, weight (V, H), targets / mask / old_logps / ref_logps / is_ratio (B, T) or (N,), advantages (B,)
+    or (B, T); loss a 0-dim fp32 tensor. forward takes the tensors, num_items_in_batch and process_group.
+
+    config: a `LossConfig`, or None to build one from **loss_options (LossConfig's fields as keywords, see
+        `grpo_loss`; an unknown keyword raises a ValueError naming it; beside a config each keeps its default).
+    temperature, logit_scale, logit_softcap, chunk_bytes, backend: the module's own options, as in `grpo_loss`.
+    Attributes: config (the LossConfig), transform (the LogitTransform), chunk_bytes, backend.
     """
 
-    def __init__(self, loss_type="dapo", importance_sampling_level="token", epsilon_low=0.2, epsilon_high=None,
-                 delta=None, beta=0.0, use_bias_correction_kl=False, temperature=1.0, logit_scale=1.0,
-                 logit_softcap=None, max_completion_length=None, entropy_coef=0.0, sapo_temperature_pos=1.0,
-                 sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-                 vespo_lambda_neg=2.0, chunk_bytes=None, backend="auto", config: Optional[LossConfig] = None):
+    @_shows_loss_options
+    def __init__(self, config: Optional[LossConfig] = None, *, temperature: float = 1.0, logit_scale: float = 1.0,
+                 logit_softcap: Optional[float] = None, chunk_bytes: Optional[int] = None, backend: str = "auto",
+                 **loss_options):
         super().__init__()
-        self.config = loss_config(
-            config, loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
-            epsilon_high=epsilon_high, delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, entropy_coef=entropy_coef,
-            max_completion_length=max_completion_length,
-        )
+        self.config = loss_config(config, **loss_options)
         self.transform = check_transform(temperature, logit_scale, logit_softcap)
         check_chunk_bytes(chunk_bytes)
         backends.check_name(backend)

@@ -126,19 +126,23 @@ class LossConfig:
 
 
 def loss_config(config: Optional[LossConfig] = None, **options) -> LossConfig:
-    """`config if config is not None else LossConfig(**options)`: how every entry takes its loss options.
+    """`config if config is not None else LossConfig(**options)`: how every entry takes its loss options
+    (`grpo_loss(..., **loss_options)`, `GRPOLoss(config, **loss_options)`, `grpo_fast.reference.grpo_loss`), so
+    that a new option is a LossConfig field (and a line of `grpo_loss`'s docstring), no entry's signature.
 
-    The entries pass all their loss keywords; beside a config each must keep its LossConfig default, since two
-    sources of one option would leave it unclear which one holds.
+    A keyword that is no LossConfig field raises a ValueError naming it. Beside a config each option must keep its
+    LossConfig default, since two sources of one option would leave it unclear which one holds.
     """
-    if config is None:
-        return LossConfig(**options)
-    if not isinstance(config, LossConfig):
+    if config is not None and not isinstance(config, LossConfig):
         raise TypeError(f"config must be a grpo_fast.LossConfig or None, got {type(config).__name__}")
     defaults = {field.name: field.default for field in fields(LossConfig)}
     for name, value in options.items():
         if name not in defaults:
-            raise TypeError(f"loss options must be LossConfig fields {sorted(defaults)}, got {name!r}")
+            raise ValueError(f"unknown keyword argument {name}={value!r}: expected a loss option (a LossConfig "
+                             f"field: {', '.join(defaults)}) or one of the entry's own keywords")
+    if config is None:
+        return LossConfig(**options)
+    for name, value in options.items():
         if value != defaults[name]:
             raise ValueError(f"pass loss options either in config or as keywords, got config and {name}={value!r}")
     return config
