@@ -1,4 +1,4 @@
-"""Rollout throughput of the trainer's engines, side by side in one run: HF generate and vLLM.
+"""UpdateBatch throughput of the trainer's engines, side by side in one run: HF generate and vLLM.
 
 python -m grpo_fast.benchmarks.bench_engines [--out DIR] [--tokens 128] [--prompts 8] [--group-size 8]
 
@@ -19,8 +19,8 @@ import torch
 from grpo_fast.profiling import machine_name
 from grpo_fast.train import tasks
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.engines import make_engine
-from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
+from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+from grpo_fast.train.rollout.engines import make_engine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,7 +59,7 @@ def run(tokens: int, num_prompts: int, group_size: int, repeats: int, engines=("
 
 
 def markdown(rows: list, settings: dict) -> str:
-    lines = [f"# Rollout engines on {machine_name(DEVICE)}", "",
+    lines = [f"# UpdateBatch engines on {machine_name(DEVICE)}", "",
              "`python -m grpo_fast.benchmarks.bench_engines " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v
                                                                         in settings.items()) + "`", "",
              "| engine | completion tokens per call | seconds per call (median) | tokens/s |", "|---|---|---|---|"]

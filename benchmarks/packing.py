@@ -1,14 +1,14 @@
 """Packed against padded micro-batches: time and peak memory of the trainer's policy update, with transformers'
 sdpa (a packed row gets a dense (N, N) block-diagonal mask) and with the trainer's variable-length attention
-(grpo_fast.train.attention: per-sequence sdpa, or flash-attention on CUDA).
+(grpo_fast.train.update.attention: per-sequence sdpa, or flash-attention on CUDA).
 
 python -m grpo_fast.benchmarks.packing [--lengths 400 2000] [--sequences 32 8] [--attention sdpa varlen]
                                        [--steps 3] [--output benchmarks/results/cpu/packing.json]
 
-Each (attention, packing, length) runs in a fresh process: the built-in tiny Qwen2 model (grpo_fast.train.tiny:
+Each (attention, packing, length) runs in a fresh process: the built-in tiny Qwen2 model (grpo_fast.train.model:
 hidden 128, 2 layers, 4 heads of 32, 2 KV heads, vocabulary 300, fp32), one micro-batch of `sequences` rollouts
 whose prompts are 16-48 tokens and completions uniformly L/2 to L tokens (random ids, seeded: every
-configuration sees the same rollout), and `steps` policy updates (grpo_fast.train.update.policy_update: loss
+configuration sees the same rollout), and `steps` policy updates (grpo_fast.train.update.step.policy_update: loss
 dapo, AdamW, gradient checkpointing on as the trainer's default) after one warm-up update. Time: the median
 update (wall clock, and the process's CPU time, which a busy machine disturbs less); memory: the child's peak
 RSS (getrusage ru_maxrss) and its growth above the RSS before the model was built. Writes the JSON and a
@@ -32,8 +32,8 @@ ATTENTIONS = ("sdpa", "varlen")
 
 def rollout(sequences: int, length: int, vocab: int, seed: int = 0):
     """`sequences` rollout rows: prompts of 16-48 tokens, completions of length // 2 to length tokens."""
-    from grpo_fast.train.engines import pack
-    from grpo_fast.train.update import Rollout
+    from grpo_fast.train.rollout.generation import pack
+    from grpo_fast.train.update.step import UpdateBatch
 
     generator = torch.Generator().manual_seed(seed)
     prompt_lengths = torch.randint(16, 49, (sequences,), generator=generator).tolist()
@@ -41,7 +41,7 @@ def rollout(sequences: int, length: int, vocab: int, seed: int = 0):
     prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in prompt_lengths]
     completions = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in completion_lengths]
     generation = pack(prompts, completions, [False] * sequences, pad_token_id=0)
-    return Rollout(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
+    return UpdateBatch(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
                    prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
                    loss_mask=generation.completion_mask,
                    advantages=torch.randn(sequences, generator=generator))
@@ -54,10 +54,10 @@ def worker(args) -> dict:
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
     from grpo_fast.profiling import rss_bytes
-    from grpo_fast.train import attention
     from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.tiny import TINY_VOCAB, tiny_qwen2
-    from grpo_fast.train.update import Policy, policy_update
+    from grpo_fast.train.model import TINY_VOCAB, tiny_qwen2
+    from grpo_fast.train.update import attention
+    from grpo_fast.train.update.step import Policy, policy_update
 
     length, packing, sequences = args.worker_length, args.worker_packing == "packed", args.worker_sequences
     batch = rollout(sequences, length, TINY_VOCAB)
@@ -133,8 +133,8 @@ def write(rows: list, args, command: str) -> None:
     markdown = os.path.splitext(args.output)[0] + ".md"
     lines = [f"# Packed and padded micro-batches on {machine}", "", setting, "", f"`{command}`", "",
              "sdpa: transformers' default attention (a packed row gets a dense (N, N) block-diagonal mask); "
-             "grpo_fast_varlen: grpo_fast.train.attention (causal sdpa within each packed sequence, sequences of "
-             "similar length batched into one call, no mask).", ""]
+             "grpo_fast_varlen: grpo_fast.train.update.attention (causal sdpa within each packed sequence, "
+             "sequences of similar length batched into one call, no mask).", ""]
     with open(markdown, "w") as f:
         f.write("\n".join(lines + table(rows)) + "\n")
 

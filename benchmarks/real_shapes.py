@@ -11,7 +11,7 @@ in a 2-layer, hidden-128, vocabulary-1024 model of the same architecture, for te
 process, its weights in the run's dtype from the start:
 
     fp32             fp32 weights, torch's AdamW
-    bf16-adamw       bf16 weights, AdamW with fp32 master weights (grpo_fast.train.precision.MasterWeightAdamW)
+    bf16-adamw       bf16 weights, AdamW with fp32 master weights (grpo_fast.train.update.optim.MasterWeightAdamW)
     bf16-adamw8bit   bf16 weights, torchao's AdamW8bit (bf16 stochastic rounding)
     bf16-adamw-bf16  bf16 weights, torchao's bf16-state AdamW (bf16 stochastic rounding)
     lora16           LoRA r=16 (alpha 32, fp32 adapters) on a frozen bf16 base, AdamW
@@ -19,7 +19,7 @@ process, its weights in the run's dtype from the start:
 Learning rate 1e-5 for full training, 1e-4 for LoRA (its adapters start as a no-op and are few); no weight decay.
 Every run gets the same rollout: one 64-token random prompt, --group-size random completions of
 --completion-length tokens, advantages +1 / -1 alternating, every completion token in the loss; then --steps
-optimizer steps of `grpo_fast.train.update.policy_update` (one sequence per micro-batch, gradient checkpointing,
+optimizer steps of `grpo_fast.train.update.step.policy_update` (one sequence per micro-batch, gradient checkpointing,
 loss_type dapo, no KL) on CPU.
 
 Measured (glibc's mmap threshold at 1 MiB, see MMAP_THRESHOLD): peak RSS above the process's RSS after every import
@@ -115,7 +115,7 @@ def job_for(args, run: str):
 
 def surrogate_loss(policy, rollout, config) -> float:
     """-sum(A * log p) / tokens over the loss mask: the on-policy dapo loss's gradient, with a value that moves."""
-    from grpo_fast.train.update import completion_logprobs
+    from grpo_fast.train.update.step import completion_logprobs
 
     logps = completion_logprobs(policy, rollout, config).double()
     mask = rollout.loss_mask.double()
@@ -127,8 +127,10 @@ def worker(args) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
-    from grpo_fast.train import lora, precision
-    from grpo_fast.train.update import Policy, Rollout, policy_update
+    from grpo_fast.train import lora
+    from grpo_fast.train.update import optimizer as optim
+    from grpo_fast.train.update import precision
+    from grpo_fast.train.update.step import Policy, UpdateBatch, policy_update
 
     run = args.worker_run
     dtype, optimizer_name, lora_rank, lr = RUNS[run]
@@ -136,7 +138,7 @@ def worker(args) -> dict:
     # imported before the baseline: libraries are not the job's memory (transformers may import torchao itself)
     if lora_rank:
         import peft  # noqa: F401
-    if optimizer_name in precision.LOW_BIT:
+    if optimizer_name in optim.LOW_BIT:
         import torchao.optim  # noqa: F401
     with open(args.worker_config) as f:
         model_config = Qwen2Config(**json.load(f))
@@ -155,7 +157,7 @@ def worker(args) -> dict:
         model = lora.add_adapters(model, config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    optimizer = precision.make_optimizer(model.parameters(), optimizer_name, lr, 0.0)
+    optimizer = optim.make_optimizer(model.parameters(), optimizer_name, lr, 0.0)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     # the same rollout in every run: one prompt shared by the group (as GRPO samples it), random completions
@@ -164,7 +166,7 @@ def worker(args) -> dict:
     prompt = torch.randint(0, vocab, (1, PROMPT), generator=generator).expand(rows, PROMPT)
     completions = torch.randint(0, vocab, (rows, length), generator=generator)
     input_ids = torch.cat([prompt, completions], dim=1)
-    rollout = Rollout(input_ids=input_ids, attention_mask=torch.ones_like(input_ids, dtype=torch.bool),
+    rollout = UpdateBatch(input_ids=input_ids, attention_mask=torch.ones_like(input_ids, dtype=torch.bool),
                       prompt_length=PROMPT, completion_ids=completions,
                       loss_mask=torch.ones(rows, length, dtype=torch.bool),
                       advantages=torch.tensor([1.0 if row % 2 == 0 else -1.0 for row in range(rows)]))

@@ -22,7 +22,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from grpo_fast.integrations.trl import FastGRPOTrainer
 from grpo_fast.profiling import peak_rss_bytes
-from grpo_fast.train.tiny import train_tokenizer
+from grpo_fast.train.model import train_tokenizer
 
 
 def short_answer_reward(completions, **kwargs):

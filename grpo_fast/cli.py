@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
 
 def _export(run_dir: str, out_dir: str, adapter: bool = False) -> int:
-    from grpo_fast.train.export import export_run
+    from grpo_fast.train.run.export import export_run
 
     try:
         print(f"exported {export_run(os.path.expanduser(run_dir), os.path.expanduser(out_dir), adapter)}")
@@ -87,7 +87,7 @@ def _export(run_dir: str, out_dir: str, adapter: bool = False) -> int:
 
 def _eval(target: str, arguments: list) -> int:
     from grpo_fast.train.config import parse_overrides
-    from grpo_fast.train.evaluate import main as evaluate_main
+    from grpo_fast.train.run.evaluate import main as evaluate_main
 
     try:
         overrides = parse_overrides(arguments)

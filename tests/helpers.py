@@ -77,7 +77,7 @@ def text_length_reward(completions, **kwargs):
 
 # --------------------------------------------------- a tiny model and a GRPO run for the TRL drop-in tests
 def tiny_tokenizer():
-    from grpo_fast.train.tiny import train_tokenizer
+    from grpo_fast.train.model import train_tokenizer
 
     return train_tokenizer([], vocab_size=259)           # bytes and special tokens, no merges
 
@@ -110,7 +110,7 @@ def arithmetic_policy(num_samples=64):
     """(model, tokenizer, samples): a small Qwen2-style model (hidden 64) with a tokenizer trained on the
     arithmetic task's problems, left-padded, for the engine tests."""
     from grpo_fast.train import tasks
-    from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
+    from grpo_fast.train.model import tiny_qwen2, train_tokenizer
 
     samples = tasks.arithmetic_task(num_samples, seed=0)
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)

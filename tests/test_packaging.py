@@ -17,7 +17,8 @@ def test_wheel_layout_and_import(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "grpo_fast/kernels/logprob_forward.py" in names and "grpo_fast/kernels/dlogits.py" in names
     assert "grpo_fast/integrations/liger.py" in names and "grpo_fast/benchmarks/harness.py" in names
-    assert "grpo_fast/train/data/gsm8k_test_200.jsonl" in names and "grpo_fast/train/data/LICENSE-gsm8k" in names
+    assert "grpo_fast/train/tasks/data/gsm8k_test_200.jsonl" in names
+    assert "grpo_fast/train/tasks/data/LICENSE-gsm8k" in names
     assert "grpo_fast/train/loop.py" in names and "grpo_fast/benchmarks/demo.py" in names
     assert not any(name.startswith(("kernels/", "tests/", "benchmarks/")) for name in names)
     assert not any("bench_kernel_passes" in name or "/test_" in name for name in names)   # pytest-only code

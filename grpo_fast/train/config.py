@@ -12,9 +12,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from grpo_fast.train import dataset_files, precision, tracking
-from grpo_fast.train.advantages import ESTIMATORS, SCALES
-from grpo_fast.train.engines import IS_MODES
+from grpo_fast.train.run import tracking
+from grpo_fast.train.tasks import dataset_files
+from grpo_fast.train.update.advantages import ESTIMATORS, SCALES
+from grpo_fast.train.update.correction import IS_MODES
+from grpo_fast.train.update.optimizer import check_optimizer
 from grpo_fast.variants import LOSS_TYPES, LossConfig
 
 GROUPS = ("Model and data", "Rollouts", "Rewards", "Loss", "Optimization", "Memory", "Warm start", "Evaluation",
@@ -58,11 +60,12 @@ class TrainConfig:
     Optimization: AdamW, warm-up then decay, grad-norm clipping, gradient checkpointing. Micro-batches hold at most
         micro_batch_size sequences and micro_batch_tokens real tokens; their gradients add up to the whole step's,
         whatever the cut.
-    Memory: the weights' dtype and the optimizer (grpo_fast.train.precision has the table), and LoRA adapters
-        (PEFT) in place of full training: the same names as `grpo-fast plan`, which predicts their peak.
+    Memory: the weights' dtype and the optimizer (grpo_fast.train.update.precision and .optimizer have the
+        tables), and LoRA adapters (PEFT) in place of full training: the same names as `grpo-fast plan`, which
+        predicts their peak.
     Warm start: sft_steps of supervised training on the task's solutions before GRPO (0 to skip).
     Evaluation: held-out problems (never trained on) answered eval_samples times each, before the first step,
-        every eval_every steps and after the last: accuracy and pass@k in eval.jsonl (grpo_fast.train.evaluate).
+        every eval_every steps and after the last: accuracy and pass@k in eval.jsonl (grpo_fast.train.run.evaluate).
     Processes: under torchrun each rank takes prompts_per_step / world_size prompts per step.
     Run: output_dir gets metrics.jsonl, eval.jsonl, curves.png, completions.jsonl, checkpoints, model/ (the
         export) and what the report_to trackers write. A step whose loss or
@@ -100,9 +103,9 @@ class TrainConfig:
     importance_sampling_cap: float = _rollouts(3.0, "cap of the rollout correction's ratio")
     importance_sampling_min: float = _rollouts(0.0, "lower bound of the rollout correction's ratio: truncated up "
                                                     "to it, or masked below it (0: none)")
-    rewards: list[str] = _rewards(["exact_match"], 'names from grpo_fast.train.rewards.REWARDS, "module:function" '
-                                                '(also from the working directory) or "path/to/file.py:function" '
-                                                "(comma-separated)")
+    rewards: list[str] = _rewards(["exact_match"], 'names from grpo_fast.train.tasks.rewards.REWARDS, '
+                                                '"module:function" (also from the working directory) or '
+                                                '"path/to/file.py:function" (comma-separated)')
     reward_weights: Optional[list[float]] = _rewards(None, "one weight per reward (comma-separated); None: all 1")
     scale_rewards: str = _rewards("group", f"advantages divided by the reward std of: {_one_of(SCALES)}")
     advantage_estimator: str = _rewards("grpo", f"advantage baseline: {_one_of(ESTIMATORS)}")
@@ -243,7 +246,7 @@ class TrainConfig:
                              f"{self.importance_sampling!r}: the engine's log-probs are over the top-p nucleus and "
                              "the trainer's over the whole vocabulary, so the correction's ratio would be biased by "
                              "the kept probability mass; set top_p: 1.0 or importance_sampling: none")
-        precision.check(self.dtype, self.optimizer, self.lora_rank)
+        check_optimizer(self.dtype, self.optimizer, self.lora_rank)
         if self.lora_rank:
             if not self.lora_target_modules or not all(isinstance(n, str) and n.strip()
                                                        for n in self.lora_target_modules):

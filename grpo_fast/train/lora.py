@@ -6,7 +6,7 @@
 
 The LM head is never adapted (the loss reads its weight directly: two GEMM passes per step, no weight gradient),
 the adapters are fp32 whatever the base's dtype, and a checkpoint holds the adapters alone (and the base too when
-a warm start trained it: grpo_fast.train.checkpoint.training_state).
+a warm start trained it: grpo_fast.train.run.checkpoint.training_state).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
-def reference(model: nn.Module):
+def adapters_disabled(model: nn.Module):
     """Context in which a PEFT model computes with its adapters off: the base model, the KL reference of a LoRA
     run (no second copy of the weights)."""
     return model.disable_adapter() if is_peft(model) else contextlib.nullcontext()

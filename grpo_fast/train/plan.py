@@ -12,7 +12,7 @@ The training peak is reached in the backward pass of a micro-batch, once gradien
         + runtime
 
 The fp32 gradient sum is counted for bf16 weights with more than one micro-batch per step (one process sums the
-micro-batches' gradients in fp32: grpo_fast.train.update.Fp32GradientSum), 4 bytes per trainable parameter.
+micro-batches' gradients in fp32: grpo_fast.train.update.step.Fp32GradientSum), 4 bytes per trainable parameter.
 The HF engine in the trainer's process (max_staleness 0) generates before the update, with gradients freed: a
 second peak of weights + optimizer states + reference model + runtime + its KV cache (one model.generate call of
 group_size sequences at prompt + completion tokens, in the weights' dtype) + one decode step's logits; the plan's
@@ -23,7 +23,7 @@ the fp32 logits of every decode step it keeps for the sampling log-probs and a s
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
-products), with the attention the trainer selects (grpo_fast.train.attention): flash-attention or one sdpa per
+products), with the attention the trainer selects (grpo_fast.train.update.attention): flash-attention or one sdpa per
 packed sequence, no (T x T) scores. A mask is counted where one is built: a padded micro-batch of several rows
 gets a (b, 1, L, L) bool mask from transformers (sdpa, and the per-sequence attention, which hands padded batches
 to sdpa; not flash-attention), which PyTorch's sdpa turns into an additive mask of the compute dtype in each
@@ -43,8 +43,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import torch
+
 from grpo_fast import chunked
-from grpo_fast.train import precision
+from grpo_fast.train import tasks
+from grpo_fast.train.update import optimizer, precision
 
 GIB = 2**30
 
@@ -161,7 +164,7 @@ PRESETS = {
 CARDS = {"24 GB (RTX 4090 / L4)": int(22.0 * GIB), "A100 40GB": int(39.4 * GIB), "A100 80GB": int(79.1 * GIB),
          "H100 80GB": int(79.1 * GIB), "H200 141GB": int(139.7 * GIB)}
 DTYPES = tuple(name for name in precision.DTYPES if name != "auto")      # a plan is for one device
-OPTIMIZERS = precision.OPTIMIZERS
+OPTIMIZERS = optimizer.OPTIMIZERS
 LOSSES = ("naive", "trl", "grpo_fast")
 ENGINES = ("vllm", "hf")
 
@@ -188,7 +191,7 @@ GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
 ROLLOUT_LOGIT_COPIES = 3        # a rollout process's kept fp32 logits, their stacked copy / temperature, log_softmax
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
-# (grpo_fast.train.attention.choose_attention)
+# (grpo_fast.train.update.attention.choose_attention)
 ATTENTIONS = ("auto", "flash_attention_2", "grpo_fast_varlen", "sdpa")
 
 
@@ -223,7 +226,7 @@ class Job:
                               ("engine", ENGINES), ("device", ("cuda", "cpu")), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        precision.check(self.dtype, self.optimizer, self.lora_rank, installed=False)
+        optimizer.check_optimizer(self.dtype, self.optimizer, self.lora_rank, installed=False)
         # the trainer's rules (TrainConfig), so that a plan is never made for a job the trainer refuses
         for name in ("prompt_length", "completion_length", "prompts_per_step", "micro_batch_size"):
             _require(name, getattr(self, name), getattr(self, name) > 0, "> 0")
@@ -244,7 +247,7 @@ class Job:
         dtype (flash_attention_2 needs the flash_attn package here)."""
         if self.attention != "auto":
             return self.attention
-        from grpo_fast.train.attention import choose_attention
+        from grpo_fast.train.update.attention import choose_attention
 
         return choose_attention(self.device, self.dtype)
 
@@ -314,7 +317,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     if job.lora_rank:         # fp32 adapters on a frozen base held in the dtype's weights (autocast caches no cast)
         trainable = job.lora_rank * shape.num_layers * sum(a + b for a, b in shape.linear_shapes())
         trainable_bytes, autocast_copies = 4, False
-    # grpo_fast.train.precision: AdamW's fp32 moments (plus an fp32 master copy of bf16 weights), 8-bit moments,
+    # grpo_fast.train.update.precision: AdamW's fp32 moments (plus an fp32 master copy of bf16 weights), 8-bit moments,
     # or bf16 moments; the two low-bit ones round bf16 weights stochastically instead of keeping a master copy
     state_bytes = {"adamw": 8 + (4 if trainable_bytes == 2 else 0), "adamw8bit": 2, "adamw-bf16": 4}[job.optimizer]
     h = shape.hidden_size
@@ -344,8 +347,8 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
             job, shape, completion_tokens, act_bytes, capacity, forward_only=True) + elements * (1 + act_bytes)
     training = activations + loss_bytes + mask_bytes >= no_grad
     weights = params * param_bytes + (trainable * 4 if job.lora_rank else 0)
-    # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.Fp32GradientSum)
-    fp32_sum = 0                 # grpo_fast.train.update.Fp32GradientSum: bf16 gradients summed over micro-batches
+    # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.step.Fp32GradientSum)
+    fp32_sum = 0                 # grpo_fast.train.update.step.Fp32GradientSum: bf16 gradients summed over micro-batches
     if job.grad_accum_dtype == "fp32" and trainable_bytes == 2 and job.micro_batches_per_step > 1:
         fp32_sum = trainable * 4
     runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE
@@ -421,7 +424,8 @@ def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capa
 
 def hf_kv_cache(shape: ModelShape, job: Job) -> int:
     """Bytes of the HF engine's KV cache: one model.generate call of group_size sequences up to prompt +
-    completion tokens, keys and values of every layer in the weights' dtype (grpo_fast.train.engines.HFEngine)."""
+    completion tokens, keys and values of every layer in the weights' dtype
+    (grpo_fast.train.rollout.engines.HFEngine)."""
     tokens = job.group_size * (job.prompt_length + job.completion_length)
     return 2 * shape.num_layers * shape.kv_dim * tokens * _bytes(job.dtype)[0]
 
@@ -460,7 +464,7 @@ def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple
 # single changes of a training config that lower its peak without changing what it learns, tried in this order
 FIT_CHANGES = (("gradient_checkpointing", True), ("loss_implementation", "grpo_fast"), ("micro_batch_size", 1),
                ("vllm_gpu_memory_utilization", 0.2))
-# then the memory options (grpo_fast.train.precision, lora), from the most exact: they change the numerics or
+# then the memory options (grpo_fast.train.update.precision, lora), from the most exact: they change the numerics or
 # what is trained
 MEMORY_CHANGES = ({"dtype": "bf16", "optimizer": "adamw-bf16"}, {"dtype": "bf16", "optimizer": "adamw8bit"},
                   {"dtype": "bf16", "optimizer": "adamw", "lora_rank": 64})
@@ -576,7 +580,7 @@ def training_shape(config) -> ModelShape:
     import os
 
     if config.model == "tiny":
-        from grpo_fast.train.tiny import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
+        from grpo_fast.train.model import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
 
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
                           num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,
@@ -615,6 +619,23 @@ def summary(estimate: dict, largest: int = 3) -> str:
     return (f"{estimate['total'] / GIB:.2f} GiB at the peak, mostly " +
             ", ".join(f"{name} {value / GIB:.2f} GiB" for value, name in parts) +
             (f"; attention {attention}" if attention else ""))
+
+
+def log_run_plan(config, samples: list, device, log) -> None:
+    """The planner's peak for this run , and on CUDA whether it fits the card, before any
+    model is loaded. The longest prompt is bounded by its bytes (+64 for a chat template): tokens <= bytes."""
+    try:
+        shape = training_shape(config)
+    except ValueError:                            # a hub id that matches no preset: nothing to plan from
+        return
+    prompt_bytes = max(len((tasks.problem_key(s) + (config.system_prompt or "")).encode()) for s in samples) + 64
+    job = training_job(config, prompt_bytes, device.type)
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    log(f"memory plan (grpo-fast plan for the table): {summary(plan(shape, job, capacity))}")
+    if device.type == "cuda":
+        advice = fit_advice(config, shape, prompt_bytes, capacity)
+        if advice:
+            log(f"warning: this job may not fit: {advice}")
 
 
 def add_arguments(parser) -> None:

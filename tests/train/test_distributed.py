@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train import distributed  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.update import Policy, Rollout, accumulate_gradients  # noqa: E402
+from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -30,15 +30,15 @@ def free_port() -> int:
 
 
 def model_and_rollout():
-    from grpo_fast.train.tiny import tiny_qwen2
-    from tests.train.test_batching import rollout
+    from grpo_fast.train.model import tiny_qwen2
+    from tests.train.update.test_batching import rollout
 
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=0).double()
     return model, rollout(rows=6)
 
 
 def rows_of(batch, rows):
-    return Rollout(**{k: v if k == "prompt_length" or v is None else v[rows] for k, v in vars(batch).items()})
+    return UpdateBatch(**{k: v if k == "prompt_length" or v is None else v[rows] for k, v in vars(batch).items()})
 
 
 def full(tensor):
@@ -59,7 +59,7 @@ def step_worker(rank, world_size, port, strategy, loss_type, result_file):
         expected_loss = accumulate_gradients(single, batch, config)["loss"]
         expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         # eps well above the gradients' float noise: Adam's first step is then smooth in the gradient
-        optimizer = torch.optim.AdamW(single.forward.parameters(), lr=1e-3, eps=1e-3)
+        optimizer = torch.optim.AdamW(single.trunk.parameters(), lr=1e-3, eps=1e-3)
         optimizer.step()
         expected_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -71,7 +71,7 @@ def step_worker(rank, world_size, port, strategy, loss_type, result_file):
         mine = rows_of(batch, slice(bounds[rank], bounds[rank + 1]))
         loss = accumulate_gradients(policy, mine, config, world)["loss"]
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
-        optimizer = torch.optim.AdamW(policy.forward.parameters(), lr=1e-3, eps=1e-3)
+        optimizer = torch.optim.AdamW(policy.trunk.parameters(), lr=1e-3, eps=1e-3)
         optimizer.step()
         weights = distributed.full_state_dict(model)
         # fp32 log-probs inside the loss (by design) bound the agreement: 1e-6 relative on loss and gradients;

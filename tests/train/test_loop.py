@@ -9,9 +9,9 @@ import torch
 pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
-from grpo_fast.train import checkpoint  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.config import TrainConfig, load_config, parse_overrides  # noqa: E402
+from grpo_fast.train.run import checkpoint  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
 
@@ -185,7 +185,7 @@ def test_resume_keeps_the_kl_reference(tmp_path):
 
 
 def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
-    from grpo_fast.train import engines
+    from grpo_fast.train.rollout import engines
 
     def crash(self, prompt_ids, seed, n=None):
         raise MemoryError("out of KV cache")
@@ -203,7 +203,7 @@ def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
 def test_a_local_model_directory_trains(tmp_path):
     """model: a Hugging Face model directory (here the tiny model saved to disk) loads, samples and updates."""
     from grpo_fast.train import tasks
-    from grpo_fast.train.tiny import tiny_qwen2, train_tokenizer
+    from grpo_fast.train.model import tiny_qwen2, train_tokenizer
 
     samples = tasks.arithmetic_task(64, seed=0, max_operand=9)
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)

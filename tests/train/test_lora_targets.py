@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from grpo_fast.train import lora  # noqa: E402
-from grpo_fast.train.tiny import tiny_qwen2  # noqa: E402
+from grpo_fast.train.model import tiny_qwen2  # noqa: E402
 
 
 def test_a_misspelt_target_names_itself_and_the_models_layers():

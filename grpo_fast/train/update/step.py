@@ -1,0 +1,239 @@
+"""The policy update of one step: micro-batches, final hidden states and grpo_fast's loss, gradients accumulated.
+
+    batch = UpdateBatch(input_ids, attention_mask, prompt_length, completion_ids, loss_mask, advantages)
+    batch.ref_logps = completion_logprobs(Policy.of(ref_model), batch, config)      # when beta > 0
+    metrics = policy_update(Policy.of(model), optimizer, batch, config)
+
+The loss never sees logits: the decoder gives the final hidden states of the completion tokens
+(grpo_fast.train.update.batching) and `grpo_fast.grpo_loss` takes them with the LM head's weight. The loop
+(grpo_fast.train.loop) and the long-context benchmark both run this step.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import grpo_fast as gf
+from grpo_fast import reference
+from grpo_fast.models import lm_head
+from grpo_fast.train import distributed, lora
+from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.update import precision
+from grpo_fast.train.update.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
+from grpo_fast.train.update.correction import importance_weights
+from grpo_fast.variants import micro_batch_share
+
+# the policy loss from hidden states: grpo_fast's, or the full-logits one (for memory and speed comparisons)
+LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": reference.grpo_loss}
+
+
+@dataclass
+class UpdateBatch:
+    """One step's samples as the update sees them, group_size consecutive rows per prompt.
+
+    input_ids (B, P + C): prompts left-padded to P = prompt_length, completions right-padded to C;
+    attention_mask (B, P + C) bool; completion_ids (B, C); loss_mask (B, C) bool: the completion tokens the loss
+    counts (the sampled ones, without truncated completions when mask_truncated_completions is set);
+    advantages (B,); old_logps, ref_logps (B, C) fp32: the sampling policy's and the reference's log-probs (None:
+    on-policy, no KL); is_ratio (B, C): the batch importance-sampling correction, or None.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    completion_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: Optional[torch.Tensor] = None
+    ref_logps: Optional[torch.Tensor] = None
+    is_ratio: Optional[torch.Tensor] = None
+
+
+@dataclass
+class Policy:
+    """A causal LM (its LM head, generation, checkpoints) and its trunk: the module that computes the final hidden
+    states for training, HiddenStates(model), inside DDP or FSDP2 when distributed (the optimizer steps the
+    trunk's parameters).
+
+    dtype: the run's dtype option (grpo_fast.train.update.precision; "auto": bf16 autocast on CUDA, the weights'
+    own dtype elsewhere). adapters_off: compute with a PEFT model's adapters disabled (the base model: a LoRA
+    run's KL reference)."""
+
+    model: torch.nn.Module
+    trunk: torch.nn.Module
+    dtype: str = "auto"
+    adapters_off: bool = False
+
+    @classmethod
+    def of(cls, model, dtype: str = "auto", adapters_off: bool = False) -> "Policy":
+        return cls(model, distributed.HiddenStates(model), dtype, adapters_off)
+
+    def compute(self, device: torch.device) -> tuple:
+        """(compute dtype, autocast): the torch dtype of the forward and of the loss's inputs on `device`, and
+        whether the forward runs under autocast to it."""
+        if self.dtype == "auto" and device.type != "cuda":
+            return next(self.model.parameters()).dtype, False
+        dtype = precision.resolve(self.dtype, device.type)
+        return precision.compute_dtype(dtype), dtype == "bf16-autocast"
+
+
+def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.World = distributed.World()) -> list:
+    """The step's micro-batches, at most micro_batch_size sequences and micro_batch_tokens real tokens each, as
+    (micro-batch, counts) pairs. Every rank gets as many as the busiest one has, since each forward and backward of
+    a DDP / FSDP2 model is a collective: a rank with fewer repeats its last one with counts=False."""
+    lengths = batch.attention_mask.sum(1).tolist()
+    plan = plan_micro_batches(lengths, config.micro_batch_tokens, config.micro_batch_size)
+    batches = [micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, rows,
+                           packed=config.packing) for rows in plan]
+    count = distributed.all_reduce_max(len(batches), world, batch.input_ids.device)
+    return [(batches[min(index, len(batches) - 1)], index < len(batches)) for index in range(count)]
+
+
+def completion_hidden(policy: Policy, micro: MicroBatch, offload: bool = False):
+    """The final hidden states that predict each completion token (b, C, H), and the LM head's weight and logit
+    arguments in the same dtype, the policy's compute dtype (the backbone under autocast for bf16-autocast).
+    offload: keep the activations saved for backward in (pinned) CPU memory."""
+    device = micro.hidden_index.device
+    dtype, autocast = policy.compute(device)
+    saved = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else nullcontext()
+    adapters = lora.adapters_disabled(policy.model) if policy.adapters_off else nullcontext()
+    with torch.autocast(device.type, dtype=dtype, enabled=autocast), saved, adapters:
+        hidden = completion_hidden_states(policy.trunk, micro)
+    return (hidden.to(dtype), *head_in(policy.model, dtype))
+
+
+def head_in(model, dtype: torch.dtype) -> tuple:
+    """(weight, logit kwargs) of the model's LM head with the weight and bias in `dtype`, the dtype of the loss's
+    inputs."""
+    head = lm_head(model)
+    kwargs = head.logit_kwargs()
+    if kwargs["bias"] is not None:
+        kwargs["bias"] = kwargs["bias"].to(dtype)
+    return head.weight.to(dtype), kwargs
+
+
+@torch.no_grad()
+def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
+                        world: distributed.World = distributed.World()) -> torch.Tensor:
+    """(B, C) log-probs of the completions under `policy`, micro-batch by micro-batch, one GEMM pass each and no
+    logits (old and reference log-probs); zero off the loss mask."""
+    logps = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+    for micro, _ in micro_batches(batch, config, world):      # a repeated micro-batch rewrites the same values
+        hidden, weight, kwargs = completion_hidden(policy, micro)
+        with torch.autocast(hidden.device.type, enabled=False):
+            values = gf.token_logprobs(hidden, weight, micro.completion(batch.completion_ids),
+                                       **{**kwargs, "temperature": config.temperature})
+        logps[micro.rows, :micro.completion_length] = (values * micro.completion(batch.loss_mask)).float()
+    return logps
+
+
+def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference_policy, config: TrainConfig,
+                 world: distributed.World = distributed.World()) -> UpdateBatch:
+    """The UpdateBatch of a step's Generation (grpo_fast.train.rollout.generation) and its (B,) advantages: the
+    loss mask, and the old and reference log-probs and the rollout correction (grpo_fast.train.update.correction)
+    where the config needs them (one no-grad GEMM pass over the LM head each). reference_policy: the KL
+    reference (beta > 0), or None."""
+    loss_mask = generation.completion_mask
+    if config.mask_truncated_completions:
+        loss_mask = loss_mask & ~generation.truncated[:, None]
+    batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
+                        generation.completion_ids, loss_mask, advantages.to(loss_mask.device))
+    correct = generation.sampling_logps is not None and config.importance_sampling != "none"
+    if config.num_iterations > 1 or correct:
+        batch.old_logps = completion_logprobs(policy, batch, config, world)
+    if correct:
+        batch.is_ratio = importance_weights(batch.old_logps, generation.sampling_logps, loss_mask,
+                                            config.importance_sampling, config.importance_sampling_cap,
+                                            config.importance_sampling_min)
+    if reference_policy is not None:
+        batch.ref_logps = completion_logprobs(reference_policy, batch, config)
+    return batch
+
+
+class Fp32GradientSum:
+    """Sums the gradients of several backward passes in fp32 for parameters held in a lower precision (bf16
+    weights), which would otherwise add each micro-batch's gradient into a bf16 .grad: 8 micro-batches round the
+    sum 8 times. `add()` after each backward moves .grad into the fp32 sum; `finish()` puts the sum back in .grad,
+    rounded once to the parameter's dtype. One process only: DDP and FSDP2 reduce .grad as they accumulate it."""
+
+    def __init__(self, parameters):
+        self.parameters = [p for p in parameters if p.requires_grad and p.dtype != torch.float32]
+        self.sums = {}
+
+    def add(self) -> None:
+        for param in self.parameters:
+            if param.grad is not None:
+                if param in self.sums:
+                    self.sums[param] += param.grad.float()
+                else:
+                    self.sums[param] = param.grad.float()
+                param.grad = None
+
+    def finish(self) -> None:
+        for param, total in self.sums.items():
+            param.grad = total.to(param.dtype)
+        self.sums = {}
+
+
+def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig,
+                         world: distributed.World = distributed.World()) -> dict:
+    """Backward of the step's loss, micro-batch by micro-batch: the micro-batch losses are weighted
+    (`variants.micro_batch_share`, over the sequences and tokens of all ranks) so that their sum is the loss of
+    the whole batch at once, however it is cut, packed and spread over ranks. Every rank runs as many backward
+    passes as the busiest (extra ones weigh 0) and reduces gradients in the last. Returns the loss and the loss
+    metrics (token-weighted means over micro-batches), summed over ranks. With one process and grad_accum_dtype
+    fp32 (the default), gradients of bf16 weights accumulate over micro-batches in fp32 (Fp32GradientSum)."""
+    loss_config = config.loss_config()
+    loss_function = LOSS_IMPLEMENTATIONS[config.loss_implementation]
+    device = batch.loss_mask.device
+    totals = distributed.sum_over_ranks({"sequences": batch.input_ids.shape[0],
+                                         "tokens": float(batch.loss_mask.sum())}, world, device)
+    batches = micro_batches(batch, config, world)
+    fp32_sum = None
+    if config.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
+        fp32_sum = Fp32GradientSum(policy.trunk.parameters())
+    summed = {"loss": 0.0}
+    for index, (micro, counts) in enumerate(batches):
+        hidden, weight, head_kwargs = completion_hidden(policy, micro, config.offload_activations)
+        mask = micro.completion(batch.loss_mask)
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, metrics = loss_function(
+                hidden, weight, micro.completion(batch.completion_ids), batch.advantages[micro.rows], mask,
+                old_logps=micro.completion(batch.old_logps), ref_logps=micro.completion(batch.ref_logps),
+                is_ratio=micro.completion(batch.is_ratio), num_items_in_batch=totals["tokens"],
+                config=loss_config, **{**head_kwargs, "temperature": config.temperature},
+            )
+        share = micro_batch_share(mask, loss_config, totals["sequences"], totals["tokens"]) if counts else 0.0
+        loss = loss * share
+        with distributed.gradient_sync(policy.trunk, enabled=index == len(batches) - 1):
+            (loss * world.size).backward()          # DDP and FSDP2 average gradients over ranks
+        if fp32_sum is not None:
+            fp32_sum.add()
+        summed["loss"] += loss.item()
+        token_share = float(mask.sum()) / max(1.0, totals["tokens"]) if counts else 0.0
+        for name, value in metrics.items():
+            summed[name] = summed.get(name, 0.0) + value.item() * token_share
+    if fp32_sum is not None:
+        fp32_sum.finish()
+    return distributed.sum_over_ranks(summed, world, device)
+
+
+def policy_update(policy: Policy, optimizer, batch: UpdateBatch, config: TrainConfig,
+                  world: distributed.World = distributed.World()) -> dict:
+    """One optimizer step of grpo_loss over the batch, with grad-norm clipping. A loss or gradient norm that is
+    not finite never reaches the weights: the step is skipped (metrics["skipped"] = 1) and the gradients dropped.
+    Every rank decides alike: both values are already reduced over ranks."""
+    summed = accumulate_gradients(policy, batch, config, world)
+    norm = torch.nn.utils.clip_grad_norm_(policy.trunk.parameters(), config.max_grad_norm)
+    summed["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    finite = math.isfinite(summed["loss"]) and math.isfinite(summed["grad_norm"])
+    if finite:
+        optimizer.step()
+    summed["skipped"] = 0.0 if finite else 1.0
+    optimizer.zero_grad(set_to_none=True)
+    return summed

@@ -1,0 +1,256 @@
+"""What the trainer guarantees when things go wrong: non-finite rewards, losses and gradients never reach the
+weights or a checkpoint; a folder holding a run is never overwritten by accident; resume tolerates a torn metrics
+line, refuses a changed model or data and applies other changed keys; errors are one line from the CLI."""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from grpo_fast.cli import main as cli  # noqa: E402
+from grpo_fast.train import loop as T  # noqa: E402
+from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.train.run import checkpoint
+from grpo_fast.train.update import step as update  # noqa: E402
+from tests import helpers  # noqa: E402
+
+FAST = dict(sft_steps=10, max_steps=3, save_every=1, group_size=4, prompts_per_step=4, log_completions=0,
+            rewards=["tests.helpers:counting_reward"], eval_every=0)      # the evaluation would count calls too
+QUIET = dict(log=lambda *_: None)
+
+
+def run(tmp_path, name="run", resume=False, **options):
+    helpers.CALLS.update(n=0, interrupt_at=None)
+    return T.train(TrainConfig(**{**FAST, **options}, output_dir=str(tmp_path / name)), resume=resume, **QUIET)
+
+
+def saved_weights(folder):
+    return torch.load(os.path.join(folder, "state.pt"), weights_only=False)["model"]
+
+
+def all_finite(state):
+    return all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+
+
+def test_a_non_finite_reward_skips_the_sample_not_the_run(tmp_path):
+    helpers.INF_AT.update(call=2, n=0)
+    history = run(tmp_path, rewards=["tests.helpers:inf_once_reward"])
+    assert [r["skipped_samples"] for r in history] == [0.0, 1.0, 0.0]
+    assert all(r["skipped_updates"] == 0 and torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    assert all_finite(saved_weights(tmp_path / "run" / "checkpoint-3"))
+
+
+def nan_gradients_at(monkeypatch, calls):
+    """accumulate_gradients whose gradients are NaN on the given (1-based) calls."""
+    original, count = update.accumulate_gradients, {"n": 0}
+
+    def poisoned(policy, *args, **kwargs):
+        summed = original(policy, *args, **kwargs)
+        count["n"] += 1
+        if count["n"] in calls:
+            for parameter in policy.trunk.parameters():
+                parameter.grad.fill_(float("nan"))
+        return summed
+
+    monkeypatch.setattr(update, "accumulate_gradients", poisoned)
+
+
+def test_a_non_finite_gradient_skips_the_update(tmp_path, monkeypatch):
+    nan_gradients_at(monkeypatch, {2})
+    history = run(tmp_path)
+    assert [r["skipped_updates"] for r in history] == [0.0, 1.0, 0.0]
+    assert all_finite(saved_weights(tmp_path / "run" / "checkpoint-3"))
+
+
+def test_max_bad_steps_in_a_row_stop_the_run_and_keep_the_good_checkpoint(tmp_path, monkeypatch):
+    nan_gradients_at(monkeypatch, {2, 3, 4, 5})
+    with pytest.raises(T.RunError, match=r"step 4: 3 steps in a row had a non-finite loss or gradient norm"):
+        run(tmp_path, max_steps=6)
+    # skipped steps leave the weights as step 1 made them: every checkpoint written since holds them, finite
+    latest = checkpoint.latest_checkpoint(str(tmp_path / "run"))
+    assert latest.endswith("checkpoint-3") and all_finite(saved_weights(latest))
+
+
+def test_a_checkpoint_is_never_written_from_non_finite_weights(tmp_path):
+    good = checkpoint.save_checkpoint(str(tmp_path), 1, {"model": {"w": torch.ones(2)}})
+    with pytest.raises(RuntimeError, match="not saving checkpoint-2: 1 weight tensors are not finite"):
+        checkpoint.save_checkpoint(str(tmp_path), 2, {"model": {"w": torch.tensor([1.0, float("inf")])}})
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"] and os.path.exists(os.path.join(good, "state.pt"))
+
+
+def test_a_folder_holding_a_run_is_refused_then_overwritten_on_request(tmp_path, capsys):
+    run(tmp_path, max_steps=1)
+    folder = tmp_path / "run"
+    before = {name: (folder / name).read_bytes() for name in ("metrics.jsonl", "checkpoint-1/state.pt")}
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoint-1, curves.png, metrics.jsonl, model\)"):
+        run(tmp_path, max_steps=1)
+    assert cli(["train", "--max-steps", "1", "--sft-steps", "0", "--output-dir", str(folder)]) == 2
+    assert "grpo-fast train: output_dir" in capsys.readouterr().err
+    assert {name: (folder / name).read_bytes() for name in before} == before       # nothing touched
+    history = run(tmp_path, max_steps=2, overwrite_output_dir=True)
+    assert [r["step"] for r in history] == [1, 2]
+    assert sorted(os.listdir(folder)) == ["checkpoint-2", "curves.png", "metrics.jsonl", "model"]
+    assert [json.loads(line)["step"] for line in open(folder / "metrics.jsonl")] == [1, 2]
+
+
+def test_output_dir_that_is_a_file_or_read_only_is_refused_before_anything(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        run(tmp_path, name="file")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+
+    def access(path, mode):        # a read-only folder as any user sees it (root writes through chmod 500)
+        return False if str(path) == str(locked) else real_access(path, mode)
+
+    monkeypatch.setattr(os, "access", access)
+    with pytest.raises(ValueError, match="cannot be written .*locked' is read-only"):
+        run(tmp_path, name="locked/run")
+    assert os.listdir(locked) == []
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--resume: no checkpoint in"):
+        run(tmp_path, resume=True)
+
+
+def test_resume_tolerates_a_torn_metrics_line_and_trims_completions(tmp_path):
+    run(tmp_path, max_steps=2, save_every=2, log_completions=1)
+    folder = tmp_path / "run"
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward": 0.')                    # a write cut short by a full disk
+    with open(folder / "completions.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "prompt": "p", "completion": "c", "reward": 0.0}) + "\n")
+    history = run(tmp_path, max_steps=3, save_every=2, log_completions=1, resume=True)
+    assert [r["step"] for r in history] == [3]
+    assert [json.loads(line)["step"] for line in open(folder / "metrics.jsonl")] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(folder / "completions.jsonl")] == [1, 2, 3]
+
+
+def test_resume_refuses_a_changed_model_or_data_and_applies_other_keys(tmp_path, monkeypatch):
+    run(tmp_path, max_steps=2, save_every=2)
+    for key, value in (("seed", 1), ("num_prompts", 1000), ("task", "gsm8k")):
+        with pytest.raises(ValueError, match=f"--resume cannot change .*{key} "):
+            run(tmp_path, max_steps=3, resume=True, **{key: value})
+    seen = {}
+    original = update.policy_update
+
+    def spy(policy, optimizer, *args, **kwargs):
+        seen["lr"], seen["weight_decay"] = optimizer.param_groups[0]["initial_lr"], optimizer.param_groups[0][
+            "weight_decay"]
+        return original(policy, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(T, "policy_update", spy)
+    logged = []
+    helpers.CALLS.update(n=0, interrupt_at=None)
+    T.train(TrainConfig(**{**FAST, "max_steps": 3, "learning_rate": 2.5e-4, "weight_decay": 0.1},
+                        output_dir=str(tmp_path / "run")), resume=True, log=logged.append)
+    assert seen == {"lr": 2.5e-4, "weight_decay": 0.1}
+    assert any("learning_rate 0.0005 -> 0.00025" in line for line in logged), logged
+
+
+def test_the_checkpoint_keeps_the_tokenizer_the_weights_were_trained_with(tmp_path):
+    run(tmp_path, max_steps=1)
+    saved = checkpoint.load_tokenizer(str(tmp_path / "run" / "checkpoint-1"))
+    assert saved is not None and saved.encode("7+8=15") and len(saved) > 259
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
+    history = run(tmp_path, max_steps=2, warmup_steps=5, learning_rate=1e-3)
+    assert history[0]["lr"] == pytest.approx(1e-3 * T.lr_factor(0, TrainConfig(warmup_steps=5)))
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert cli(["train", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "a")]) == 2
+    assert "model must be 'tiny' or a local Hugging Face model folder" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "1+1=", "solution": "2"}\n{"prompt": "\xff", "solution": "1"}\n')
+    assert cli(["train", "--task", str(bad), "--output-dir", str(tmp_path / "b")]) == 2
+    assert "bad.jsonl: not UTF-8 text (invalid start byte at byte 48, line 2)" in capsys.readouterr().err
+    bad.write_text('{"prompt": ["1+1="], "solution": "2"}\n')
+    assert cli(["train", "--task", str(bad), "--output-dir", str(tmp_path / "c")]) == 2
+    assert "bad.jsonl: row 0 (line 1), column 'prompt' (prompt_column): message 0 is not a" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "abc")            # nothing written
+
+
+def test_an_interrupt_before_the_first_step_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "supervised_warm_start", interrupted)
+    assert cli(["train", "--output-dir", str(tmp_path / "run")]) == 130
+    assert "nothing was saved" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_cuda_without_cuda_is_one_line_before_anything(tmp_path, capsys):
+    assert cli(["train", "--device", "cuda", "--output-dir", str(tmp_path / "run")]) == 2
+    assert "grpo-fast train: device 'cuda' was asked for but torch sees no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_lists_every_key_with_its_default(capsys):
+    import dataclasses
+
+    with pytest.raises(SystemExit):
+        cli(["train", "--help"])
+    out = capsys.readouterr().out
+    for field in dataclasses.fields(TrainConfig):
+        assert f"  {field.name}: " in out, field.name
+    assert "max_grad_norm: float = 1.0" in out
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "missing"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, damage):
+    run(tmp_path, max_steps=2, save_every=2)
+    path = tmp_path / "run" / "checkpoint-2" / "state.pt"
+    data = path.read_bytes()
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(b"" if damage == "empty" else data[:len(data) // 2])
+    capsys.readouterr()                                         # the first run's output
+    assert cli(["train", "--output-dir", str(tmp_path / "run"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {path} cannot be read" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("change", ["shuffled", "row added"])
+def test_resume_refuses_a_dataset_file_that_changed(tmp_path, change):
+    rows = [json.dumps({"prompt": f"{a}+{b}=", "solution": str(a + b)}) for a in range(6) for b in range(6)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    run(tmp_path, task=str(data), max_steps=1, save_every=1, sft_steps=0)
+    changed = rows[::-1] if change == "shuffled" else rows + [json.dumps({"prompt": "9+9=", "solution": "18"})]
+    data.write_text("\n".join(changed) + "\n")
+    with pytest.raises(ValueError, match=f"--resume: the data of '{data}' is not what the checkpoint trained on"):
+        run(tmp_path, task=str(data), max_steps=2, save_every=1, sft_steps=0, resume=True)
+    data.write_text("\n".join(rows) + "\n")                                 # the file as it was: resumes
+    assert [r["step"] for r in run(tmp_path, task=str(data), max_steps=2, save_every=1, sft_steps=0,
+                                   resume=True)] == [2]
+
+
+def test_an_interrupt_while_the_engine_starts_leaves_the_folder_free(tmp_path, monkeypatch, capsys):
+    from grpo_fast.train.run.record import run_contents
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "start_rollouts", interrupted)
+    assert cli(["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0"]) == 130
+    assert "nothing was saved" in capsys.readouterr().err
+    assert run_contents(str(tmp_path / "run")) == []           # a new run may use the folder
+
+
+def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, capsys):
+    arguments = ["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0", "--eval-every", "0",
+                 "--group-size", "2", "--prompts-per-step", "2"]
+    assert cli([*arguments, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    assert cli([*arguments, "--max-steps", "3", "--resume"]) == 0
+    assert "done: 3 steps" in capsys.readouterr().out

@@ -1,0 +1,188 @@
+"""Variable-length attention (grpo_fast.train.update.attention): a packed micro-batch costs memory linear in its tokens,
+computes what each sequence alone computes, and leaves generation and padded batches exactly as sdpa."""
+
+import importlib.util
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+pytest.importorskip("transformers")
+
+from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.train.distributed import HiddenStates  # noqa: E402
+from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.rollout.generation import pack  # noqa: E402
+from grpo_fast.train.update import attention  # noqa: E402
+from grpo_fast.train.update.batching import completion_hidden_states, micro_batch  # noqa: E402
+from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
+
+PROMPTS = [13, 15, 12, 14, 16, 13, 11, 17]
+COMPLETIONS = [17, 12, 19, 11, 15, 18, 10, 14]
+
+
+def rollout(vocab=64, seed=0) -> UpdateBatch:
+    """Eight ragged sequences (left-padded prompts, right-padded completions): 227 real tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in PROMPTS]
+    completions = [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in COMPLETIONS]
+    generation = pack(prompts, completions, [False] * len(prompts), pad_token_id=0)
+    return UpdateBatch(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
+                   prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
+                   loss_mask=generation.completion_mask,
+                   advantages=torch.randn(len(prompts), generator=generator, dtype=torch.float64))
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest number of elements of any op's output (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.largest:
+                self.largest, self.op = tensor.numel(), func
+        return out
+
+
+def test_packed_update_builds_no_square_tensor_over_the_packed_tokens():
+    # the trainer's path: the tiny model with the trainer's attention, gradient checkpointing (the recompute must
+    # get the boundaries too), forward, loss and backward of one packed micro-batch of 8 sequences
+    model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=0)
+    assert attention.use_varlen_attention(model, "cpu") == attention.NAME
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = rollout()
+    tokens = int(batch.attention_mask.sum())
+    config = TrainConfig(packing=True, micro_batch_size=32, max_completion_length=19, gradient_checkpointing=True)
+    with LargestOutput() as recorder:
+        accumulate_gradients(Policy.of(model), batch, config)
+    assert tokens == 227 and recorder.largest < tokens * tokens, (recorder.op, recorder.largest, tokens * tokens)
+
+
+def per_row_reference(model, batch):
+    """Each sequence alone (one unpadded row, sdpa): its completion's hidden states and the summed gradients."""
+    model.zero_grad(set_to_none=True)
+    hidden = []
+    for row in range(batch.input_ids.shape[0]):
+        micro = micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, [row], packed=False)
+        h = completion_hidden_states(HiddenStates(model), micro)[0, :int(batch.loss_mask[row].sum())]
+        h.square().sum().backward()
+        hidden.append(h.detach())
+    return hidden, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("shape", [dict(num_heads=2, num_kv_heads=1), dict(num_heads=4, num_kv_heads=4)],
+                         ids=["gqa", "mha"])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_packed_hidden_states_and_gradients_equal_each_sequence_alone(shape, sliding_window):
+    model = tiny_qwen2(64, hidden_size=128, **shape, seed=1).double()
+    if sliding_window:               # every layer slides (transformers masks a key within `window` of the query)
+        model.config.use_sliding_window, model.config.sliding_window = True, sliding_window
+        model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = sliding_window
+        model.model.has_sliding_layers = True
+    batch = rollout(seed=1)
+    expected_hidden, expected_grads = per_row_reference(model, batch)       # sdpa
+    attention.use_varlen_attention(model, "cpu")
+    model.zero_grad(set_to_none=True)
+    micro = micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, list(range(8)), packed=True)
+    hidden = completion_hidden_states(HiddenStates(model), micro)
+    lengths = batch.loss_mask.sum(1).tolist()
+    sum(hidden[row, :n].square().sum() for row, n in enumerate(lengths)).backward()
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(hidden[row, :n], expected_hidden[row], rtol=1e-12, atol=1e-12)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_generation_is_sdpa_exactly():
+    # greedy generation of a left-padded batch with a KV cache, and the HF engine's sampled rollouts
+    from grpo_fast.train.rollout.engines import HFEngine
+
+    prompts = [[5, 9, 3], [7, 2, 8, 4, 6, 1], [11]]
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    outputs = {}
+    for name in ("sdpa", attention.NAME):
+        model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=2, pad_token_id=0,
+                           eos_token_id=63).eval()
+        if name != "sdpa":
+            attention.use_varlen_attention(model, "cpu")
+        greedy = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                                pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": 63})()
+        config = TrainConfig(group_size=3, max_completion_length=8, temperature=1.0)
+        sampled = HFEngine(model, tokenizer, config).generate([[5, 9, 3], [4, 4]], seed=3)
+        outputs[name] = (greedy.sequences, torch.stack(greedy.logits), sampled.completion_ids)
+    (tokens, logits, sampled), (tokens_varlen, logits_varlen, sampled_varlen) = outputs.values()
+    assert torch.equal(tokens, tokens_varlen) and torch.equal(sampled, sampled_varlen)
+    torch.testing.assert_close(logits_varlen, logits, rtol=0, atol=0)
+
+
+def test_flash_attention_on_cuda_with_flash_attn_else_per_sequence(monkeypatch):
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    assert attention.choose_attention("cuda", "bf16-autocast") == "flash_attention_2"
+    assert attention.choose_attention(torch.device("cuda", 1), torch.bfloat16) == "flash_attention_2"
+    assert attention.choose_attention("cuda", "fp32") == attention.NAME          # flash-attention has no fp32
+    assert attention.choose_attention("cpu", "bf16") == attention.NAME
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    assert attention.choose_attention("cuda", "bf16-autocast") == attention.NAME
+    # flash_attn "available" but transformers cannot load it here: the per-sequence attention, named
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1)
+    if importlib.util.find_spec("flash_attn") is None:
+        assert attention.use_varlen_attention(model, "cuda", "bf16") == attention.NAME
+        assert attention.attention_name(model) == attention.NAME
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+def test_set_through_peft_and_checkpointing_and_the_boundaries_reach_the_attention(monkeypatch):
+    from grpo_fast.train import lora
+
+    calls = []
+    original = attention.varlen_attention_forward
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        calls.append(kwargs.get("cu_seq_lens_q"))
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_attention_forward", spy)
+    model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1)
+    model = lora.add_adapters(model, TrainConfig(lora_rank=4))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert attention.use_varlen_attention(model, "cpu") == attention.NAME           # after both, on the wrapper
+    assert model.get_base_model().config._attn_implementation == attention.NAME
+    batch = rollout()
+    micro = micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, [0, 1, 2], packed=True)
+    completion_hidden_states(HiddenStates(model), micro).sum().backward()
+    # two layers, forward and checkpoint recompute, each with the micro-batch's boundaries
+    assert len(calls) == 4 and all(c is micro.model_inputs["cu_seq_lens_q"] for c in calls)
+    assert micro.model_inputs["cu_seq_lens_q"].tolist() == [0, 30, 57, 88]
+    assert micro.model_inputs["max_length_q"] == 31
+
+
+def test_bad_boundaries_name_the_argument():
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q must run from 0 to the packed length 10, got \[0, 4, 9\]"):
+        attention.segments(torch.tensor([0, 4, 9]), 10)
+    with pytest.raises(ValueError, match="cu_seq_lens_q must be strictly increasing"):
+        attention.segments(torch.tensor([0, 4, 4, 10]), 10)
+    assert attention.segments(torch.tensor([0, 4, 10]), 10) == [(0, 4), (4, 10)]
+    assert attention.segments_from_positions(torch.tensor([[0, 1, 2, 0, 1]]), 5) == [(0, 3), (3, 5)]
+
+
+def test_similar_lengths_share_a_call_within_the_padding_slack():
+    sizes = [400, 100, 390, 380, 50, 5]
+    groups = attention.length_groups(sizes, slack=0.25)
+    assert sorted(i for group in groups for i in group) == list(range(6))
+    for group in groups:
+        longest = max(sizes[i] for i in group)
+        assert sizes[group[0]] == longest and len(group) * longest <= 1.25 * sum(sizes[i] for i in group)
+    assert groups[0] == [0, 2, 3] and attention.length_groups([7]) == [[0]]
