@@ -9,8 +9,6 @@ imports of modules outside these folders (torch, triton, ...) are not edges.
 import ast
 import os
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIRS = {"grpo_fast": "grpo_fast", "grpo_fast.kernels": "kernels", "grpo_fast.benchmarks": "benchmarks"}
 
@@ -86,7 +84,6 @@ def outside_trainer(module: str) -> bool:
 GRAPH = import_graph(module_files(ROOT, PACKAGE_DIRS))
 
 
-@pytest.mark.xfail(strict=False, reason="the trainer's cycles: being removed")
 def test_no_import_cycle_in_grpo_fast():
     found = cycles(GRAPH)
     assert not found, describe(found)

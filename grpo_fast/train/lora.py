@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from grpo_fast.models import unwrap
+from grpo_fast.train.distributed import full_state_dict
 
 ADAPTER = "default"        # PEFT's name for the one adapter the trainer adds
 
@@ -91,8 +92,6 @@ def merge(state_dict: dict, scalings: dict) -> dict:
 def engine_weights(model: nn.Module) -> dict:
     """{name: tensor} of the policy as the inference engine loads it (Hugging Face names): the model's full state
     dict, with a PEFT model's adapters merged into its base weights."""
-    from grpo_fast.train.distributed import full_state_dict
-
     base = unwrap(model)
     state = full_state_dict(base)
     if not is_peft(model):

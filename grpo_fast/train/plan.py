@@ -47,7 +47,10 @@ import torch
 
 from grpo_fast import chunked
 from grpo_fast.train import tasks
+from grpo_fast.train.config import load_config
+from grpo_fast.train.model import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
 from grpo_fast.train.update import optimizer, precision
+from grpo_fast.train.update.attention import choose_attention
 
 GIB = 2**30
 
@@ -247,8 +250,6 @@ class Job:
         dtype (flash_attention_2 needs the flash_attn package here)."""
         if self.attention != "auto":
             return self.attention
-        from grpo_fast.train.update.attention import choose_attention
-
         return choose_attention(self.device, self.dtype)
 
     @property
@@ -580,8 +581,6 @@ def training_shape(config) -> ModelShape:
     import os
 
     if config.model == "tiny":
-        from grpo_fast.train.model import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
-
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
                           num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,
                           tie_word_embeddings=True)
@@ -676,8 +675,6 @@ def main(args) -> int:
 
     try:
         if args.model.endswith((".yaml", ".yml")):           # plan exactly what `grpo-fast train` would run
-            from grpo_fast.train.config import load_config
-
             config = load_config(args.model)
             shape, job = training_shape(config), training_job(config, args.prompt_length, args.device)
             result = report(args.model, shape, job)

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.models import unwrap
+
 NAME = "grpo_fast_varlen"
 FLASH = "flash_attention_2"
 HALF_PRECISIONS = ("bf16-autocast", "bf16", "fp16", torch.bfloat16, torch.float16)
@@ -206,8 +208,6 @@ def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
 
     dtype: the run's compute dtype (a grpo_fast.train.update.precision name such as "bf16-autocast", or a torch dtype);
     None: the model's parameter dtype. Generation with the same model (left padding, KV cache) is unchanged."""
-    from grpo_fast.models import unwrap
-
     base = unwrap(model)
     if not hasattr(base, "set_attn_implementation"):
         raise TypeError(f"model must be a transformers PreTrainedModel (with set_attn_implementation), got "
@@ -228,6 +228,4 @@ def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
 
 def attention_name(model: torch.nn.Module) -> str:
     """The attention implementation `model` runs (its config's _attn_implementation)."""
-    from grpo_fast.models import unwrap
-
     return getattr(unwrap(model).config, "_attn_implementation", None) or "eager"

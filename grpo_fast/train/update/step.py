@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 import grpo_fast as gf
-from grpo_fast import reference
+from grpo_fast import reference as full_logits
 from grpo_fast.models import lm_head
 from grpo_fast.train import distributed, lora
 from grpo_fast.train.config import TrainConfig
@@ -29,7 +29,7 @@ from grpo_fast.train.update.correction import importance_weights
 from grpo_fast.variants import micro_batch_share
 
 # the policy loss from hidden states: grpo_fast's, or the full-logits one (for memory and speed comparisons)
-LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": reference.grpo_loss}
+LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": full_logits.grpo_loss}
 
 
 @dataclass
