@@ -1,18 +1,20 @@
-"""The trainer built on the loss library: GRPO from rollouts to checkpoints, readable top to bottom.
+"""The trainer built on the loss library: GRPO from rollouts to checkpoints, laid out by stage.
 
     from grpo_fast.train import TrainConfig, load_config, train
     history = train(load_config("examples/tiny_cpu.yaml", {"max_steps": 20}))
 
-    loop          `train`: setup, then one line per stage of each step
-    config        `TrainConfig` (every option, checked once), `load_config`, `parse_overrides`
-    engines       rollouts: Hugging Face generate or vLLM, and the rollout importance-sampling correction
-    rewards       reward functions (math-verify accuracy, format, ...) and their weighted sum
-    advantages    group-normalized advantages (GRPO, RLOO)
-    tasks         prompt sources: generated arithmetic, the vendored GSM8K subset, JSONL files
-    batching      micro-batches by sequences and tokens, packed or padded
-    distributed   DDP / FSDP2 under torchrun and the few collectives the loop needs
-    plan          the memory planner behind `grpo-fast plan`
-    tiny          the tiny Qwen2-style model and byte-level tokenizer built in code (the offline default)
+    loop.py          `train`: setup in named steps, then one line per stage of each step
+    tasks/           the prompts of each step (generated tasks, GSM8K, dataset files) and the rewards
+    rollout/         the completions: one Rollouts interface over HF / vLLM, in process or in a rollout process
+    update/          advantages, micro-batches, the loss step, dtypes, the optimizer, the rollout correction
+    run/             checkpoints and resume, metrics files, trackers, evaluation, export, stops
+    model.py         load_model, the tiny model built in code, the frozen KL reference
+    config.py        `TrainConfig` (every option, checked once), `load_config`, `parse_overrides`
+    plan.py          the memory planner behind `grpo-fast plan`
+    lora.py          LoRA adapters (PEFT)
+    distributed.py   DDP / FSDP2 under torchrun and the few collectives the trainer needs
+
+Each folder's __init__ lists its modules. The import graph has no cycle (tests/test_import_graph.py).
 """
 
 from grpo_fast.train.config import TrainConfig, load_config

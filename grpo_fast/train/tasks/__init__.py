@@ -2,7 +2,13 @@
 disk), the held-out problems of evaluation, and the prompts of each training step.
 
 A sample is a dict with "prompt" (text, or a list of chat messages) and "solution" (the gold answer, a string
-math-verify can parse).
+math-verify can parse). This module holds the task API the loop calls (load_task, StepShare, prompt_text, the
+data identity a resume checks); the folder holds the rest of the stage:
+
+    dataset_files      samples from .jsonl / .json / .parquet / .csv files and save_to_disk folders
+    rewards            the reward functions (Open-R1's style), `module:function` rewards, their weighted sum
+    math_verify_pool   math-verify in worker processes with a hard time limit per completion
+    data/              the vendored GSM8K subset (200 test problems) and its licence
 """
 
 from __future__ import annotations
