@@ -1,4 +1,4 @@
-"""UpdateBatch throughput of the trainer's engines, side by side in one run: HF generate and vLLM.
+"""Rollout throughput of the trainer's engines, side by side in one run: HF generate and vLLM.
 
 python -m grpo_fast.benchmarks.bench_engines [--out DIR] [--tokens 128] [--prompts 8] [--group-size 8]
 
@@ -59,7 +59,7 @@ def run(tokens: int, num_prompts: int, group_size: int, repeats: int, engines=("
 
 
 def markdown(rows: list, settings: dict) -> str:
-    lines = [f"# UpdateBatch engines on {machine_name(DEVICE)}", "",
+    lines = [f"# Rollout engines on {machine_name(DEVICE)}", "",
              "`python -m grpo_fast.benchmarks.bench_engines " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v
                                                                         in settings.items()) + "`", "",
              "| engine | completion tokens per call | seconds per call (median) | tokens/s |", "|---|---|---|---|"]

@@ -1,7 +1,7 @@
-"""UpdateBatch engines: sample group_size completions per prompt and hand them back as padded tensors.
+"""Rollout engines: sample group_size completions per prompt and hand them back as padded tensors.
 
     engine = make_engine(config, model, tokenizer, max_prompt_tokens)
-    generation = engine.generate(prompt_ids, seed=step_seed)     # a Generation of (B, ...) tensors
+    generation = engine.generate(prompt_ids, seed=step_seed)     # a Generation (grpo_fast.train.rollout.generation)
     evaluation = engine.generate(prompt_ids, seed=eval_seed, n=4)  # 4 completions per prompt
     engine.sync_weights(model)                                   # after every optimizer step
 

@@ -8,7 +8,8 @@
     engine.close()
 
 The process serves its requests in the order they were sent: a weight push sent before a request is in the
-engine before the request runs, so the loop bounds staleness by when it submits. With max_staleness k it keeps
+engine before the request runs, so staleness is bounded by when requests are submitted
+(grpo_fast.train.rollout.AheadRollouts does it). With max_staleness k it keeps
 steps s .. s + k submitted while it trains step s, and submits step s + k + 1 right after pushing the weights of
 version s + 1 (the policy after s + 1 optimizer steps): every rollout comes from a policy at most k versions old,
 and none is generated only to be dropped. Each rollout carries the version it came from and the engine's log-prob

@@ -1,4 +1,4 @@
-"""UpdateBatch engines: the padded layout, the rollout correction, HF generation and (for real) the vLLM engine."""
+"""Rollout engines: the padded layout, HF generation and (for real) the vLLM engine."""
 
 import importlib.util
 import json
