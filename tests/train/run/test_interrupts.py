@@ -12,8 +12,9 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.rollout import engines
-from grpo_fast.train.run import checkpoint, export, record  # noqa: E402
+from grpo_fast.train.rollout import Rollouts, engines  # noqa: E402
+from grpo_fast.train.run import checkpoint, evaluate, export, record  # noqa: E402
+from grpo_fast.train.update import step as update_step  # noqa: E402
 from tests import helpers  # noqa: E402
 
 # 3 steps of 2 iterations each, evaluations at steps 0, 2 and 3, a checkpoint at step 2 and at the end
@@ -25,16 +26,16 @@ QUIET = dict(log=lambda *_: None)
 # (stage, object, attribute, the call after which the signal arrives): each lands inside step 2 or later, where
 # the weights, the optimizer or the run's files have already changed when the signal arrives
 STAGES = {
-    "generation": (T, "generate", 2),
+    "generation": (Rollouts, "get", 2),
     "scoring": (T, "score", 2),
-    "old log-probs": (T, "completion_logprobs", 2),
+    "old log-probs": (update_step, "completion_logprobs", 2),
     "between iterations": (T, "policy_update", 3),
     "after the last iteration": (T, "policy_update", 4),
     "learning-rate schedule": (torch.optim.lr_scheduler.LambdaLR, "step", 3),
     "weight push": (engines.HFEngine, "sync_weights", 2),
     "metrics line": (record.RunFiles, "append", 2),
-    "evaluation": (T, "evaluate", 2),
-    "final evaluation": (T, "evaluate", 3),
+    "evaluation": (evaluate, "evaluate", 2),
+    "final evaluation": (evaluate, "evaluate", 3),
     "checkpoint": (checkpoint, "save_checkpoint", 1),
     "export": (export, "save_model_folder", 1),
 }

@@ -15,6 +15,7 @@ from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.run import checkpoint
 from grpo_fast.train.update import step as update  # noqa: E402
+from grpo_fast.train.update.optimizer import lr_factor  # noqa: E402
 from tests import helpers  # noqa: E402
 
 FAST = dict(sft_steps=10, max_steps=3, save_every=1, group_size=4, prompts_per_step=4, log_completions=0,
@@ -161,7 +162,7 @@ def test_the_checkpoint_keeps_the_tokenizer_the_weights_were_trained_with(tmp_pa
 
 def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
     history = run(tmp_path, max_steps=2, warmup_steps=5, learning_rate=1e-3)
-    assert history[0]["lr"] == pytest.approx(1e-3 * T.lr_factor(0, TrainConfig(warmup_steps=5)))
+    assert history[0]["lr"] == pytest.approx(1e-3 * lr_factor(0, TrainConfig(warmup_steps=5)))
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
