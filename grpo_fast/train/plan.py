@@ -318,7 +318,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     if job.lora_rank:         # fp32 adapters on a frozen base held in the dtype's weights (autocast caches no cast)
         trainable = job.lora_rank * shape.num_layers * sum(a + b for a, b in shape.linear_shapes())
         trainable_bytes, autocast_copies = 4, False
-    # grpo_fast.train.update.precision: AdamW's fp32 moments (plus an fp32 master copy of bf16 weights), 8-bit moments,
+    # grpo_fast.train.update.optimizer: AdamW's fp32 moments (plus an fp32 master copy of bf16 weights), 8-bit moments,
     # or bf16 moments; the two low-bit ones round bf16 weights stochastically instead of keeping a master copy
     state_bytes = {"adamw": 8 + (4 if trainable_bytes == 2 else 0), "adamw8bit": 2, "adamw-bf16": 4}[job.optimizer]
     h = shape.hidden_size
