@@ -18,7 +18,7 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpo_fast.train.tasks import dataset_files
 
@@ -208,17 +208,21 @@ class StepShare:
     config: object
     rank: int = 0
     world_size: int = 1
+    _last: tuple = field(default=(None, None), init=False, repr=False)     # (step, its samples and texts)
 
     @property
     def first_row(self) -> int:
         return self.rank * (self.config.prompts_per_step // self.world_size)
 
     def at(self, step: int) -> tuple:
-        """(samples, prompt texts) of this share at `step`."""
-        count = self.config.prompts_per_step // self.world_size
-        chosen = prompts_for_step(self.samples, step, self.config.prompts_per_step, self.config.seed)[
-            self.first_row:self.first_row + count]
-        return chosen, [prompt_text(sample, self.tokenizer, self.config) for sample in chosen]
+        """(samples, prompt texts) of this share at `step`. The last step's are kept: the loop and the rollouts
+        both ask for a step's prompts, and each draw shuffles the whole sample list."""
+        if self._last[0] != step:
+            count = self.config.prompts_per_step // self.world_size
+            chosen = prompts_for_step(self.samples, step, self.config.prompts_per_step, self.config.seed)[
+                self.first_row:self.first_row + count]
+            self._last = (step, (chosen, [prompt_text(sample, self.tokenizer, self.config) for sample in chosen]))
+        return self._last[1]
 
     def ids(self, step: int) -> list:
         """The prompts of this share at `step` as token ids, one list per prompt."""
