@@ -5,10 +5,11 @@
     evaluation = engine.generate(prompt_ids, seed=eval_seed, n=4)  # 4 completions per prompt
     engine.sync_weights(model)                                   # after every optimizer step
 
-"hf" runs `model.generate` on the policy itself (nothing to sync). "vllm" runs an offline `vllm.LLM` in this
-process (colocated, as TRL's colocate mode does), samples with a seed per prompt so a resumed run draws the same
-completions, returns the log-prob of each sampled token for the importance-sampling correction, and takes the
-policy's weights after each step through the worker's `reload_weights`.
+"hf" runs `model.generate` on the policy itself (nothing to sync), every prompt of a call in one left-padded
+batch, each prompt's rows drawn from their own seeded stream (grpo_fast.train.rollout.sampling). "vllm" runs an
+offline `vllm.LLM` in this process (colocated, as TRL's colocate mode does), samples with a seed per prompt so a
+resumed run draws the same completions, returns the log-prob of each sampled token for the importance-sampling
+correction, and takes the policy's weights after each step through the worker's `reload_weights`.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from grpo_fast.models import unwrap
 from grpo_fast.train import distributed
 from grpo_fast.train.lora import engine_weights
 from grpo_fast.train.rollout.generation import EngineStartError, Generation, pack
+from grpo_fast.train.rollout.sampling import PromptSeededSampler
 from grpo_fast.train.run.atomic import atomic_folder
 
 
 class HFEngine:
-    """`model.generate` with sampling on the policy being trained, one prompt's group per call, seeded per prompt:
-    the completions of a prompt do not depend on which other prompts share the step, the rank or the resume.
+    """`model.generate` with sampling on the policy being trained: all of a call's prompts in one left-padded batch,
+    each prompt's rows drawn from a stream seeded with seed + its index (rollout.sampling.PromptSeededSampler), so
+    that the completions of a prompt do not depend on which other prompts share the call, the rank or the resume.
 
     sharded_root: the FSDP2-wrapped module when the policy is sharded: its parameters are gathered for the
     generation and every rank steps in lockstep (`synced_gpus`), since each forward is a collective.
@@ -48,42 +51,44 @@ class HFEngine:
         config, tokenizer = self.config, self.tokenizer
         n = n or config.group_size
         device = next(self.model.parameters()).device
+        longest = max(map(len, prompt_ids))
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (longest - len(ids)) + list(ids) for ids in prompt_ids for _ in range(n)],
+                                 dtype=torch.long, device=device)
+        attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompt_ids
+                                       for _ in range(n)], dtype=torch.long, device=device)
+        sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, config.temperature,
+                                      config.top_p)
         was_training = self.model.training
         self.model.eval()
         if self.sharded_root is not None:
             self.sharded_root.unshard()
-        rows, completions, truncated, logps = [], [], [], []
         try:
-            for index, ids in enumerate(prompt_ids):
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    torch.manual_seed(seed + index)
-                    input_ids = torch.tensor([ids] * n, dtype=torch.long, device=device)
-                    output = self.model.generate(
-                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-                        temperature=config.temperature, top_p=config.top_p, top_k=0,
-                        max_new_tokens=config.max_completion_length, use_cache=True,
-                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                        min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
-                        synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
-                        return_dict_in_generate=True)
-                sampled_ids = output.sequences[:, len(ids):]
-                if self.sampling_logps:       # the raw logits, before top-p: log-probs over the whole vocabulary
-                    logits = torch.stack(output.logits, dim=1).float() / config.temperature
-                    token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
-                for row, sampled in enumerate(sampled_ids.tolist()):
-                    ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
-                    kept = sampled.index(tokenizer.eos_token_id) + 1 if ended else len(sampled)
-                    rows.append(ids)
-                    completions.append(sampled[:kept])
-                    truncated.append(not ended)
-                    if self.sampling_logps:
-                        logps.append(token_logps[row][:kept])
+            output = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
+                temperature=None, top_p=None, top_k=None, max_new_tokens=config.max_completion_length,
+                use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
+                min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
+                synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
+                return_dict_in_generate=True)
         finally:
             if self.sharded_root is not None:
                 self.sharded_root.reshard()
             self.model.train(was_training)
-        return pack(rows, completions, truncated, tokenizer.pad_token_id, logps if self.sampling_logps else None,
-                    device=device)
+        sampled_ids = output.sequences[:, longest:]
+        if self.sampling_logps:                   # the raw logits, before top-p: log-probs over the whole vocabulary
+            logits = torch.stack(output.logits, dim=1).float() / config.temperature
+            token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
+        rows, completions, truncated, logps = [], [], [], []
+        for row, sampled in enumerate(sampled_ids.tolist()):
+            ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
+            kept = sampled.index(tokenizer.eos_token_id) + 1 if ended else len(sampled)
+            rows.append(prompt_ids[row // n])
+            completions.append(sampled[:kept])
+            truncated.append(not ended)
+            if self.sampling_logps:
+                logps.append(token_logps[row][:kept])
+        return pack(rows, completions, truncated, pad, logps if self.sampling_logps else None, device=device)
 
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generation samples from the policy itself."""

@@ -37,15 +37,16 @@ def test_hf_engine_cuts_at_the_first_eos():
     from tests.helpers import arithmetic_policy
 
     model, tokenizer, samples = arithmetic_policy(32)
-    with torch.no_grad():                              # make EOS likely so that some rows end early
-        model.lm_head.weight[tokenizer.eos_token_id] *= 0
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():                              # make EOS likely (~7% a token) so that some rows end early
         model.model.norm.weight.mul_(0.02)
+    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits.index_add(
+        -1, torch.tensor([eos]), torch.full((*logits.shape[:-1], 1), 3.0)))
     prompts = [tokenizer(s["prompt"], add_special_tokens=False)["input_ids"] for s in samples[:3]]
     config = TrainConfig(group_size=4, max_completion_length=12)
     torch.manual_seed(0)
     generation = HFEngine(model, tokenizer, config).generate(prompts, seed=0)
     assert generation.input_ids.shape[0] == 12 and generation.sampling_logps is None
-    eos = tokenizer.eos_token_id
     for ids, mask, truncated in zip(generation.completion_ids.tolist(), generation.completion_mask.tolist(),
                                     generation.truncated.tolist()):
         length = sum(mask)
