@@ -133,6 +133,9 @@ class TrainConfig:
                                                             "a longer sequence goes alone)")
     packing: bool = _optimization(True, "lay a micro-batch's sequences end to end without padding (else pad to "
                                         "the longest)")
+    share_prompts: bool = _optimization(True, "packed micro-batches hold a group's prompt once, each completion "
+                                              "attending to it (exact; only with grpo_fast's own attention, so off "
+                                              "under flash-attention and padded micro-batches)")
     offload_activations: bool = _optimization(False, "keep the tensors saved for backward in CPU memory (GPU runs)")
     gradient_checkpointing: bool = _optimization(True, "recompute activations in backward to save memory")
     dtype: str = _memory("auto", "weights and compute: fp32, bf16-autocast (fp32 weights, bf16 compute), bf16 "

@@ -26,6 +26,7 @@ keep sdpa); a sliding window is applied per sequence with a (L_i, L_i) band mask
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -69,7 +70,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              cu_seq_lens_q: Optional[torch.Tensor] = None,
                              cu_seq_lens_k: Optional[torch.Tensor] = None, max_length_q: Optional[int] = None,
                              max_length_k: Optional[int] = None, position_ids: Optional[torch.Tensor] = None,
-                             **kwargs) -> tuple:
+                             shared_prompts: Optional["SharedPrompts"] = None, **kwargs) -> tuple:
     """torch.cat([sdpa_attention_forward(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None)[0] for s, e in
     segments], dim=1): causal attention within each sequence of a packed row, without any mask or (N, N)
     tensor. Sequences of similar length run as one right-padded causal batch (length_groups; causality keeps a
@@ -79,7 +80,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     come from cu_seq_lens_q (== cu_seq_lens_k), else from position_ids restarting at 0. Returns ((1, N, heads, D),
     None) as transformers' attention functions do. With a mask, a batch of several rows or a KV cache (keys longer
     than queries) it is transformers' sdpa_attention_forward exactly. sliding_window: a query attends to the
-    sliding_window latest keys of its own sequence (transformers' convention)."""
+    sliding_window latest keys of its own sequence (transformers' convention). shared_prompts: the row holds each
+    group's prompt once and its completions after it (SharedPrompts), which shared_prompt_attention computes."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, _, length, _ = query.shape
@@ -87,6 +89,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if not packed_row:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, position_ids=position_ids, **kwargs)
+    if shared_prompts is not None:
+        return shared_prompt_attention(module, query, key, value, shared_prompts, sliding_window, dropout,
+                                       scaling), None
     if cu_seq_lens_q is not None:
         if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
                 cu_seq_lens_k.to(cu_seq_lens_q.device), cu_seq_lens_q):
@@ -135,29 +140,128 @@ def length_groups(sizes: list, slack: float = PADDING_SLACK) -> list:
 def _grouped(module, query, key, value, spans: list, dropout: float, scaling) -> torch.Tensor:
     """(1, N, heads, D): each group of similar-length sequences as one right-padded batch under a causal sdpa (a
     real query never reaches the padding after its sequence), the padded rows dropped; no mask is built."""
+    outputs, positions = _causal_spans(module, _token_rows(query, key, value), query, key, spans, dropout, scaling)
+    return _in_row_order(outputs, positions, query.shape[2])
+
+
+def _token_rows(query, key, value) -> list:
+    """(N, heads x D) rows of query, key and value: the projections' own layout, so a gather is one index_select
+    (and its backward one index_add) over whole rows."""
+    return [t[0].transpose(0, 1).reshape(t.shape[2], -1) for t in (query, key, value)]
+
+
+def _gather(rows: list, query, key, query_index: torch.Tensor, key_index: torch.Tensor) -> tuple:
+    """(q (g, heads, Lq, D), k, v (g, kv_heads, Lk, D)): the tokens query_index (g, Lq) and key_index (g, Lk)."""
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    q = rows[0].index_select(0, query_index.reshape(-1)).view(*query_index.shape, heads, dim).transpose(1, 2)
+    k, v = (r.index_select(0, key_index.reshape(-1)).view(*key_index.shape, kv_heads, dim).transpose(1, 2)
+            for r in rows[1:])
+    return q, k, v
+
+
+def _causal_spans(module, rows: list, query, key, spans: list, dropout: float, scaling) -> tuple:
+    """([(tokens, heads, D)], [(tokens,) positions]): causal attention within each span [(start, end)], spans of
+    similar length batched into one right-padded sdpa call (the padding repeats a span's last token, which
+    causality hides)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    device, length = query.device, query.shape[2]
+    device = query.device
     sizes = [end - start for start, end in spans]
-    # (N, heads x D) rows: the projections' own layout, so a gather is one index_select (and its backward one
-    # index_add) over whole rows
-    rows = [t[0].transpose(0, 1).reshape(length, -1) for t in (query, key, value)]
     outputs, positions = [], []
     for group in length_groups(sizes):
         starts = torch.tensor([spans[i][0] for i in group], device=device)
         lengths = torch.tensor([sizes[i] for i in group], device=device)
         steps = torch.arange(sizes[group[0]], device=device)
-        # (g, L_max) token indices; the padding repeats a sequence's last token, which causality hides
-        index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)
-        q, k, v = (r.index_select(0, index.reshape(-1)).view(*index.shape, t.shape[1], t.shape[3]).transpose(1, 2)
-                   for r, t in zip(rows, (query, key, value)))                         # (g, heads, L_max, D)
+        index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)          # (g, L_max)
+        q, k, v = _gather(rows, query, key, index, index)
         out = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
         real = (steps[None] < lengths[:, None]).reshape(-1).nonzero().reshape(-1)
         outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))         # (tokens, heads, D)
         positions.append(index.reshape(-1)[real])
-    order = torch.empty(length, dtype=torch.long, device=device)
-    order[torch.cat(positions)] = torch.arange(length, device=device)
+    return outputs, positions
+
+
+def _in_row_order(outputs: list, positions: list, length: int) -> torch.Tensor:
+    """(1, length, heads, D): the attention outputs of every token of the row, put back at their positions."""
+    flat_positions = torch.cat(positions)
+    order = torch.empty(length, dtype=torch.long, device=flat_positions.device)
+    order[flat_positions] = torch.arange(length, device=flat_positions.device)
     return torch.cat(outputs).index_select(0, order)[None]
+
+
+@dataclass
+class SharedPrompts:
+    """A packed row that holds each group's prompt once, followed by the group's completions: groups[i] =
+    (prompt_start, prompt_length, [(completion_start, completion_length), ...]) in row positions, covering the
+    row. A completion token sits at position prompt_length + its index (position_ids restart there for each
+    completion), attends to the whole prompt and causally to its own completion, never to a sibling: the
+    attention of the prompt followed by that completion alone, with the prompt's tokens computed once.
+    Built by grpo_fast.train.update.batching.micro_batch; read by shared_prompt_attention, which keeps its index
+    tensors here between layers (`cache`)."""
+
+    groups: list
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def completion_batches(self, device, sliding_window: Optional[int]) -> list:
+        """[(query_index (g, C), key_index (g, P + C), mask (g, 1, C, P + C) bool, real (tokens,))], one per
+        group of similar-length completions: keys are the completion's prompt (right-padded to the group's
+        longest, the padding masked) then the completion itself (causal); real: the flat indices of the queries
+        that are tokens. Computed once per device and window."""
+        key = (str(device), sliding_window)
+        if key not in self.cache:
+            self.cache[key] = self._completion_batches(device, sliding_window)
+        return self.cache[key]
+
+    def _completion_batches(self, device, sliding_window: Optional[int]) -> list:
+        completions = [(prompt_start, prompt_length, start, length)
+                       for prompt_start, prompt_length, spans in self.groups for start, length in spans if length]
+        batches = []
+        for group in length_groups([length for *_, length in completions]):
+            prompt_starts, prompt_lengths, starts, lengths = (torch.tensor(column, device=device) for column in
+                                                              zip(*(completions[i] for i in group)))
+            longest, longest_prompt = int(lengths.max()), int(prompt_lengths.max())
+            steps, prompt_steps = torch.arange(longest, device=device), torch.arange(longest_prompt, device=device)
+            query_index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)
+            prompt_index = prompt_starts[:, None] + torch.minimum(prompt_steps[None], prompt_lengths[:, None] - 1)
+            # query q (position P + q) sees prompt key j when j < P, and completion key c when c <= q
+            sees_prompt = (prompt_steps[None, None] < prompt_lengths[:, None, None]).expand(-1, longest, -1)
+            behind = steps[:, None] - steps[None, :]
+            sees_own = (behind >= 0)[None].expand(len(group), -1, -1)
+            if sliding_window is not None:          # within the window of its sequence, as transformers counts it
+                distance = (prompt_lengths[:, None, None] + steps[None, :, None]) - prompt_steps[None, None]
+                sees_prompt = sees_prompt & (distance < sliding_window)
+                sees_own = sees_own & (behind < sliding_window)[None]
+            mask = torch.cat([sees_prompt, sees_own], dim=-1)[:, None]
+            real = (steps[None] < lengths[:, None]).reshape(-1).nonzero().reshape(-1)
+            batches.append((query_index, torch.cat([prompt_index, query_index], dim=1), mask, real))
+        return batches
+
+
+def shared_prompt_attention(module, query, key, value, layout: SharedPrompts, sliding_window: Optional[int],
+                            dropout: float, scaling) -> torch.Tensor:
+    """(1, N, heads, D): attention over a SharedPrompts row, equal to the attention of each prompt + completion
+    sequence on its own: the prompts causal among themselves (as varlen_attention_forward's sequences), each
+    completion over its prompt and its own earlier tokens (one masked sdpa call per group of similar-length
+    completions; every query sees at least itself, so no row of the mask is empty)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = _token_rows(query, key, value)
+    prompts = [(start, start + length) for start, length, _ in layout.groups]
+    if sliding_window is None:
+        outputs, positions = _causal_spans(module, rows, query, key, prompts, dropout, scaling)
+    else:
+        outputs, positions = [], []
+        for start, end in prompts:
+            index = torch.arange(start, end, device=query.device)[None]
+            piece = _gather(rows, query, key, index, index)
+            outputs.append(_per_sequence(module, piece, sliding_window, dropout, scaling)[0])
+            positions.append(index[0])
+    for query_index, key_index, mask, real in layout.completion_batches(query.device, sliding_window):
+        q, k, v = _gather(rows, query, key, query_index, key_index)
+        out = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+        outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))
+        positions.append(query_index.reshape(-1)[real])
+    return _in_row_order(outputs, positions, query.shape[2])
 
 
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,

@@ -22,22 +22,28 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.train.update.attention import SharedPrompts
 
-def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: int) -> list:
+
+def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: int,
+                       shared: Optional[list] = None) -> list:
     """Consecutive row indices per micro-batch: rows are added while the micro-batch stays within max_tokens
-    real tokens (None: no limit) and max_sequences rows; a row longer than max_tokens gets a micro-batch alone."""
+    real tokens (None: no limit) and max_sequences rows; a row longer than max_tokens gets a micro-batch alone.
+    shared[row]: the tokens a row does not add when it follows row - 1 in the same micro-batch (its prompt's,
+    when the two share it: shared_prompt_lengths), 0 otherwise; None: no sharing."""
     if max_sequences <= 0:
         raise ValueError(f"max_sequences must be > 0, got {max_sequences}")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0 or None, got {max_tokens}")
     plan, current, tokens = [], [], 0
     for row, length in enumerate(lengths):
-        full = len(current) == max_sequences or (max_tokens is not None and tokens + length > max_tokens)
+        added = length - (shared[row] if shared is not None and current else 0)
+        full = len(current) == max_sequences or (max_tokens is not None and tokens + added > max_tokens)
         if current and full:
             plan.append(current)
-            current, tokens = [], 0
+            current, tokens, added = [], 0, length
         current.append(row)
-        tokens += length
+        tokens += added
     if current:
         plan.append(current)
     return plan
@@ -65,16 +71,28 @@ class MicroBatch:
         return tensor[self.rows][:, :self.completion_length]
 
 
+def shared_prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> list:
+    """[tokens] per row: its prompt's length when its prompt is row - 1's (same tokens, same padding), else 0."""
+    prompts, mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length].bool()
+    same = ((prompts[1:] == prompts[:-1]) | ~mask[1:]).all(1) & (mask[1:] == mask[:-1]).all(1)
+    lengths = mask.sum(1)
+    return [0] + torch.where(same, lengths[1:], 0).tolist()
+
+
 def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, rows: list,
-                packed: bool) -> MicroBatch:
-    """The micro-batch of `rows` of a rollout laid out as in grpo_fast.train.rollout.engines.Generation."""
+                packed: bool, share_prompts: bool = False) -> MicroBatch:
+    """The micro-batch of `rows` of a rollout laid out as in grpo_fast.train.rollout.engines.Generation.
+    share_prompts (packed only): consecutive rows with the same prompt hold it once (SharedPrompts)."""
     device = input_ids.device
     mask = attention_mask[rows].bool()
     prompt_lengths = mask[:, :prompt_length].sum(1)
     completion_lengths = mask[:, prompt_length:].sum(1)
     completion_length = max(1, int(completion_lengths.max()))
     steps = torch.arange(completion_length, device=device)
-    if packed:
+    if packed and share_prompts:
+        model_inputs, predicting = _shared_prompt_row(input_ids, attention_mask, prompt_length, rows,
+                                                      completion_length)
+    elif packed:
         lengths = prompt_lengths + completion_lengths
         starts = torch.cumsum(lengths, 0) - lengths
         tokens = input_ids[rows][mask]                            # the real tokens, row after row
@@ -95,6 +113,37 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     in_completion = steps[None] < completion_lengths[:, None]
     return MicroBatch(rows=list(rows), model_inputs=model_inputs,
                       hidden_index=torch.where(in_completion, predicting, 0), completion_length=completion_length)
+
+
+def _shared_prompt_row(input_ids, attention_mask, prompt_length: int, rows: list, completion_length: int) -> tuple:
+    """(model_inputs, predicting (b, C)) of the packed row of `rows` with each run of rows that share a prompt
+    holding it once: [prompt, completion, completion, ...] per run, positions restarting at the prompt's length
+    for each completion, and the SharedPrompts layout the attention reads (`shared_prompts`)."""
+    device = input_ids.device
+    shared = shared_prompt_lengths(input_ids[rows], attention_mask[rows], prompt_length)
+    ids, mask = input_ids[rows].tolist(), attention_mask[rows].bool().tolist()
+    tokens, positions, groups, predicting = [], [], [], []
+    for row in range(len(rows)):
+        prompt = [t for t, real in zip(ids[row][:prompt_length], mask[row][:prompt_length]) if real]
+        completion = [t for t, real in zip(ids[row][prompt_length:], mask[row][prompt_length:]) if real]
+        if not prompt:
+            raise ValueError(f"every rollout row needs a prompt token, row {rows[row]} has none")
+        if not shared[row]:
+            groups.append((len(tokens), len(prompt), []))
+            tokens += prompt
+            positions += range(len(prompt))
+        prompt_start, prompt_tokens, spans = groups[-1]
+        spans.append((len(tokens), len(completion)))
+        # token t is predicted by the prompt's last hidden state (t = 0) or by completion token t - 1
+        last = [prompt_start + prompt_tokens - 1] + [len(tokens) + t for t in range(len(completion) - 1)]
+        predicting.append(last + [0] * (completion_length - len(last)))
+        tokens += completion
+        positions += range(prompt_tokens, prompt_tokens + len(completion))
+    layout = SharedPrompts(groups)
+    model_inputs = {"input_ids": torch.tensor([tokens], device=device),
+                    "position_ids": torch.tensor([positions], device=device), "attention_mask": None,
+                    "shared_prompts": layout}
+    return model_inputs, torch.tensor(predicting, device=device)
 
 
 def completion_hidden_states(hidden_states, batch: MicroBatch) -> torch.Tensor:

@@ -23,8 +23,14 @@ from grpo_fast import reference as full_logits
 from grpo_fast.models import lm_head
 from grpo_fast.train import distributed, lora
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.update import precision
-from grpo_fast.train.update.batching import MicroBatch, completion_hidden_states, micro_batch, plan_micro_batches
+from grpo_fast.train.update import attention, precision
+from grpo_fast.train.update.batching import (
+    MicroBatch,
+    completion_hidden_states,
+    micro_batch,
+    plan_micro_batches,
+    shared_prompt_lengths,
+)
 from grpo_fast.train.update.correction import importance_weights
 from grpo_fast.variants import micro_batch_share
 
@@ -82,14 +88,25 @@ class Policy:
         return precision.compute_dtype(dtype), dtype == "bf16-autocast"
 
 
-def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.World = distributed.World()) -> list:
+def shares_prompts(config: TrainConfig, model) -> bool:
+    """Whether the update's micro-batches hold each group's prompt once (config.share_prompts): only packed, and
+    only where the model runs grpo_fast's own attention, which reads the shared layout (flash-attention and sdpa
+    would let the completions of a row attend to each other)."""
+    return config.share_prompts and config.packing and attention.attention_name(model) == attention.NAME
+
+
+def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.World = distributed.World(),
+                  share_prompts: bool = False) -> list:
     """The step's micro-batches, at most micro_batch_size sequences and micro_batch_tokens real tokens each, as
     (micro-batch, counts) pairs. Every rank gets as many as the busiest one has, since each forward and backward of
-    a DDP / FSDP2 model is a collective: a rank with fewer repeats its last one with counts=False."""
+    a DDP / FSDP2 model is a collective: a rank with fewer repeats its last one with counts=False. share_prompts:
+    see shares_prompts (a shared prompt counts once against micro_batch_tokens)."""
     lengths = batch.attention_mask.sum(1).tolist()
-    plan = plan_micro_batches(lengths, config.micro_batch_tokens, config.micro_batch_size)
+    shared = shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length) \
+        if share_prompts else None
+    plan = plan_micro_batches(lengths, config.micro_batch_tokens, config.micro_batch_size, shared)
     batches = [micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, rows,
-                           packed=config.packing) for rows in plan]
+                           packed=config.packing, share_prompts=share_prompts) for rows in plan]
     count = distributed.all_reduce_max(len(batches), world, batch.input_ids.device)
     return [(batches[min(index, len(batches) - 1)], index < len(batches)) for index in range(count)]
 
@@ -123,7 +140,8 @@ def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
     """(B, C) log-probs of the completions under `policy`, micro-batch by micro-batch, one GEMM pass each and no
     logits (old and reference log-probs); zero off the loss mask."""
     logps = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
-    for micro, _ in micro_batches(batch, config, world):      # a repeated micro-batch rewrites the same values
+    batches = micro_batches(batch, config, world, shares_prompts(config, policy.model))
+    for micro, _ in batches:                                  # a repeated micro-batch rewrites the same values
         hidden, weight, kwargs = completion_hidden(policy, micro)
         with torch.autocast(hidden.device.type, enabled=False):
             values = gf.token_logprobs(hidden, weight, micro.completion(batch.completion_ids),
@@ -193,7 +211,7 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     device = batch.loss_mask.device
     totals = distributed.sum_over_ranks({"sequences": batch.input_ids.shape[0],
                                          "tokens": float(batch.loss_mask.sum())}, world, device)
-    batches = micro_batches(batch, config, world)
+    batches = micro_batches(batch, config, world, shares_prompts(config, policy.model))
     fp32_sum = None
     if config.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
         fp32_sum = Fp32GradientSum(policy.trunk.parameters())

@@ -1,0 +1,170 @@
+"""One forward per group's prompt (TrainConfig.share_prompts): a packed micro-batch holds each group's prompt once
+and every completion attends to it; hidden states, log-probs, the loss and every gradient equal each sequence
+computed alone, in float64, on Llama and Qwen2."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.train.distributed import HiddenStates  # noqa: E402
+from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.rollout.generation import pack  # noqa: E402
+from grpo_fast.train.update import attention, batching  # noqa: E402
+from grpo_fast.train.update.step import (  # noqa: E402
+    Policy,
+    UpdateBatch,
+    accumulate_gradients,
+    completion_logprobs,
+    shares_prompts,  # noqa: E402
+)
+
+PROMPTS = [13, 9, 15]                       # three groups of four
+COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6]]
+
+
+def grouped_rollout(vocab=64, seed=0) -> UpdateBatch:
+    generator = torch.Generator().manual_seed(seed)
+    rows, completions = [], []
+    for prompt_length, lengths in zip(PROMPTS, COMPLETIONS):
+        prompt = torch.randint(1, vocab, (prompt_length,), generator=generator).tolist()
+        for length in lengths:
+            rows.append(prompt)
+            completions.append(torch.randint(1, vocab, (length,), generator=generator).tolist())
+    generation = pack(rows, completions, [False] * len(rows), pad_token_id=0)
+    return UpdateBatch(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
+                       prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
+                       loss_mask=generation.completion_mask,
+                       advantages=torch.randn(len(rows), generator=generator, dtype=torch.float64))
+
+
+def tiny_llama(vocab=64, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def slide(model, window: int):
+    """Every layer of a Qwen2 model attends within `window` keys."""
+    model.config.use_sliding_window, model.config.sliding_window = True, window
+    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = window
+    model.model.has_sliding_layers = True
+    return model
+
+
+def float64_norms(model):
+    """RMSNorm in the model's own dtype: transformers' Llama and Qwen2 norms compute in fp32 even for an fp64
+    model, which rounds a gradient summed over a shared prompt's completions differently from the same sum
+    taken after the norm (each copy of the prompt rounded alone): an fp32-level difference, not the layout's."""
+    def forward(norm, hidden):
+        return norm.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = forward.__get__(module)
+    return model.double()
+
+
+MODELS = {"llama": lambda: float64_norms(tiny_llama(seed=2)),
+          "qwen2": lambda: float64_norms(tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=2)),
+          "qwen2-sliding-5": lambda: float64_norms(slide(tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1,
+                                                                    seed=2), 5))}
+
+
+def alone(model, batch):
+    """Each sequence as its own unpadded row under transformers' sdpa: completion hidden states and the gradients
+    of their summed squares."""
+    model.zero_grad(set_to_none=True)
+    hidden = []
+    for row in range(batch.input_ids.shape[0]):
+        micro = batching.micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, [row], packed=False)
+        h = batching.completion_hidden_states(HiddenStates(model), micro)[0, :int(batch.loss_mask[row].sum())]
+        h.square().sum().backward()
+        hidden.append(h.detach())
+    return hidden, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_shared_prompt_hidden_states_and_gradients_equal_each_sequence_alone(name, checkpointing):
+    model = MODELS[name]()
+    batch = grouped_rollout(seed=3)
+    expected_hidden, expected_grads = alone(model, batch)
+    attention.use_varlen_attention(model, "cpu")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    model.zero_grad(set_to_none=True)
+    micro = batching.micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, list(range(12)),
+                                 packed=True, share_prompts=True)
+    # the row holds each prompt once: 37 prompt tokens instead of 4 x 37
+    assert micro.model_inputs["input_ids"].shape[1] == sum(PROMPTS) + sum(map(sum, COMPLETIONS))
+    hidden = batching.completion_hidden_states(HiddenStates(model), micro)
+    lengths = batch.loss_mask.sum(1).tolist()
+    sum(hidden[row, :n].square().sum() for row, n in enumerate(lengths)).backward()
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(hidden[row, :n], expected_hidden[row], rtol=1e-12, atol=1e-12)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected_grads.keys() and len(grads) > 10
+    for param_name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[param_name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("micro_batch_size", [12, 3], ids=["one-micro-batch", "groups-split"])
+def test_update_with_shared_prompts_equals_the_unshared_update(name, micro_batch_size):
+    """The trainer's step: old log-probs, the loss, its metrics and the gradients, with share_prompts on and off
+    (a group may be cut between micro-batches: its prompt then goes into each)."""
+    model = MODELS[name]()
+    attention.use_varlen_attention(model, "cpu")
+    batch = grouped_rollout(seed=4)
+    batch.old_logps = torch.randn(batch.completion_ids.shape, dtype=torch.float64) * 0.1 - 2.0
+    results = {}
+    for share in (False, True):
+        config = TrainConfig(share_prompts=share, micro_batch_size=micro_batch_size, beta=0.0,
+                             max_completion_length=14, loss_type="dapo")
+        policy = Policy.of(model)
+        assert shares_prompts(config, model) is share
+        logps = completion_logprobs(policy, batch, config)
+        model.zero_grad(set_to_none=True)
+        metrics = accumulate_gradients(policy, batch, config)
+        results[share] = logps, metrics, {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}
+    (logps, metrics, grads), (shared_logps, shared_metrics, shared_grads) = results[False], results[True]
+    torch.testing.assert_close(shared_logps, logps, rtol=1e-12, atol=1e-12)
+    assert metrics.keys() == shared_metrics.keys()
+    for key in metrics:
+        assert shared_metrics[key] == pytest.approx(metrics[key], rel=1e-10, abs=1e-12), key
+    assert grads.keys() == shared_grads.keys()
+    for param_name in grads:
+        torch.testing.assert_close(shared_grads[param_name], grads[param_name], rtol=1e-10, atol=1e-12)
+
+
+def test_shared_prompts_only_where_the_attention_reads_them():
+    model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1)
+    model.set_attn_implementation("sdpa")        # sdpa would let a row's completions attend to each other
+    assert not shares_prompts(TrainConfig(), model)
+    attention.use_varlen_attention(model, "cpu")
+    assert shares_prompts(TrainConfig(), model)
+    assert not shares_prompts(TrainConfig(packing=False), model)
+    assert not shares_prompts(TrainConfig(share_prompts=False), model)
+
+
+def test_planner_counts_a_shared_prompt_once():
+    batch = grouped_rollout()
+    shared = batching.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length)
+    assert shared == [0, 13, 13, 13, 0, 9, 9, 9, 0, 15, 15, 15]
+    lengths = batch.attention_mask.sum(1).tolist()
+    assert lengths == [24, 14, 20, 25, 14, 18, 18, 12, 29, 17, 23, 21]
+    # shared, a group costs its first row and then its completions: 24 + 1 + 7 + 12 = 44, 35, 45; a row that
+    # starts a micro-batch pays its prompt again (row 11: 21)
+    assert batching.plan_micro_batches(lengths, max_tokens=44, max_sequences=12, shared=shared) == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10], [11]]
+    assert batching.plan_micro_batches(lengths, max_tokens=44, max_sequences=12)[0] == [0, 1]
