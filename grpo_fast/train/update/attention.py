@@ -212,9 +212,17 @@ class SharedPrompts:
             self.cache[key] = self._completion_batches(device, sliding_window)
         return self.cache[key]
 
+    def causal_spans(self) -> list:
+        """[(start, end)] of what attends causally within itself: a shared prompt, or the whole sequence of a
+        group of one (its completion follows its prompt in the row, so it is an ordinary packed sequence)."""
+        return [(start, start + length + (spans[0][1] if len(spans) == 1 else 0)) for start, length, spans in
+                self.groups]
+
     def _completion_batches(self, device, sliding_window: Optional[int]) -> list:
-        completions = [(prompt_start, prompt_length, start, length)
-                       for prompt_start, prompt_length, spans in self.groups for start, length in spans if length]
+        completions = [(prompt_start, prompt_length, start, length) for prompt_start, prompt_length, spans
+                       in self.groups if len(spans) > 1 for start, length in spans if length]
+        if not completions:
+            return []
         batches = []
         for group in length_groups([length for *_, length in completions]):
             prompt_starts, prompt_lengths, starts, lengths = (torch.tensor(column, device=device) for column in
@@ -240,18 +248,19 @@ class SharedPrompts:
 def shared_prompt_attention(module, query, key, value, layout: SharedPrompts, sliding_window: Optional[int],
                             dropout: float, scaling) -> torch.Tensor:
     """(1, N, heads, D): attention over a SharedPrompts row, equal to the attention of each prompt + completion
-    sequence on its own: the prompts causal among themselves (as varlen_attention_forward's sequences), each
-    completion over its prompt and its own earlier tokens (one masked sdpa call per group of similar-length
+    sequence on its own: the prompts causal among themselves (as varlen_attention_forward's sequences; a group of
+    one is such a sequence whole, computed exactly as without sharing), each completion of a larger group over its
+    prompt and its own earlier tokens (one masked sdpa call per group of similar-length
     completions; every query sees at least itself, so no row of the mask is empty)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows = _token_rows(query, key, value)
-    prompts = [(start, start + length) for start, length, _ in layout.groups]
+    causal = layout.causal_spans()
     if sliding_window is None:
-        outputs, positions = _causal_spans(module, rows, query, key, prompts, dropout, scaling)
+        outputs, positions = _causal_spans(module, rows, query, key, causal, dropout, scaling)
     else:
         outputs, positions = [], []
-        for start, end in prompts:
+        for start, end in causal:
             index = torch.arange(start, end, device=query.device)[None]
             piece = _gather(rows, query, key, index, index)
             outputs.append(_per_sequence(module, piece, sliding_window, dropout, scaling)[0])

@@ -20,8 +20,8 @@ from grpo_fast.train.update.step import (  # noqa: E402
     shares_prompts,  # noqa: E402
 )
 
-PROMPTS = [13, 9, 15]                       # three groups of four
-COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6]]
+PROMPTS = [13, 9, 15, 7]                    # three groups of four and a group of one
+COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6], [10]]
 
 
 def grouped_rollout(vocab=64, seed=0) -> UpdateBatch:
@@ -102,9 +102,9 @@ def test_shared_prompt_hidden_states_and_gradients_equal_each_sequence_alone(nam
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     model.zero_grad(set_to_none=True)
-    micro = batching.micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, list(range(12)),
+    micro = batching.micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, list(range(13)),
                                  packed=True, share_prompts=True)
-    # the row holds each prompt once: 37 prompt tokens instead of 4 x 37
+    # the row holds each prompt once
     assert micro.model_inputs["input_ids"].shape[1] == sum(PROMPTS) + sum(map(sum, COMPLETIONS))
     hidden = batching.completion_hidden_states(HiddenStates(model), micro)
     lengths = batch.loss_mask.sum(1).tolist()
@@ -118,7 +118,7 @@ def test_shared_prompt_hidden_states_and_gradients_equal_each_sequence_alone(nam
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-@pytest.mark.parametrize("micro_batch_size", [12, 3], ids=["one-micro-batch", "groups-split"])
+@pytest.mark.parametrize("micro_batch_size", [13, 3], ids=["one-micro-batch", "groups-split"])
 def test_update_with_shared_prompts_equals_the_unshared_update(name, micro_batch_size):
     """The trainer's step: old log-probs, the loss, its metrics and the gradients, with share_prompts on and off
     (a group may be cut between micro-batches: its prompt then goes into each)."""
@@ -160,11 +160,26 @@ def test_shared_prompts_only_where_the_attention_reads_them():
 def test_planner_counts_a_shared_prompt_once():
     batch = grouped_rollout()
     shared = batching.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length)
-    assert shared == [0, 13, 13, 13, 0, 9, 9, 9, 0, 15, 15, 15]
+    assert shared == [0, 13, 13, 13, 0, 9, 9, 9, 0, 15, 15, 15, 0]
     lengths = batch.attention_mask.sum(1).tolist()
-    assert lengths == [24, 14, 20, 25, 14, 18, 18, 12, 29, 17, 23, 21]
+    assert lengths == [24, 14, 20, 25, 14, 18, 18, 12, 29, 17, 23, 21, 17]
     # shared, a group costs its first row and then its completions: 24 + 1 + 7 + 12 = 44, 35, 45; a row that
     # starts a micro-batch pays its prompt again (row 11: 21)
     assert batching.plan_micro_batches(lengths, max_tokens=44, max_sequences=12, shared=shared) == [
-        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10], [11]]
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10], [11, 12]]
     assert batching.plan_micro_batches(lengths, max_tokens=44, max_sequences=12)[0] == [0, 1]
+
+
+def test_groups_of_one_compute_exactly_what_unshared_packing_computes():
+    """Distinct prompts (every group of one) lay out and attend as the unshared packed row: bit for bit."""
+    from tests.train.update.test_attention import rollout
+
+    model = MODELS["qwen2"]()
+    attention.use_varlen_attention(model, "cpu")
+    batch = rollout(seed=5)
+    rows = list(range(batch.input_ids.shape[0]))
+    with torch.no_grad():
+        hidden = [batching.completion_hidden_states(HiddenStates(model), batching.micro_batch(
+            batch.input_ids, batch.attention_mask, batch.prompt_length, rows, packed=True, share_prompts=share))
+            for share in (False, True)]
+    assert torch.equal(hidden[0], hidden[1])
