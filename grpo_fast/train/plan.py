@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from grpo_fast import chunked
-from grpo_fast.train import tasks
+from grpo_fast.train import pretrained, tasks
 from grpo_fast.train.config import load_config
 from grpo_fast.train.model import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
 from grpo_fast.train.update import optimizer, precision
@@ -584,6 +584,8 @@ def training_shape(config) -> ModelShape:
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
                           num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,
                           tie_word_embeddings=True)
+    if config.model == pretrained.SMOLLM2:
+        return load_shape(pretrained.model_folder(config.model))
     if os.path.isdir(config.model):
         return load_shape(config.model)
     name = config.model.rsplit("/", 1)[-1].lower()

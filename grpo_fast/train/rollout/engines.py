@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from grpo_fast.models import unwrap
-from grpo_fast.train import distributed
+from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights
 from grpo_fast.train.rollout.generation import EngineStartError, Generation, pack
 from grpo_fast.train.rollout.sampling import PromptSeededSampler
@@ -156,7 +156,11 @@ class VLLMEngine:
                 self.llm = LLM(model=model_dir, dtype="float32" if device.type == "cpu" else "bfloat16",
                                seed=config.seed, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
                                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                               logprobs_mode="processed_logprobs", max_num_seqs=256)
+                               logprobs_mode="processed_logprobs", max_num_seqs=256,
+                               # a prompt prefilled in pieces has its sampled token discarded and its seeded
+                               # generator rewound, which CPU generators cannot do ("CPU Generator does not use
+                               # offset"): on CPU every prompt is prefilled whole
+                               enable_chunked_prefill=device.type != "cpu")
         except Exception as error:   # noqa: BLE001 -- vLLM's errors are many types, often pages long
             raise EngineStartError(f"vLLM could not start on {model_dir} (max_model_len {max_model_len}, "
                                    f"vllm_gpu_memory_utilization {config.vllm_gpu_memory_utilization}): "
@@ -202,7 +206,7 @@ def engine_model_folder(config, model, tokenizer) -> str:
     model built in code, the policy saved to output_dir/engine_model (written whole or not at all, by rank 0 when
     distributed). The engine gets the policy's current weights after loading either."""
     if config.model != "tiny":
-        return config.model
+        return pretrained.model_folder(config.model)
     folder = os.path.join(config.output_dir, "engine_model")
     if not distributed.initialized() or torch.distributed.get_rank() == 0:
         with atomic_folder(folder, replace=True) as temporary:
