@@ -109,8 +109,10 @@ class HFEngine:
 
 @contextlib.contextmanager
 def _preserved_process_state():
-    """vLLM in this process seeds the global RNGs and may change torch's thread count and CPU affinity; the
-    trainer's own sampling and resume must not notice."""
+    """vLLM in this process seeds the global RNGs and may change torch's thread count and CPU affinity, and its CPU
+    worker replaces torch.set_num_threads with a no-op for the rest of the process; the trainer's own sampling,
+    resume and thread settings must not notice."""
+    set_num_threads = torch.set_num_threads
     rng = torch.get_rng_state(), random.getstate()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads = torch.get_num_threads()
@@ -118,6 +120,7 @@ def _preserved_process_state():
     try:
         yield
     finally:
+        torch.set_num_threads = set_num_threads
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
         if cuda_rng is not None:

@@ -71,7 +71,7 @@ def test_vllm_engine_for_real(tmp_path):
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["rows"] == 12 and result["prompts_match"]
     assert result["gap_before"] < 1e-4, result                      # engine log-probs = trainer log-probs
-    assert result["same_seed_same_samples"]
+    assert result["same_seed_same_samples"] and result["threads_kept"]
     assert result["policy_moved"] > 0.1, result                      # the perturbation matters ...
     assert result["gap_after_push"] < 1e-4, result                   # ... and the engine follows it
     assert result["lora_moved"] > 0.1 and result["gap_after_lora_push"] < 1e-4, result     # merged adapters too

@@ -41,8 +41,10 @@ def main(output_dir: str) -> None:
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).eval()
     config = TrainConfig(engine="vllm", group_size=3, max_completion_length=8, output_dir=output_dir)
     prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     engine = make_engine(config, model, tokenizer, max(map(len, prompts)))
-    result = {}
+    # vLLM's CPU worker swaps torch.set_num_threads for a no-op; the engine puts it back, threads unchanged
+    result = {"threads_kept": torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads}
     gap, first, _ = engine_vs_trainer(engine, model, prompts, seed=11)
     result["gap_before"] = gap
     result["rows"] = first.input_ids.shape[0]
