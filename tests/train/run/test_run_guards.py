@@ -167,7 +167,8 @@ def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert cli(["train", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "a")]) == 2
-    assert "model must be 'tiny' or a local Hugging Face model folder" in capsys.readouterr().err
+    assert ("model must be 'tiny', 'smollm2-135m-instruct' or a local Hugging Face model folder"
+            in capsys.readouterr().err)
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt": "1+1=", "solution": "2"}\n{"prompt": "\xff", "solution": "1"}\n')
     assert cli(["train", "--task", str(bad), "--output-dir", str(tmp_path / "b")]) == 2
