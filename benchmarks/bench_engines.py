@@ -4,18 +4,17 @@ python -m grpo_fast.benchmarks.bench_engines [--out DIR] [--tokens 128] [--promp
 
 Both engines sample the same prompts from the same tiny Qwen2-style model (random weights, so completions run to
 max length) with the settings the trainer uses; each is timed over --repeats calls after a warm-up call. Writes
-engines.md / engines.json to --out when given.
+engines.md / engines.json to --out when given (never over results already there without --overwrite).
 """
 
 import argparse
-import json
-import os
 import statistics
 import tempfile
 import time
 
 import torch
 
+from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
 from grpo_fast.profiling import machine_name
 from grpo_fast.train import tasks
 from grpo_fast.train.config import TrainConfig
@@ -79,17 +78,15 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="folder for engines.md / engines.json")
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     args = parser.parse_args(argv)
+    refuse_to_overwrite(parser, args.out, "engines", args.overwrite)
     settings = dict(tokens=args.tokens, prompts=args.prompts, group_size=args.group_size, repeats=args.repeats)
     rows = run(args.tokens, args.prompts, args.group_size, args.repeats)
     text = markdown(rows, settings)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "engines.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(args.out, "engines.json"), "w") as f:
-            json.dump({"machine": machine_name(DEVICE), "settings": settings, "rows": rows}, f, indent=1)
+        write_results(args.out, "engines", text, {"settings": settings, "rows": rows})
     return 0
 
 

