@@ -116,12 +116,18 @@ def _per_sequence(module, piece: tuple, sliding_window: Optional[int], dropout: 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q, k, v = piece
-    mask, size = None, q.shape[2]
-    if sliding_window is not None and size > sliding_window:
-        steps = torch.arange(size, device=q.device)
-        behind = steps[:, None] - steps[None, :]                  # query index - key index
-        mask = ((behind >= 0) & (behind < sliding_window))[None, None]
-    return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+    return sdpa_attention_forward(module, q, k, v, window_mask(q.shape[2], sliding_window, q.device), dropout=dropout,
+                                  scaling=scaling)[0]
+
+
+def window_mask(size: int, sliding_window: Optional[int], device) -> Optional[torch.Tensor]:
+    """(1, 1, size, size) bool: query i sees key j when 0 <= i - j < sliding_window (causal within the window, as
+    transformers counts it), or None (plain causal) without a window or when the window covers the sequence."""
+    if sliding_window is None or size <= sliding_window:
+        return None
+    steps = torch.arange(size, device=device)
+    behind = steps[:, None] - steps[None, :]                      # query index - key index
+    return ((behind >= 0) & (behind < sliding_window))[None, None]
 
 
 def length_groups(sizes: list, slack: float = PADDING_SLACK) -> list:
@@ -202,14 +208,14 @@ class SharedPrompts:
     groups: list
     cache: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def completion_batches(self, device, sliding_window: Optional[int]) -> list:
-        """[(query_index (g, C), key_index (g, P + C), mask (g, 1, C, P + C) bool, real (tokens,))], one per
-        group of similar-length completions: keys are the completion's prompt (right-padded to the group's
-        longest, the padding masked) then the completion itself (causal); real: the flat indices of the queries
-        that are tokens. Computed once per device and window."""
-        key = (str(device), sliding_window)
+    def completion_sequences(self, device) -> list:
+        """[(index (g, L), real (tokens,))], one per group of similar-length sequences of a completion of a larger
+        group: index holds each completion's sequence as row positions, its prompt then itself (right-padded with
+        its last token, which causality hides); real: the flat indices of the completion's own queries (the
+        prompt's outputs come from causal_spans, where the prompt is computed once). Computed once per device."""
+        key = str(device)
         if key not in self.cache:
-            self.cache[key] = self._completion_batches(device, sliding_window)
+            self.cache[key] = self._completion_sequences(device)
         return self.cache[key]
 
     def causal_spans(self) -> list:
@@ -218,30 +224,21 @@ class SharedPrompts:
         return [(start, start + length + (spans[0][1] if len(spans) == 1 else 0)) for start, length, spans in
                 self.groups]
 
-    def _completion_batches(self, device, sliding_window: Optional[int]) -> list:
+    def _completion_sequences(self, device) -> list:
         completions = [(prompt_start, prompt_length, start, length) for prompt_start, prompt_length, spans
                        in self.groups if len(spans) > 1 for start, length in spans if length]
         if not completions:
             return []
         batches = []
-        for group in length_groups([length for *_, length in completions]):
-            prompt_starts, prompt_lengths, starts, lengths = (torch.tensor(column, device=device) for column in
-                                                              zip(*(completions[i] for i in group)))
-            longest, longest_prompt = int(lengths.max()), int(prompt_lengths.max())
-            steps, prompt_steps = torch.arange(longest, device=device), torch.arange(longest_prompt, device=device)
-            query_index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)
-            prompt_index = prompt_starts[:, None] + torch.minimum(prompt_steps[None], prompt_lengths[:, None] - 1)
-            # query q (position P + q) sees prompt key j when j < P, and completion key c when c <= q
-            sees_prompt = (prompt_steps[None, None] < prompt_lengths[:, None, None]).expand(-1, longest, -1)
-            behind = steps[:, None] - steps[None, :]
-            sees_own = (behind >= 0)[None].expand(len(group), -1, -1)
-            if sliding_window is not None:          # within the window of its sequence, as transformers counts it
-                distance = (prompt_lengths[:, None, None] + steps[None, :, None]) - prompt_steps[None, None]
-                sees_prompt = sees_prompt & (distance < sliding_window)
-                sees_own = sees_own & (behind < sliding_window)[None]
-            mask = torch.cat([sees_prompt, sees_own], dim=-1)[:, None]
-            real = (steps[None] < lengths[:, None]).reshape(-1).nonzero().reshape(-1)
-            batches.append((query_index, torch.cat([prompt_index, query_index], dim=1), mask, real))
+        for group in length_groups([prompt_length + length for _, prompt_length, _, length in completions]):
+            prompt_starts, prompt_lengths, starts, lengths = (torch.tensor(column, device=device)[:, None] for
+                                                              column in zip(*(completions[i] for i in group)))
+            totals = prompt_lengths + lengths
+            steps = torch.arange(int(totals.max()), device=device)[None]
+            step = torch.minimum(steps, totals - 1)              # the padding repeats the sequence's last token
+            index = torch.where(step < prompt_lengths, prompt_starts + step, starts + step - prompt_lengths)
+            real = ((steps >= prompt_lengths) & (steps < totals)).reshape(-1).nonzero().reshape(-1)
+            batches.append((index, real))
         return batches
 
 
@@ -250,8 +247,10 @@ def shared_prompt_attention(module, query, key, value, layout: SharedPrompts, sl
     """(1, N, heads, D): attention over a SharedPrompts row, equal to the attention of each prompt + completion
     sequence on its own: the prompts causal among themselves (as varlen_attention_forward's sequences; a group of
     one is such a sequence whole, computed exactly as without sharing), each completion of a larger group over its
-    prompt and its own earlier tokens (one masked sdpa call per group of similar-length
-    completions; every query sees at least itself, so no row of the mask is empty)."""
+    prompt and its own earlier tokens. A completion's queries run in the causal sequence [its prompt, itself],
+    gathered from the row (the prompt's rows are projected once; only their attention scores are recomputed, and
+    their outputs there are dropped), so one unmasked causal sdpa call serves each group of similar-length
+    sequences: no (C, P + C) mask, which sent sdpa to its slow path at long completions."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows = _token_rows(query, key, value)
@@ -265,11 +264,12 @@ def shared_prompt_attention(module, query, key, value, layout: SharedPrompts, sl
             piece = _gather(rows, query, key, index, index)
             outputs.append(_per_sequence(module, piece, sliding_window, dropout, scaling)[0])
             positions.append(index[0])
-    for query_index, key_index, mask, real in layout.completion_batches(query.device, sliding_window):
-        q, k, v = _gather(rows, query, key, query_index, key_index)
+    for index, real in layout.completion_sequences(query.device):
+        q, k, v = _gather(rows, query, key, index, index)
+        mask = window_mask(index.shape[1], sliding_window, query.device)
         out = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
         outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))
-        positions.append(query_index.reshape(-1)[real])
+        positions.append(index.reshape(-1)[real])
     return _in_row_order(outputs, positions, query.shape[2])
 
 
