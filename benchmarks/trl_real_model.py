@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
+from grpo_fast.benchmarks.harness import refuse_to_overwrite, versions, write_results
 from grpo_fast.profiling import machine_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -199,7 +199,7 @@ def _ratio(row, base, key) -> str:
 
 
 def markdown(results: dict, args, command: str) -> str:
-    lines = [f"# SmolLM2-135M-Instruct against TRL {_version('trl')} on {machine_name('cpu')}, "
+    lines = [f"# SmolLM2-135M-Instruct against TRL {versions()['trl']} on {machine_name('cpu')}, "
              f"{torch.get_num_threads()} threads", "", f"`{command}`", ""]
     if "trainer" in results:
         rows = results["trainer"]
@@ -237,12 +237,6 @@ def markdown(results: dict, args, command: str) -> str:
                          f"{row['peak_rss_mib']:.0f} ({row['start_rss_mib']:.0f}) | "
                          f"{_ratio(row, base, 'peak_rss_mib')} | {row['loss']:.6f} |")
     return "\n".join(lines) + "\n"
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
 
 
 def main(argv=None) -> int:
