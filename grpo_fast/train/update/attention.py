@@ -20,11 +20,12 @@ The decoder hands its keyword arguments down to the attention function (transfor
 **kwargs through to `attention_interface(...)`), so the micro-batch's cu_seq_lens_* and max_length_* reach it.
 
 Limits: causal decoders only (a model that adds its own mask functions, such as bidirectional image spans, must
-keep sdpa); a sliding window is applied per sequence with a (L_i, L_i) band mask of that sequence alone.
+keep sdpa); a sliding window is a (L, L) band mask shared by each batch of similar-length sequences.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
@@ -102,29 +103,23 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         spans = segments_from_positions(position_ids, length)
     else:
         spans = [(0, length)]
-    if len(spans) == 1 or sliding_window is not None:
-        sizes = [end - start for start, end in spans]
-        pieces = [(query, key, value)] if len(spans) == 1 else list(zip(*(t.split(sizes, dim=2)
-                                                                         for t in (query, key, value))))
-        outputs = [_per_sequence(module, piece, sliding_window, dropout, scaling) for piece in pieces]
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
-    return _grouped(module, query, key, value, spans, dropout, scaling), None
-
-
-def _per_sequence(module, piece: tuple, sliding_window: Optional[int], dropout: float, scaling) -> torch.Tensor:
-    """(1, L, heads, D): causal sdpa over one sequence, within a sliding window when one is given."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    q, k, v = piece
-    return sdpa_attention_forward(module, q, k, v, window_mask(q.shape[2], sliding_window, q.device), dropout=dropout,
-                                  scaling=scaling)[0]
+    if len(spans) == 1:
+        mask = window_mask(length, sliding_window, query.device)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0], None
+    return _grouped(module, query, key, value, spans, sliding_window, dropout, scaling), None
 
 
 def window_mask(size: int, sliding_window: Optional[int], device) -> Optional[torch.Tensor]:
     """(1, 1, size, size) bool: query i sees key j when 0 <= i - j < sliding_window (causal within the window, as
-    transformers counts it), or None (plain causal) without a window or when the window covers the sequence."""
+    transformers counts it), or None (plain causal) without a window or when the window covers the sequence.
+    Kept for the next layers, which ask for the same mask."""
     if sliding_window is None or size <= sliding_window:
         return None
+    return _window_mask(size, sliding_window, str(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _window_mask(size: int, sliding_window: int, device: str) -> torch.Tensor:
     steps = torch.arange(size, device=device)
     behind = steps[:, None] - steps[None, :]                      # query index - key index
     return ((behind >= 0) & (behind < sliding_window))[None, None]
@@ -143,10 +138,13 @@ def length_groups(sizes: list, slack: float = PADDING_SLACK) -> list:
     return groups + [current]
 
 
-def _grouped(module, query, key, value, spans: list, dropout: float, scaling) -> torch.Tensor:
+def _grouped(module, query, key, value, spans: list, sliding_window: Optional[int], dropout: float,
+             scaling) -> torch.Tensor:
     """(1, N, heads, D): each group of similar-length sequences as one right-padded batch under a causal sdpa (a
-    real query never reaches the padding after its sequence), the padded rows dropped; no mask is built."""
-    outputs, positions = _causal_spans(module, _token_rows(query, key, value), query, key, spans, dropout, scaling)
+    real query never reaches the padding after its sequence), the padded rows dropped; no mask is built but a
+    sliding window's."""
+    outputs, positions = _causal_spans(module, _token_rows(query, key, value), query, key, spans, sliding_window,
+                                       dropout, scaling)
     return _in_row_order(outputs, positions, query.shape[2])
 
 
@@ -165,10 +163,12 @@ def _gather(rows: list, query, key, query_index: torch.Tensor, key_index: torch.
     return q, k, v
 
 
-def _causal_spans(module, rows: list, query, key, spans: list, dropout: float, scaling) -> tuple:
-    """([(tokens, heads, D)], [(tokens,) positions]): causal attention within each span [(start, end)], spans of
-    similar length batched into one right-padded sdpa call (the padding repeats a span's last token, which
-    causality hides)."""
+def _causal_spans(module, rows: list, query, key, spans: list, sliding_window: Optional[int], dropout: float,
+                  scaling) -> tuple:
+    """([(tokens, heads, D)], [(tokens,) positions]): causal attention within each span [(start, end)] (and within
+    the sliding window, when one is given: every span starts at its batch row's first index, so one window mask
+    serves the batch), spans of similar length batched into one right-padded sdpa call (the padding repeats a
+    span's last token, which causality hides)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     device = query.device
@@ -180,7 +180,8 @@ def _causal_spans(module, rows: list, query, key, spans: list, dropout: float, s
         steps = torch.arange(sizes[group[0]], device=device)
         index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)          # (g, L_max)
         q, k, v = _gather(rows, query, key, index, index)
-        out = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+        mask = window_mask(index.shape[1], sliding_window, device)
+        out = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
         real = (steps[None] < lengths[:, None]).reshape(-1).nonzero().reshape(-1)
         outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))         # (tokens, heads, D)
         positions.append(index.reshape(-1)[real])
@@ -254,16 +255,8 @@ def shared_prompt_attention(module, query, key, value, layout: SharedPrompts, sl
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows = _token_rows(query, key, value)
-    causal = layout.causal_spans()
-    if sliding_window is None:
-        outputs, positions = _causal_spans(module, rows, query, key, causal, dropout, scaling)
-    else:
-        outputs, positions = [], []
-        for start, end in causal:
-            index = torch.arange(start, end, device=query.device)[None]
-            piece = _gather(rows, query, key, index, index)
-            outputs.append(_per_sequence(module, piece, sliding_window, dropout, scaling)[0])
-            positions.append(index[0])
+    outputs, positions = _causal_spans(module, rows, query, key, layout.causal_spans(), sliding_window, dropout,
+                                       scaling)
     for index, real in layout.completion_sequences(query.device):
         q, k, v = _gather(rows, query, key, index, index)
         mask = window_mask(index.shape[1], sliding_window, query.device)
