@@ -194,6 +194,17 @@ def measure(name: str, shape: Shape, dtype: torch.dtype, device: str, repeats: i
             torch.cuda.empty_cache()
 
 
+def print_result(result: dict) -> None:
+    """Print `result` as the `RESULT {json}` line that `last_result` reads back from a child process's output."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def last_result(stdout: str) -> dict | None:
+    """The JSON of the last `RESULT {json}` line of a child process's output; None where it printed none."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
 def measure_in_subprocess(name, shape, dtype_name, device, repeats, timeout=1800) -> dict:
     """`measure` in a fresh interpreter, so that CPU peak RSS belongs to this row alone."""
     command = [sys.executable, "-m", "grpo_fast.benchmarks.harness", "--worker", name, "--shapes", shape.label,

