@@ -105,8 +105,8 @@ def update_batch(args, completion_tokens: int, vocab: int):
 
 
 def update(model, args) -> list:
+    from grpo_fast import attention
     from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.update import attention
     from grpo_fast.train.update.step import Policy, policy_update
 
     attention.use_varlen_attention(model, "cpu")

@@ -147,6 +147,14 @@ PROMPTS = ["1+1=", "2+3=", "7-4=", "9*2=", "8/4=", "5+5=", "6-1=", "3*3="]
 def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, make_model=tiny_model, vision=False, **config):
     """A few GRPO steps of `trainer_cls` on a tiny model saved to output_dir. vision=True: the vision-language
     model of `tiny_vlm`, each prompt a user message with a synthetic 56 x 56 image, through TRL's VLM path."""
+    trainer = build_grpo(trainer_cls, output_dir, steps, peft_config, make_model, vision, **config)
+    trainer.train()
+    return trainer
+
+
+def build_grpo(trainer_cls, output_dir, steps=2, peft_config=None, make_model=tiny_model, vision=False,
+               trainer_kwargs=None, **config):
+    """run_grpo's trainer, not yet trained; trainer_kwargs: more arguments of trainer_cls."""
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -169,10 +177,22 @@ def run_grpo(trainer_cls, output_dir, steps=2, peft_config=None, make_model=tiny
                    learning_rate=1e-2, logging_steps=1, report_to="none", seed=0, bf16=False, use_cpu=True,
                    save_strategy="no")
     args = GRPOConfig(output_dir=str(output_dir), **{**options, **config})
-    trainer = trainer_cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=dataset,
-                          processing_class=processing_class, peft_config=peft_config)
-    trainer.train()
-    return trainer
+    return trainer_cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=dataset,
+                       processing_class=processing_class, peft_config=peft_config, **(trainer_kwargs or {}))
+
+
+def float64_norms(model):
+    """`model` in float64 with its RMSNorms computed in float64: transformers' Llama and Qwen2 norms compute in
+    fp32 even for an fp64 model, which rounds a gradient summed over a shared prompt's completions differently
+    from the same sum taken after the norm (each copy of the prompt rounded alone): an fp32-level difference,
+    not the layout's."""
+    def forward(norm, hidden):
+        return norm.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = forward.__get__(module)
+    return model.double()
 
 
 # A Qwen2-VL chat template cut to what the tests use: an image part becomes the vision markers around one image pad

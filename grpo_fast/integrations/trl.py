@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from grpo_fast import attention
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
 from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
@@ -35,6 +36,11 @@ try:
     from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 except ImportError as error:  # pragma: no cover - exercised only without trl
     raise ImportError("grpo_fast.integrations.trl needs trl (pip install 'trl==1.16.0')") from error
+
+# Decoders whose only token mixing is causal self-attention (RoPE, so a shifted position changes nothing), the ones
+# whose training forward may pack each group's prompt once (grpo_fast.attention.SharedPrompts); a model that
+# mixes tokens anywhere else (recurrent or convolutional layers, as hybrids have) must see whole sequences.
+SHARED_PROMPT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
                     "image_position_ids", "token_type_ids", "mm_token_type_ids")
@@ -61,7 +67,9 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
     head's work, which runs inside the model's forward, so ZeRO-3's hooks hand its gradient back to the
     partitions (`grpo_fast.models.gathered_lm_head`, as TRL's head does). With
     `grpo_fast_loss=fn` the forward returns `(fn(hidden, weight, bias, head), aux_loss)` instead, hidden being the
-    next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward.
+    next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward. With
+    `hidden_index=index` as well (B, C), hidden is the (B, C, H) states at those flat positions of the decoder's
+    output, for a packed row (grpo_fast.attention.shared_prompt_row's `predicting`).
     Mixture-of-experts models get router logits from the backbone when the call (`output_router_logits=True`, as
     TRL's training loss passes it) or else the config asks for them, and the output's aux_loss is then the model's
     own load-balancing loss (`router_aux_loss`), as TRL's head returns it; None otherwise.
@@ -70,7 +78,9 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                grpo_fast_loss=None, **kwargs):
+                grpo_fast_loss=None, hidden_index=None, **kwargs):
+        if hidden_index is not None and grpo_fast_loss is None:
+            raise ValueError("hidden_index (a packed row's predicting positions) needs grpo_fast_loss")
         if not fused_lm_head:
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
@@ -82,7 +92,10 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
         if kwargs.get("output_router_logits"):
             aux_loss = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
         hidden = outputs.last_hidden_state
-        if shift_labels is None:
+        if hidden_index is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            hidden = flat.index_select(0, hidden_index.reshape(-1)).view(*hidden_index.shape, -1)
+        elif shift_labels is None:
             hidden = hidden[:, :-1]
             labels = None if labels is None else labels[:, 1:]
         else:
@@ -139,15 +152,45 @@ class FastGRPOTrainer(GRPOTrainer):
     or adaptive), gradient accumulation, mixture-of-experts models (router aux loss), vision-language inputs
     (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains (`fallback_reasons` lists
     it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
+
+    share_prompts (default True): the loss's forward holds each group's prompt once, as one packed row without
+    padding in which every completion attends to its prompt and itself (grpo_fast.attention.SharedPrompts); with
+    G completions per prompt the trunk then runs P + G x C tokens instead of G x (P + C). It equals the padded
+    forward up to rounding: the positions restart at 0 without the left padding, which RoPE does not see. It
+    applies where it is exact: a decoder of SHARED_PROMPT_MODELS on sdpa attention (switched to grpo_fast's
+    variable-length attention, which computes exactly sdpa for every padded or cached call, so generation is
+    unchanged), text batches, and no router aux loss (which counts padding by the attention mask); elsewhere
+    the padded batch runs as in TRL. The old and reference log-prob passes stay padded.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, share_prompts: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
+        self.share_prompts = share_prompts and self._use_shared_prompt_attention()
         patch_grpo_trainer(self)
         reasons = self.fallback_reasons({})
         if reasons:             # once, at construction: what this configuration leaves to TRL's loss, and why
             warnings.warn("grpo_fast: TRL's own loss code runs on grpo_fast's log-probs (4 GEMM passes, not the "
                           "fused loss) for: " + "; ".join(reasons), stacklevel=2)
+
+    def _use_shared_prompt_attention(self) -> bool:
+        """Switch the policy to grpo_fast's variable-length attention where prompts can be shared (see the class
+        docstring); whether they can."""
+        model = unwrap(self.model)
+        # the top-level type: a vision-language model (its own type) keeps its encoders' attention untouched
+        if model.config.model_type not in SHARED_PROMPT_MODELS or self.aux_loss_enabled:
+            return False
+        name = attention.attention_name(model)
+        if name == "sdpa":
+            model.set_attn_implementation(attention.register())
+            name = attention.NAME
+        return name == attention.NAME
+
+    def _shared_prompt_inputs(self, input_ids, attention_mask, prompt_length: int, completion_length: int) -> dict:
+        """The model inputs of the batch as one packed row with each group's prompt once, and `hidden_index`, the
+        (B, completion_length) positions of the states that predict the completion tokens."""
+        model_inputs, predicting = attention.shared_prompt_row(input_ids, attention_mask, prompt_length,
+                                                               completion_length)
+        return {**model_inputs, "hidden_index": predicting}
 
     def fallback_reasons(self, inputs) -> list:
         """Every reason this batch (`{}`: this configuration) needs TRL's loss code; empty when the fused loss
@@ -234,8 +277,13 @@ class FastGRPOTrainer(GRPOTrainer):
         # As TRL: router logits asked for on each call while the aux loss is on, whatever the config's
         # output_router_logits (False in released Qwen3-MoE configs, whose router_aux_loss_coef is nonzero).
         router = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        (loss, _), aux_loss = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
-                                    grpo_fast_loss=loss_on_hidden, **multimodal, **router)
+        if self.share_prompts and not multimodal:
+            model_inputs = self._shared_prompt_inputs(input_ids, attention_mask, prompt_ids.size(1),
+                                                      completion_ids.size(1))
+        else:
+            model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        (loss, _), aux_loss = model(**model_inputs, fused_lm_head=True, grpo_fast_loss=loss_on_hidden, **multimodal,
+                                    **router)
         policy_loss = loss.detach()
         if not per_token_normalized:
             loss = loss / accumulation

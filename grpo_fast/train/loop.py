@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_fast import attention
 from grpo_fast.train import distributed, lora, plan, tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.model import frozen_reference, load_model
@@ -37,7 +38,7 @@ from grpo_fast.train.run.errors import RunError
 from grpo_fast.train.run.evaluate import HeldOut
 from grpo_fast.train.run.record import RunFiles, StageClock, check_output_dir, step_record
 from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
-from grpo_fast.train.update import attention, precision
+from grpo_fast.train.update import precision
 from grpo_fast.train.update.advantages import group_advantages
 from grpo_fast.train.update.optimizer import optimizer_for
 from grpo_fast.train.update.step import Policy, policy_update, update_batch

@@ -23,7 +23,7 @@ the fp32 logits of every decode step it keeps for the sampling log-probs and a s
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
-products), with the attention the trainer selects (grpo_fast.train.update.attention): flash-attention or one sdpa per
+products), with the attention the trainer selects (grpo_fast.attention): flash-attention or one sdpa per
 packed sequence, no (T x T) scores. A mask is counted where one is built: a padded micro-batch of several rows
 gets a (b, 1, L, L) bool mask from transformers (sdpa, and the per-sequence attention, which hands padded batches
 to sdpa; not flash-attention), which PyTorch's sdpa turns into an additive mask of the compute dtype in each
@@ -46,11 +46,11 @@ from typing import Optional
 import torch
 
 from grpo_fast import chunked
+from grpo_fast.attention import choose_attention
 from grpo_fast.train import pretrained, tasks
 from grpo_fast.train.config import load_config
 from grpo_fast.train.model import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
 from grpo_fast.train.update import optimizer, precision
-from grpo_fast.train.update.attention import choose_attention
 
 GIB = 2**30
 
@@ -194,7 +194,7 @@ GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
 ROLLOUT_LOGIT_COPIES = 3        # a rollout process's kept fp32 logits, their stacked copy / temperature, log_softmax
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
-# (grpo_fast.train.update.attention.choose_attention)
+# (grpo_fast.attention.choose_attention)
 ATTENTIONS = ("auto", "flash_attention_2", "grpo_fast_varlen", "sdpa")
 
 

@@ -13,8 +13,17 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from grpo_fast import attention  # noqa: E402
 from grpo_fast.integrations import trl as dropin  # noqa: E402
-from tests.helpers import ROOT, run_grpo, tiny_model, tiny_moe_model, tiny_vlm  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    ROOT,
+    build_grpo,
+    float64_norms,
+    run_grpo,
+    tiny_model,
+    tiny_moe_model,
+    tiny_vlm,
+)
 
 CONFIGS = {
     "dapo": dict(),
@@ -231,3 +240,62 @@ def test_vision_language_matches_grpo_trainer(name, tmp_path, calls):
     vision = [n for n in initial if ".visual." in n and n.endswith("weight")]
     assert vision and min((actual.model.state_dict()[n] - initial[n]).abs().max().item() for n in vision) > 1e-4, \
         "the vision tower did not train: the images did not reach the loss"
+
+
+def shared_prompt_batch(vocab: int, prompt_lengths: tuple, seed: int = 0) -> dict:
+    """TRL's training inputs for two prompts of prompt_lengths tokens (left-padded to the longer) with three
+    completions each, of 6, 3, 0 and 6, 4, 1 tokens (right-padded; the empty one as TRL masks a truncated one)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_length, completion_length, lengths = max(prompt_lengths), 6, torch.tensor([6, 3, 0, 6, 4, 1])
+    prompt_ids = torch.zeros(6, prompt_length, dtype=torch.long)
+    prompt_mask = torch.zeros(6, prompt_length, dtype=torch.long)
+    for group, length in enumerate(prompt_lengths):
+        prompt = torch.randint(3, vocab, (length,), generator=generator)
+        prompt_ids[3 * group:3 * group + 3, prompt_length - length:] = prompt
+        prompt_mask[3 * group:3 * group + 3, prompt_length - length:] = 1
+    completion_mask = (torch.arange(completion_length)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(3, vocab, (6, completion_length), generator=generator) * completion_mask
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "num_items_in_batch": completion_mask.sum().double(),
+            "advantages": torch.randn(6, generator=generator, dtype=torch.float64),
+            "old_per_token_logps": None, "ref_per_token_logps": None}
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+@pytest.mark.parametrize("prompt_lengths", [(7, 7), (5, 7)])
+def test_shared_prompts_equal_the_padded_forward_in_float64(loss_type, prompt_lengths, tmp_path, monkeypatch):
+    """The loss's forward with each prompt once in a packed row against TRL's padded batch: the loss and every
+    gradient equal in float64 (groups of 3, a completion of 0 tokens). A left-padded prompt sits at other absolute
+    positions in TRL's batch (its positions count the padding), which RoPE's relative rotation does not see but
+    transformers computes in float32: those rows agree to float32's rounding."""
+    rtol = 1e-10 if len(set(prompt_lengths)) == 1 else 1e-6
+    trainer = build_grpo(dropin.FastGRPOTrainer, tmp_path, loss_type=loss_type)
+    assert trainer.share_prompts and attention.attention_name(trainer.model) == attention.NAME
+    packed_rows = []
+    shared_prompt_row = attention.shared_prompt_row
+    monkeypatch.setattr(attention, "shared_prompt_row", lambda *a: packed_rows.append(a) or shared_prompt_row(*a))
+    model = float64_norms(trainer.model).train()
+    trainer.current_gradient_accumulation_steps = 1          # as the training loop sets it
+    inputs = shared_prompt_batch(len(trainer.processing_class), prompt_lengths)
+    results = {}
+    for share in (True, False):
+        trainer.share_prompts = share
+        model.zero_grad()
+        loss = trainer._compute_loss(model, inputs)
+        loss.backward()
+        results[share] = loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert len(packed_rows) == 1, "the shared-prompt row was not built"
+    (shared_loss, shared_grads), (padded_loss, padded_grads) = results[True], results[False]
+    torch.testing.assert_close(shared_loss, padded_loss, rtol=rtol, atol=1e-14)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=rtol, atol=rtol * grad.abs().max().item(), msg=name)
+    assert max(grad.abs().max().item() for grad in padded_grads.values()) > 1e-4
+
+
+def test_shared_prompts_stay_off_where_they_are_not_exact(tmp_path):
+    """Off when asked, and for a model that adds a router aux loss (it counts tokens by the attention mask): the
+    model keeps transformers' sdpa."""
+    off = build_grpo(dropin.FastGRPOTrainer, tmp_path / "off", trainer_kwargs={"share_prompts": False})
+    moe = build_grpo(dropin.FastGRPOTrainer, tmp_path / "moe", make_model=tiny_moe_model)
+    for trainer in (off, moe):
+        assert not trainer.share_prompts and attention.attention_name(trainer.model) == "sdpa"

@@ -8,9 +8,9 @@
 A rollout row is a left-padded prompt followed by a right-padded completion, so its real tokens are one
 contiguous run. Packed, the runs of a micro-batch are laid end to end in a single row whose position_ids restart
 at each sequence, and no token is padding; model_inputs also carries the sequence boundaries (cu_seq_lens_q / _k,
-max_length_q / _k, transformers' FlashAttentionKwargs), which flash-attention and grpo_fast.train.update.attention's
+max_length_q / _k, transformers' FlashAttentionKwargs), which flash-attention and grpo_fast.attention's
 per-sequence attention read, so that attention costs memory linear in the tokens (transformers' sdpa would build a
-dense (N, N) block-diagonal mask over the packed row instead: grpo_fast.train.update.attention.use_varlen_attention).
+dense (N, N) block-diagonal mask over the packed row instead: grpo_fast.attention.use_varlen_attention).
 Padded, the rows keep their layout, cut down to the micro-batch's own longest prompt and completion. Either way
 the loss sees the same (b, C) completion tensors.
 """
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.train.update.attention import SharedPrompts
+from grpo_fast.attention import shared_prompt_row
 
 
 def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: int,
@@ -30,7 +30,7 @@ def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: 
     """Consecutive row indices per micro-batch: rows are added while the micro-batch stays within max_tokens
     real tokens (None: no limit) and max_sequences rows; a row longer than max_tokens gets a micro-batch alone.
     shared[row]: the tokens a row does not add when it follows row - 1 in the same micro-batch (its prompt's,
-    when the two share it: shared_prompt_lengths), 0 otherwise; None: no sharing."""
+    when the two share it: grpo_fast.attention.shared_prompt_lengths), 0 otherwise; None: no sharing."""
     if max_sequences <= 0:
         raise ValueError(f"max_sequences must be > 0, got {max_sequences}")
     if max_tokens is not None and max_tokens <= 0:
@@ -71,14 +71,6 @@ class MicroBatch:
         return tensor[self.rows][:, :self.completion_length]
 
 
-def shared_prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> list:
-    """[tokens] per row: its prompt's length when its prompt is row - 1's (same tokens, same padding), else 0."""
-    prompts, mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length].bool()
-    same = ((prompts[1:] == prompts[:-1]) | ~mask[1:]).all(1) & (mask[1:] == mask[:-1]).all(1)
-    lengths = mask.sum(1)
-    return [0] + torch.where(same, lengths[1:], 0).tolist()
-
-
 def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, rows: list,
                 packed: bool, share_prompts: bool = False) -> MicroBatch:
     """The micro-batch of `rows` of a rollout laid out as in grpo_fast.train.rollout.engines.Generation.
@@ -90,14 +82,14 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     completion_length = max(1, int(completion_lengths.max()))
     steps = torch.arange(completion_length, device=device)
     if packed and share_prompts:
-        model_inputs, predicting = _shared_prompt_row(input_ids, attention_mask, prompt_length, rows,
-                                                      completion_length)
+        model_inputs, predicting = shared_prompt_row(input_ids[rows], attention_mask[rows], prompt_length,
+                                                     completion_length, rows)
     elif packed:
         lengths = prompt_lengths + completion_lengths
         starts = torch.cumsum(lengths, 0) - lengths
         tokens = input_ids[rows][mask]                            # the real tokens, row after row
         position_ids = torch.cat([torch.arange(int(n), device=device) for n in lengths])
-        # the sequence boundaries, for variable-length attention (grpo_fast.train.update.attention, flash-attention)
+        # the sequence boundaries, for variable-length attention (grpo_fast.attention, flash-attention)
         cu_seq_lens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
         longest = int(lengths.max())
         model_inputs = {"input_ids": tokens[None], "position_ids": position_ids[None], "attention_mask": None,
@@ -113,37 +105,6 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     in_completion = steps[None] < completion_lengths[:, None]
     return MicroBatch(rows=list(rows), model_inputs=model_inputs,
                       hidden_index=torch.where(in_completion, predicting, 0), completion_length=completion_length)
-
-
-def _shared_prompt_row(input_ids, attention_mask, prompt_length: int, rows: list, completion_length: int) -> tuple:
-    """(model_inputs, predicting (b, C)) of the packed row of `rows` with each run of rows that share a prompt
-    holding it once: [prompt, completion, completion, ...] per run, positions restarting at the prompt's length
-    for each completion, and the SharedPrompts layout the attention reads (`shared_prompts`)."""
-    device = input_ids.device
-    shared = shared_prompt_lengths(input_ids[rows], attention_mask[rows], prompt_length)
-    ids, mask = input_ids[rows].tolist(), attention_mask[rows].bool().tolist()
-    tokens, positions, groups, predicting = [], [], [], []
-    for row in range(len(rows)):
-        prompt = [t for t, real in zip(ids[row][:prompt_length], mask[row][:prompt_length]) if real]
-        completion = [t for t, real in zip(ids[row][prompt_length:], mask[row][prompt_length:]) if real]
-        if not prompt:
-            raise ValueError(f"every rollout row needs a prompt token, row {rows[row]} has none")
-        if not shared[row]:
-            groups.append((len(tokens), len(prompt), []))
-            tokens += prompt
-            positions += range(len(prompt))
-        prompt_start, prompt_tokens, spans = groups[-1]
-        spans.append((len(tokens), len(completion)))
-        # token t is predicted by the prompt's last hidden state (t = 0) or by completion token t - 1
-        last = [prompt_start + prompt_tokens - 1] + [len(tokens) + t for t in range(len(completion) - 1)]
-        predicting.append(last + [0] * (completion_length - len(last)))
-        tokens += completion
-        positions += range(prompt_tokens, prompt_tokens + len(completion))
-    layout = SharedPrompts(groups)
-    model_inputs = {"input_ids": torch.tensor([tokens], device=device),
-                    "position_ids": torch.tensor([positions], device=device), "attention_mask": None,
-                    "shared_prompts": layout}
-    return model_inputs, torch.tensor(predicting, device=device)
 
 
 def completion_hidden_states(hidden_states, batch: MicroBatch) -> torch.Tensor:

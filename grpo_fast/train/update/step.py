@@ -19,17 +19,17 @@ from typing import Optional
 import torch
 
 import grpo_fast as gf
+from grpo_fast import attention
 from grpo_fast import reference as full_logits
 from grpo_fast.models import lm_head
 from grpo_fast.train import distributed, lora
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.update import attention, precision
+from grpo_fast.train.update import precision
 from grpo_fast.train.update.batching import (
     MicroBatch,
     completion_hidden_states,
     micro_batch,
     plan_micro_batches,
-    shared_prompt_lengths,
 )
 from grpo_fast.train.update.correction import importance_weights
 from grpo_fast.variants import micro_batch_share
@@ -102,7 +102,7 @@ def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.Wo
     a DDP / FSDP2 model is a collective: a rank with fewer repeats its last one with counts=False. share_prompts:
     see shares_prompts (a shared prompt counts once against micro_batch_tokens)."""
     lengths = batch.attention_mask.sum(1).tolist()
-    shared = shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length) \
+    shared = attention.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length) \
         if share_prompts else None
     plan = plan_micro_batches(lengths, config.micro_batch_tokens, config.micro_batch_size, shared)
     batches = [micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, rows,

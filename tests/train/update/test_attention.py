@@ -1,4 +1,4 @@
-"""Variable-length attention (grpo_fast.train.update.attention): a packed micro-batch costs memory linear in its tokens,
+"""Variable-length attention (grpo_fast.attention): a packed micro-batch costs memory linear in its tokens,
 computes what each sequence alone computes, and leaves generation and padded batches exactly as sdpa."""
 
 import importlib.util
@@ -10,11 +10,11 @@ from torch.utils._pytree import tree_leaves
 
 pytest.importorskip("transformers")
 
+from grpo_fast import attention  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.distributed import HiddenStates  # noqa: E402
 from grpo_fast.train.model import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
-from grpo_fast.train.update import attention  # noqa: E402
 from grpo_fast.train.update.batching import completion_hidden_states, micro_batch  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
 

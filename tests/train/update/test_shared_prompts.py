@@ -7,11 +7,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from grpo_fast import attention  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.distributed import HiddenStates  # noqa: E402
 from grpo_fast.train.model import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
-from grpo_fast.train.update import attention, batching  # noqa: E402
+from grpo_fast.train.update import batching  # noqa: E402
 from grpo_fast.train.update.step import (  # noqa: E402
     Policy,
     UpdateBatch,
@@ -19,6 +20,7 @@ from grpo_fast.train.update.step import (  # noqa: E402
     completion_logprobs,
     shares_prompts,  # noqa: E402
 )
+from tests.helpers import float64_norms  # noqa: E402
 
 PROMPTS = [13, 9, 15, 7]                    # three groups of four and a group of one
 COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6], [10]]
@@ -57,19 +59,6 @@ def slide(model, window: int):
         layer.self_attn.sliding_window = window
     model.model.has_sliding_layers = True
     return model
-
-
-def float64_norms(model):
-    """RMSNorm in the model's own dtype: transformers' Llama and Qwen2 norms compute in fp32 even for an fp64
-    model, which rounds a gradient summed over a shared prompt's completions differently from the same sum
-    taken after the norm (each copy of the prompt rounded alone): an fp32-level difference, not the layout's."""
-    def forward(norm, hidden):
-        return norm.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = forward.__get__(module)
-    return model.double()
 
 
 MODELS = {"llama": lambda: float64_norms(tiny_llama(seed=2)),
@@ -159,7 +148,7 @@ def test_shared_prompts_only_where_the_attention_reads_them():
 
 def test_planner_counts_a_shared_prompt_once():
     batch = grouped_rollout()
-    shared = batching.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length)
+    shared = attention.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length)
     assert shared == [0, 13, 13, 13, 0, 9, 9, 9, 0, 15, 15, 15, 0]
     lengths = batch.attention_mask.sum(1).tolist()
     assert lengths == [24, 14, 20, 25, 14, 18, 18, 12, 29, 17, 23, 21, 17]

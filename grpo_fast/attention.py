@@ -1,13 +1,13 @@
-"""Variable-length attention for packed micro-batches: memory linear in the packed tokens.
+"""Variable-length attention for packed rows: memory linear in the packed tokens, and each group's prompt once.
 
     name = use_varlen_attention(model, device, "bf16-autocast")   # "flash_attention_2" or "grpo_fast_varlen"
-    batch = micro_batch(input_ids, attention_mask, prompt_length, rows, packed=True)   # carries cu_seq_lens_*
-    hidden = completion_hidden_states(HiddenStates(model), batch)
+    model_inputs, predicting = shared_prompt_row(input_ids, attention_mask, prompt_length, completion_length)
+    hidden = final_hidden_states(model, **model_inputs)           # (1, N, H); predicting indexes its N positions
 
-A packed micro-batch is one row of sequences laid end to end (grpo_fast.train.update.batching). With transformers'
-default attention (sdpa) `create_causal_mask` turns that row into a dense (1, 1, N, N) block-diagonal mask: memory
-and time quadratic in the packed tokens N, where each sequence only ever attends to itself. Two implementations
-avoid it, chosen by `choose_attention`:
+A packed row is sequences laid end to end (the trainer's micro-batches, grpo_fast.train.update.batching; the TRL
+drop-in's shared-prompt forward). With transformers' default attention (sdpa) `create_causal_mask` turns that row
+into a dense (1, 1, N, N) block-diagonal mask: memory and time quadratic in the packed tokens N, where each
+sequence only ever attends to itself. Two implementations avoid it, chosen by `choose_attention`:
 
 - "flash_attention_2" (CUDA with the flash_attn package, fp16 / bf16 compute): flash_attn_varlen_func over the
   segments that `cu_seq_lens_q` / `cu_seq_lens_k` (transformers' FlashAttentionKwargs) describe.
@@ -264,6 +264,51 @@ def shared_prompt_attention(module, query, key, value, layout: SharedPrompts, sl
         outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))
         positions.append(index.reshape(-1)[real])
     return _in_row_order(outputs, positions, query.shape[2])
+
+
+def shared_prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> list:
+    """[tokens] per row: its prompt's length when its prompt is row - 1's (same tokens, same padding), else 0."""
+    prompts, mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length].bool()
+    same = ((prompts[1:] == prompts[:-1]) | ~mask[1:]).all(1) & (mask[1:] == mask[:-1]).all(1)
+    lengths = mask.sum(1)
+    return [0] + torch.where(same, lengths[1:], 0).tolist()
+
+
+def shared_prompt_row(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                      completion_length: int, rows: Optional[list] = None) -> tuple:
+    """(model_inputs, predicting (b, completion_length)): the b rows of a rollout (input_ids / attention_mask (b,
+    prompt_length + C): left-padded prompts, then right-padded completions) as one packed row in which each run of
+    consecutive rows with the same prompt holds it once: [prompt, completion, completion, ...] per run, positions
+    restarting at the prompt's length for each completion. model_inputs are the decoder's keyword arguments
+    (input_ids and position_ids (1, N), attention_mask None, and the SharedPrompts layout the attention reads,
+    `shared_prompts`); predicting[i, t]: the row position of the hidden state that predicts completion token t of
+    row i (0 past its end). rows: the rows' names in errors (their rollout indices; default 0..b-1)."""
+    device = input_ids.device
+    rows = list(range(input_ids.shape[0])) if rows is None else rows
+    shared = shared_prompt_lengths(input_ids, attention_mask, prompt_length)
+    ids, mask = input_ids.tolist(), attention_mask.bool().tolist()
+    tokens, positions, groups, predicting = [], [], [], []
+    for row in range(len(rows)):
+        prompt = [t for t, real in zip(ids[row][:prompt_length], mask[row][:prompt_length]) if real]
+        completion = [t for t, real in zip(ids[row][prompt_length:], mask[row][prompt_length:]) if real]
+        if not prompt:
+            raise ValueError(f"every rollout row needs a prompt token, row {rows[row]} has none")
+        if not shared[row]:
+            groups.append((len(tokens), len(prompt), []))
+            tokens += prompt
+            positions += range(len(prompt))
+        prompt_start, prompt_tokens, spans = groups[-1]
+        spans.append((len(tokens), len(completion)))
+        # token t is predicted by the prompt's last hidden state (t = 0) or by completion token t - 1
+        last = [prompt_start + prompt_tokens - 1] + [len(tokens) + t for t in range(len(completion) - 1)]
+        predicting.append(last + [0] * (completion_length - len(last)))
+        tokens += completion
+        positions += range(prompt_tokens, prompt_tokens + len(completion))
+    layout = SharedPrompts(groups)
+    model_inputs = {"input_ids": torch.tensor([tokens], device=device),
+                    "position_ids": torch.tensor([positions], device=device), "attention_mask": None,
+                    "shared_prompts": layout}
+    return model_inputs, torch.tensor(predicting, device=device)
 
 
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,
