@@ -153,7 +153,8 @@ class FastGRPOTrainer(GRPOTrainer):
     (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains (`fallback_reasons` lists
     it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
 
-    share_prompts (default True): the loss's forward holds each group's prompt once, as one packed row without
+    share_prompts (default False until its cost in generation is understood, see the README): the loss's forward
+    holds each group's prompt once, as one packed row without
     padding in which every completion attends to its prompt and itself (grpo_fast.attention.SharedPrompts); with
     G completions per prompt the trunk then runs P + G x C tokens instead of G x (P + C). It equals the padded
     forward up to rounding: the positions restart at 0 without the left padding, which RoPE does not see. It
@@ -163,7 +164,7 @@ class FastGRPOTrainer(GRPOTrainer):
     the padded batch runs as in TRL. The old and reference log-prob passes stay padded.
     """
 
-    def __init__(self, *args, share_prompts: bool = True, **kwargs):
+    def __init__(self, *args, share_prompts: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.share_prompts = share_prompts and self._use_shared_prompt_attention()
         patch_grpo_trainer(self)

@@ -269,7 +269,8 @@ def test_shared_prompts_equal_the_padded_forward_in_float64(loss_type, prompt_le
     positions in TRL's batch (its positions count the padding), which RoPE's relative rotation does not see but
     transformers computes in float32: those rows agree to float32's rounding."""
     rtol = 1e-10 if len(set(prompt_lengths)) == 1 else 1e-6
-    trainer = build_grpo(dropin.FastGRPOTrainer, tmp_path, loss_type=loss_type)
+    trainer = build_grpo(dropin.FastGRPOTrainer, tmp_path, loss_type=loss_type,
+                         trainer_kwargs={"share_prompts": True})
     assert trainer.share_prompts and attention.attention_name(trainer.model) == attention.NAME
     packed_rows = []
     shared_prompt_row = attention.shared_prompt_row
@@ -293,9 +294,10 @@ def test_shared_prompts_equal_the_padded_forward_in_float64(loss_type, prompt_le
 
 
 def test_shared_prompts_stay_off_where_they_are_not_exact(tmp_path):
-    """Off when asked, and for a model that adds a router aux loss (it counts tokens by the attention mask): the
-    model keeps transformers' sdpa."""
-    off = build_grpo(dropin.FastGRPOTrainer, tmp_path / "off", trainer_kwargs={"share_prompts": False})
-    moe = build_grpo(dropin.FastGRPOTrainer, tmp_path / "moe", make_model=tiny_moe_model)
+    """Off by default, and for a model that adds a router aux loss (it counts tokens by the attention mask) even
+    when asked: the model keeps transformers' sdpa."""
+    off = build_grpo(dropin.FastGRPOTrainer, tmp_path / "off")
+    moe = build_grpo(dropin.FastGRPOTrainer, tmp_path / "moe", make_model=tiny_moe_model,
+                     trainer_kwargs={"share_prompts": True})
     for trainer in (off, moe):
         assert not trainer.share_prompts and attention.attention_name(trainer.model) == "sdpa"
