@@ -178,12 +178,12 @@ def trl_trainer(spec: dict) -> dict:
         trainer._generate_and_score_completions = timed_generate
         start_rss = start_peak_rss()
         trainer.train()
-        peak = max([peak_rss_bytes() / 2**20] + phases["generation_peak"] + phases["update_peak"]) * 2**20
+        peak_mib = max([peak_rss_bytes() / 2**20] + phases["generation_peak"] + phases["update_peak"])
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"step_seconds": steps.seconds, "generation_seconds": generation_seconds,
             "completion_len": statistics.mean(entry["completions/mean_length"] for entry in logs),
             "reward": [entry["reward"] for entry in logs], "loss": logs[0]["loss"],
-            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak / 2**20,
+            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak_mib,
             **{f"{name}_rss_mib": max(values) for name, values in phases.items()},
             "update_growth_rss_mib": max(p - s for p, s in zip(phases["update_peak"], phases["update_start"]))}
 

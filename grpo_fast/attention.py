@@ -311,6 +311,13 @@ def shared_prompt_row(input_ids: torch.Tensor, attention_mask: torch.Tensor, pro
     return model_inputs, torch.tensor(predicting, device=device)
 
 
+def states_at(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """hidden.reshape(-1, H)[index]: (*index.shape, H), the decoder's states at flat positions of its (rows x length)
+    output, such as shared_prompt_row's `predicting`."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return flat.index_select(0, index.reshape(-1)).view(*index.shape, -1)
+
+
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,
                 **kwargs) -> Optional[torch.Tensor]:
     """None for a row with no padding and no cache (packed or a single sequence: varlen_attention_forward masks

@@ -93,8 +93,7 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
             aux_loss = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
         hidden = outputs.last_hidden_state
         if hidden_index is not None:
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            hidden = flat.index_select(0, hidden_index.reshape(-1)).view(*hidden_index.shape, -1)
+            hidden = attention.states_at(hidden, hidden_index)
         elif shift_labels is None:
             hidden = hidden[:, :-1]
             labels = None if labels is None else labels[:, 1:]
@@ -154,8 +153,8 @@ class FastGRPOTrainer(GRPOTrainer):
     it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
 
     share_prompts (default False until its cost in generation is understood, see the README): the loss's forward
-    holds each group's prompt once, as one packed row without
-    padding in which every completion attends to its prompt and itself (grpo_fast.attention.SharedPrompts); with
+    holds each group's prompt once, as one packed row without padding in which every completion attends to its
+    prompt and itself (grpo_fast.attention.SharedPrompts); with
     G completions per prompt the trunk then runs P + G x C tokens instead of G x (P + C). It equals the padded
     forward up to rounding: the positions restart at 0 without the left padding, which RoPE does not see. It
     applies where it is exact: a decoder of SHARED_PROMPT_MODELS on sdpa attention (switched to grpo_fast's
@@ -185,13 +184,6 @@ class FastGRPOTrainer(GRPOTrainer):
             model.set_attn_implementation(attention.register())
             name = attention.NAME
         return name == attention.NAME
-
-    def _shared_prompt_inputs(self, input_ids, attention_mask, prompt_length: int, completion_length: int) -> dict:
-        """The model inputs of the batch as one packed row with each group's prompt once, and `hidden_index`, the
-        (B, completion_length) positions of the states that predict the completion tokens."""
-        model_inputs, predicting = attention.shared_prompt_row(input_ids, attention_mask, prompt_length,
-                                                               completion_length)
-        return {**model_inputs, "hidden_index": predicting}
 
     def fallback_reasons(self, inputs) -> list:
         """Every reason this batch (`{}`: this configuration) needs TRL's loss code; empty when the fused loss
@@ -278,9 +270,10 @@ class FastGRPOTrainer(GRPOTrainer):
         # As TRL: router logits asked for on each call while the aux loss is on, whatever the config's
         # output_router_logits (False in released Qwen3-MoE configs, whose router_aux_loss_coef is nonzero).
         router = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        if self.share_prompts and not multimodal:
-            model_inputs = self._shared_prompt_inputs(input_ids, attention_mask, prompt_ids.size(1),
-                                                      completion_ids.size(1))
+        if self.share_prompts and not multimodal:       # one packed row, each group's prompt once
+            model_inputs, predicting = attention.shared_prompt_row(input_ids, attention_mask, prompt_ids.size(1),
+                                                                   completion_ids.size(1))
+            model_inputs["hidden_index"] = predicting
         else:
             model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         (loss, _), aux_loss = model(**model_inputs, fused_lm_head=True, grpo_fast_loss=loss_on_hidden, **multimodal,

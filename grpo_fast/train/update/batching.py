@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.attention import shared_prompt_row
+from grpo_fast.attention import shared_prompt_row, states_at
 
 
 def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: int,
@@ -111,6 +111,4 @@ def completion_hidden_states(hidden_states, batch: MicroBatch) -> torch.Tensor:
     """(b, C, H): the final hidden state that predicts each completion token (garbage where it has ended).
     hidden_states: a module mapping decoder inputs to final hidden states (grpo_fast.train.distributed.HiddenStates,
     possibly inside DDP / FSDP2)."""
-    hidden = hidden_states(**batch.model_inputs)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return flat.index_select(0, batch.hidden_index.reshape(-1)).view(*batch.hidden_index.shape, -1)
+    return states_at(hidden_states(**batch.model_inputs), batch.hidden_index)
