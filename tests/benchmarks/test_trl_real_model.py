@@ -65,7 +65,24 @@ def test_a_failed_row_is_named_and_has_no_ratio():
              "completion_len": 17.0, "peak_rss_mib": 3000.0, "prompts": 8, "group_size": 4, "completion_tokens": 24}]
     table = trl_real_model.markdown({"trainer": rows}, argparse.Namespace(steps=4, trainer_job="arithmetic"), "cmd")
     assert "| grpo_fast | vllm | exit 1: ImportError: no vllm |" in table
-    assert "| trl.GRPOTrainer | transformers generate | 20.00 | 12.00 | 8.00 | 180 | 1.00x |" in table
+    assert "| trl.GRPOTrainer | transformers generate | 20.00 | 12.00 | 8.00 | - | 180 | 1.00x |" in table
+
+
+def test_the_weight_sync_is_the_median_after_the_first_step():
+    rows = [{"runner": "grpo_fast", "engine": "vllm", "seconds": 10.0, "update_seconds": 6.0, "steps_per_hour": 360.0,
+             "sync_seconds": [9.0, 2.0, 4.0, 3.0], "completion_len": 17.0, "peak_rss_mib": 3000.0},
+            {"runner": "trl", "engine": None, "seconds": 20.0, "update_seconds": 8.0, "steps_per_hour": 180.0,
+             "completion_len": 17.0, "peak_rss_mib": 3000.0, "prompts": 8, "group_size": 4, "completion_tokens": 24}]
+    table = trl_real_model.markdown({"trainer": rows}, argparse.Namespace(steps=4, trainer_job="arithmetic"), "cmd")
+    assert "| grpo_fast | vllm | 10.00 | 4.00 | 6.00 | 3.00 | 360 | 2.00x |" in table
+
+
+def test_shared_prompt_rows_are_named_and_divided_by_trls():
+    rows = [_row("trl", 1024, 100.0, 60.0, 6000.0), _row("fast_trl", 1024, 80.0, 60.0, 3000.0),
+            _row("fast_trl_shared", 1024, 70.0, 60.0, 2400.0)]
+    table = trl_real_model.markdown({"dropin": rows}, argparse.Namespace(dropin_steps=3, dropin_prompts=2), "cmd")
+    shared = next(line for line in table.splitlines() if "share_prompts=True" in line)
+    assert shared.startswith("| 1024 | FastGRPOTrainer(share_prompts=True) | 70.00 | 10.00 | 0.25x | 0.70x |")
 
 
 def test_results_are_written_once_unless_overwritten(tmp_path):

@@ -46,7 +46,9 @@ class UpdateBatch:
     attention_mask (B, P + C) bool; completion_ids (B, C); loss_mask (B, C) bool: the completion tokens the loss
     counts (the sampled ones, without truncated completions when mask_truncated_completions is set);
     advantages (B,); old_logps, ref_logps (B, C) fp32: the sampling policy's and the reference's log-probs (None:
-    on-policy, no KL); is_ratio (B, C): the batch importance-sampling correction, or None.
+    on-policy, no KL); is_ratio (B, C): the batch importance-sampling correction, or None; sampling_logps (B, C)
+    fp32: the engine's log-probs when the correction comes from the update's own forward (one iteration per
+    step: accumulate_gradients fills is_ratio from them), else None.
     """
 
     input_ids: torch.Tensor
@@ -58,6 +60,7 @@ class UpdateBatch:
     old_logps: Optional[torch.Tensor] = None
     ref_logps: Optional[torch.Tensor] = None
     is_ratio: Optional[torch.Tensor] = None
+    sampling_logps: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -154,23 +157,43 @@ def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference
                  world: distributed.World = distributed.World()) -> UpdateBatch:
     """The UpdateBatch of a step's Generation (grpo_fast.train.rollout.generation) and its (B,) advantages: the
     loss mask, and the old and reference log-probs and the rollout correction (grpo_fast.train.update.correction)
-    where the config needs them (one no-grad GEMM pass over the LM head each). reference_policy: the KL
-    reference (beta > 0), or None."""
+    where the config needs them (one no-grad forward each). reference_policy: the KL reference (beta > 0), or None.
+
+    With one iteration per step the rollout correction needs no forward of its own: the weights that the old
+    log-probs would come from are the ones the update's forward runs, so accumulate_gradients computes the ratio
+    from that forward's hidden states (batch.sampling_logps), one no-grad pass over the LM head per micro-batch."""
     loss_mask = generation.completion_mask
     if config.mask_truncated_completions:
         loss_mask = loss_mask & ~generation.truncated[:, None]
     batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                         generation.completion_ids, loss_mask, advantages.to(loss_mask.device))
     correct = generation.sampling_logps is not None and config.importance_sampling != "none"
-    if config.num_iterations > 1 or correct:
+    if correct and config.num_iterations == 1:
+        batch.sampling_logps = generation.sampling_logps
+    elif config.num_iterations > 1 or correct:
         batch.old_logps = completion_logprobs(policy, batch, config, world)
-    if correct:
-        batch.is_ratio = importance_weights(batch.old_logps, generation.sampling_logps, loss_mask,
-                                            config.importance_sampling, config.importance_sampling_cap,
-                                            config.importance_sampling_min)
+        if correct:
+            batch.is_ratio = importance_weights(batch.old_logps, generation.sampling_logps, loss_mask,
+                                                config.importance_sampling, config.importance_sampling_cap,
+                                                config.importance_sampling_min)
     if reference_policy is not None:
         batch.ref_logps = completion_logprobs(reference_policy, batch, config)
     return batch
+
+
+@torch.no_grad()
+def own_rollout_correction(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
+                           mask: torch.Tensor, sampling_logps: torch.Tensor, head_kwargs: dict,
+                           config: TrainConfig) -> torch.Tensor:
+    """importance_weights(token_logprobs(hidden, weight, completion_ids) * mask, sampling_logps, mask, ...): a
+    micro-batch's rollout correction (b, C) fp32 from the hidden states its loss takes, one no-grad GEMM pass over
+    the LM head, instead of a forward of the trunk before the update (the same value: the same weights and
+    inputs). Rows are whole sequences, so the sequence_* modes see every token of theirs."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logps = gf.token_logprobs(hidden.detach(), weight.detach(), completion_ids,
+                                  **{**head_kwargs, "temperature": config.temperature})
+    return importance_weights(logps.float() * mask, sampling_logps, mask, config.importance_sampling,
+                              config.importance_sampling_cap, config.importance_sampling_min)
 
 
 class Fp32GradientSum:
@@ -205,7 +228,9 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     the whole batch at once, however it is cut, packed and spread over ranks. Every rank runs as many backward
     passes as the busiest (extra ones weigh 0) and reduces gradients in the last. Returns the loss and the loss
     metrics (token-weighted means over micro-batches), summed over ranks. With one process and grad_accum_dtype
-    fp32 (the default), gradients of bf16 weights accumulate over micro-batches in fp32 (Fp32GradientSum)."""
+    fp32 (the default), gradients of bf16 weights accumulate over micro-batches in fp32 (Fp32GradientSum). With
+    batch.sampling_logps set, each micro-batch's rollout correction comes from its own hidden states
+    (own_rollout_correction) and fills batch.is_ratio."""
     loss_config = config.loss_config()
     loss_function = LOSS_IMPLEMENTATIONS[config.loss_implementation]
     device = batch.loss_mask.device
@@ -216,9 +241,15 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     if config.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
         fp32_sum = Fp32GradientSum(policy.trunk.parameters())
     summed = {"loss": 0.0}
+    if batch.sampling_logps is not None:
+        batch.is_ratio = torch.ones(batch.loss_mask.shape, dtype=torch.float32, device=device)
     for index, (micro, counts) in enumerate(batches):
         hidden, weight, head_kwargs = completion_hidden(policy, micro, config.offload_activations)
         mask = micro.completion(batch.loss_mask)
+        if batch.sampling_logps is not None:
+            batch.is_ratio[micro.rows, :micro.completion_length] = own_rollout_correction(
+                hidden, weight, micro.completion(batch.completion_ids), mask, micro.completion(batch.sampling_logps),
+                head_kwargs, config)
         with torch.autocast(hidden.device.type, enabled=False):
             loss, metrics = loss_function(
                 hidden, weight, micro.completion(batch.completion_ids), batch.advantages[micro.rows], mask,
