@@ -137,6 +137,15 @@ def head_in(model, dtype: torch.dtype) -> tuple:
     return head.weight.to(dtype), kwargs
 
 
+def micro_batch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, head_kwargs: dict,
+                         completion_ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(token_logprobs(hidden, weight, completion_ids, temperature=temperature, **head_kwargs) * mask).float(): a
+    micro-batch's (b, C) log-probs in fp32, zero off `mask`, outside autocast (the loss's dtype), one GEMM pass."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        values = gf.token_logprobs(hidden, weight, completion_ids, **{**head_kwargs, "temperature": temperature})
+    return (values * mask).float()
+
+
 @torch.no_grad()
 def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
                         world: distributed.World = distributed.World()) -> torch.Tensor:
@@ -146,10 +155,9 @@ def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
     batches = micro_batches(batch, config, world, shares_prompts(config, policy.model))
     for micro, _ in batches:                                  # a repeated micro-batch rewrites the same values
         hidden, weight, kwargs = completion_hidden(policy, micro)
-        with torch.autocast(hidden.device.type, enabled=False):
-            values = gf.token_logprobs(hidden, weight, micro.completion(batch.completion_ids),
-                                       **{**kwargs, "temperature": config.temperature})
-        logps[micro.rows, :micro.completion_length] = (values * micro.completion(batch.loss_mask)).float()
+        logps[micro.rows, :micro.completion_length] = micro_batch_logprobs(
+            hidden, weight, kwargs, micro.completion(batch.completion_ids), micro.completion(batch.loss_mask),
+            config.temperature)
     return logps
 
 
@@ -189,10 +197,9 @@ def own_rollout_correction(hidden: torch.Tensor, weight: torch.Tensor, completio
     micro-batch's rollout correction (b, C) fp32 from the hidden states its loss takes, one no-grad GEMM pass over
     the LM head, instead of a forward of the trunk before the update (the same value: the same weights and
     inputs). Rows are whole sequences, so the sequence_* modes see every token of theirs."""
-    with torch.autocast(hidden.device.type, enabled=False):
-        logps = gf.token_logprobs(hidden.detach(), weight.detach(), completion_ids,
-                                  **{**head_kwargs, "temperature": config.temperature})
-    return importance_weights(logps.float() * mask, sampling_logps, mask, config.importance_sampling,
+    logps = micro_batch_logprobs(hidden.detach(), weight.detach(), head_kwargs, completion_ids, mask,
+                                 config.temperature)
+    return importance_weights(logps, sampling_logps, mask, config.importance_sampling,
                               config.importance_sampling_cap, config.importance_sampling_min)
 
 
