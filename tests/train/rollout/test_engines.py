@@ -77,3 +77,16 @@ def test_vllm_engine_for_real(tmp_path):
     assert abs(result["async_is_ratio_mean"][0] - 1.0) < 1e-3, result      # fresh weights: the engine's numerics
     assert all(0.5 < ratio < 2.0 for ratio in result["async_is_ratio_mean"]), result
     assert result["async_evals"] == [[0, 5], [2, 5], [3, 5]], result
+
+
+@pytest.mark.parametrize("setting, device, native, expected", [
+    ("auto", "cuda", False, "bfloat16"), ("auto", "cpu", True, "bfloat16"), ("auto", "cpu", False, "float32"),
+    ("float32", "cuda", True, "float32"), ("bfloat16", "cpu", False, "bfloat16")])
+def test_vllm_dtype_follows_the_setting_and_on_auto_the_hardware(monkeypatch, setting, device, native, expected):
+    """vllm_dtype "auto": bfloat16 on a GPU and on a CPU with native bf16 (AMX or AVX512-BF16), float32 on other
+    CPUs; an explicit setting wins everywhere."""
+    from grpo_fast.train.rollout.engines import vllm_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert vllm_dtype(setting, torch.device(device)) == expected

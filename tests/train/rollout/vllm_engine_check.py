@@ -39,7 +39,8 @@ def main(output_dir: str) -> None:
     tokenizer.padding_side = "left"
     model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).eval()
-    config = TrainConfig(engine="vllm", group_size=3, max_completion_length=8, output_dir=output_dir)
+    config = TrainConfig(engine="vllm", vllm_dtype="float32", group_size=3, max_completion_length=8,
+                         output_dir=output_dir)
     prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     engine = make_engine(config, model, tokenizer, max(map(len, prompts)))
@@ -79,8 +80,8 @@ def main(output_dir: str) -> None:
     result["gap_after_lora_push"], _, _ = engine_vs_trainer(engine, adapted, prompts, seed=11)
 
     # two steps of a LoRA run: the engine model is saved merged, and follows the adapters
-    history = train(TrainConfig(engine="vllm", sft_steps=20, max_steps=2, group_size=4, prompts_per_step=4,
-                                lora_rank=4, learning_rate=0.05, output_dir=output_dir + "/run",
+    history = train(TrainConfig(engine="vllm", vllm_dtype="float32", sft_steps=20, max_steps=2, group_size=4,
+                                prompts_per_step=4, lora_rank=4, learning_rate=0.05, output_dir=output_dir + "/run",
                                 log_completions=0), log=lambda *_: None)
     # the run's export (output_dir/model, adapters merged) loads in vLLM as a plain model, with the trainer's
     # log-probs of the exported weights
@@ -100,12 +101,13 @@ def main(output_dir: str) -> None:
         result["evals"] = [[r["step"], r["problems"], r["samples"]] for r in map(json.loads, f)]
     from grpo_fast.train.run import evaluate
 
-    record = evaluate.main(output_dir + "/run", {"engine": "vllm", "eval_prompts": 10}, log=lambda *_: None)
+    record = evaluate.main(output_dir + "/run", {"engine": "vllm", "vllm_dtype": "float32", "eval_prompts": 10},
+                           log=lambda *_: None)
     result["cli_eval"] = [record["problems"], record["samples"], 0 <= record["accuracy"] <= 1]
     # the engine in its own process, one step ahead: versions pushed through reload_weights, evaluations there too
-    history = train(TrainConfig(engine="vllm", max_staleness=1, sft_steps=20, max_steps=3, group_size=4,
-                                prompts_per_step=4, eval_every=2, eval_prompts=5, output_dir=output_dir + "/async",
-                                log_completions=0), log=lambda *_: None)
+    history = train(TrainConfig(engine="vllm", vllm_dtype="float32", max_staleness=1, sft_steps=20, max_steps=3,
+                                group_size=4, prompts_per_step=4, eval_every=2, eval_prompts=5,
+                                output_dir=output_dir + "/async", log_completions=0), log=lambda *_: None)
     result["async_versions"] = [[r["step"], r["policy_version"], r["staleness"]] for r in history]
     result["async_is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
     with open(output_dir + "/async/eval.jsonl") as f:
