@@ -152,18 +152,18 @@ class FastGRPOTrainer(GRPOTrainer):
     (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains (`fallback_reasons` lists
     it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
 
-    share_prompts (default False until its cost in generation is understood, see the README): the loss's forward
-    holds each group's prompt once, as one packed row without padding in which every completion attends to its
-    prompt and itself (grpo_fast.attention.SharedPrompts); with
+    share_prompts (default True): the loss's forward holds each group's prompt once, as one packed row without
+    padding in which every completion attends to its prompt and itself (grpo_fast.attention.SharedPrompts); with
     G completions per prompt the trunk then runs P + G x C tokens instead of G x (P + C). It equals the padded
     forward up to rounding: the positions restart at 0 without the left padding, which RoPE does not see. It
     applies where it is exact: a decoder of SHARED_PROMPT_MODELS on sdpa attention (switched to grpo_fast's
-    variable-length attention, which computes exactly sdpa for every padded or cached call, so generation is
-    unchanged), text batches, and no router aux loss (which counts padding by the attention mask); elsewhere
-    the padded batch runs as in TRL. The old and reference log-prob passes stay padded.
+    variable-length attention for the loss; TRL's generation and scoring run transformers' sdpa itself,
+    attention.sdpa_while_generating), text batches, and no router aux loss (which counts padding by the
+    attention mask); elsewhere, or with share_prompts=False, the padded batch runs as in TRL. The old and
+    reference log-prob passes stay padded.
     """
 
-    def __init__(self, *args, share_prompts: bool = False, **kwargs):
+    def __init__(self, *args, share_prompts: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.share_prompts = share_prompts and self._use_shared_prompt_attention()
         patch_grpo_trainer(self)
@@ -184,6 +184,12 @@ class FastGRPOTrainer(GRPOTrainer):
             model.set_attn_implementation(attention.register())
             name = attention.NAME
         return name == attention.NAME
+
+    def _generate_and_score_completions(self, inputs):
+        # padded and cached calls: transformers' own sdpa, which the loss's variable-length attention would only
+        # hand them to, at a cost (attention.sdpa_while_generating)
+        with attention.sdpa_while_generating(self.model):
+            return super()._generate_and_score_completions(inputs)
 
     def fallback_reasons(self, inputs) -> list:
         """Every reason this batch (`{}`: this configuration) needs TRL's loss code; empty when the fused loss

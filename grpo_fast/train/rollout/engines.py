@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from grpo_fast import attention
 from grpo_fast.models import unwrap
 from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights
@@ -64,13 +65,14 @@ class HFEngine:
         if self.sharded_root is not None:
             self.sharded_root.unshard()
         try:
-            output = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
-                temperature=None, top_p=None, top_k=None, max_new_tokens=config.max_completion_length,
-                use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
-                min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
-                synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
-                return_dict_in_generate=True)
+            with attention.sdpa_while_generating(self.model):
+                output = self.model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
+                    temperature=None, top_p=None, top_k=None, max_new_tokens=config.max_completion_length,
+                    use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
+                    min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
+                    synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
+                    return_dict_in_generate=True)
         finally:
             if self.sharded_root is not None:
                 self.sharded_root.reshard()
