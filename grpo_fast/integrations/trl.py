@@ -152,8 +152,10 @@ class FastGRPOTrainer(GRPOTrainer):
     (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains (`fallback_reasons` lists
     it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
 
-    share_prompts (default True): the loss's forward holds each group's prompt once, as one packed row without
-    padding in which every completion attends to its prompt and itself (grpo_fast.attention.SharedPrompts); with
+    share_prompts (default False: on SmolLM2 it pays at short completions, 0.46x of TRL's update at 64 tokens
+    against 0.80x padded, but not at 256, where its runs' generation was slower, unexplained; see the README):
+    the loss's forward holds each group's prompt once, as one packed row without padding in which every
+    completion attends to its prompt and itself (grpo_fast.attention.SharedPrompts); with
     G completions per prompt the trunk then runs P + G x C tokens instead of G x (P + C). It equals the padded
     forward up to rounding: the positions restart at 0 without the left padding, which RoPE does not see. It
     applies where it is exact: a decoder of SHARED_PROMPT_MODELS on sdpa attention (switched to grpo_fast's
@@ -163,7 +165,7 @@ class FastGRPOTrainer(GRPOTrainer):
     reference log-prob passes stay padded.
     """
 
-    def __init__(self, *args, share_prompts: bool = True, **kwargs):
+    def __init__(self, *args, share_prompts: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.share_prompts = share_prompts and self._use_shared_prompt_attention()
         patch_grpo_trainer(self)

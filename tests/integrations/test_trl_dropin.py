@@ -293,13 +293,14 @@ def test_shared_prompts_equal_the_padded_forward_in_float64(loss_type, prompt_le
     assert max(grad.abs().max().item() for grad in padded_grads.values()) > 1e-4
 
 
-def test_shared_prompts_are_on_by_default_and_off_where_they_are_not_exact(tmp_path):
-    """On by default for a decoder of SHARED_PROMPT_MODELS; off when asked, and for a model that adds a router aux
-    loss (it counts tokens by the attention mask) even by default: that model keeps transformers' sdpa."""
-    default = build_grpo(dropin.FastGRPOTrainer, tmp_path / "default")
-    assert default.share_prompts and attention.attention_name(default.model) == attention.NAME
-    off = build_grpo(dropin.FastGRPOTrainer, tmp_path / "off", trainer_kwargs={"share_prompts": False})
-    moe = build_grpo(dropin.FastGRPOTrainer, tmp_path / "moe", make_model=tiny_moe_model)
+def test_shared_prompts_stay_off_by_default_and_where_they_are_not_exact(tmp_path):
+    """Off by default, and for a model that adds a router aux loss (it counts tokens by the attention mask) even
+    when asked: the model keeps transformers' sdpa. Asked for on a decoder of SHARED_PROMPT_MODELS: on."""
+    on = build_grpo(dropin.FastGRPOTrainer, tmp_path / "on", trainer_kwargs={"share_prompts": True})
+    assert on.share_prompts and attention.attention_name(on.model) == attention.NAME
+    off = build_grpo(dropin.FastGRPOTrainer, tmp_path / "off")
+    moe = build_grpo(dropin.FastGRPOTrainer, tmp_path / "moe", make_model=tiny_moe_model,
+                     trainer_kwargs={"share_prompts": True})
     for trainer in (off, moe):
         assert not trainer.share_prompts and attention.attention_name(trainer.model) == "sdpa"
 
@@ -308,7 +309,8 @@ def test_generation_runs_sdpa_and_the_loss_the_variable_length_attention(tmp_pat
     """With shared prompts, TRL's generation and scoring run transformers' own sdpa (padded and cached calls), and
     the loss's forward and backward (gradient checkpointing recomputes with the attention of the moment) the
     variable-length attention that the packed row needs."""
-    trainer = build_grpo(dropin.FastGRPOTrainer, tmp_path, steps=1, gradient_checkpointing=True)
+    trainer = build_grpo(dropin.FastGRPOTrainer, tmp_path, steps=1, gradient_checkpointing=True,
+                         trainer_kwargs={"share_prompts": True})
     seen = {"generate": set(), "loss": set()}
     generate = trainer.model.generate
     monkeypatch.setattr(trainer.model, "generate", lambda *a, **k: seen["generate"].add(
