@@ -17,6 +17,15 @@ from grpo_fast.train.run import checkpoint, evaluate, export, record  # noqa: E4
 from grpo_fast.train.update import step as update_step  # noqa: E402
 from tests import helpers  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def python_default_sigint():
+    """Ctrl-C as a user's process has it, Python's default handler (KeyboardInterrupt), whatever an earlier test in
+    this pytest process left installed; put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
 # 3 steps of 2 iterations each, evaluations at steps 0, 2 and 3, a checkpoint at step 2 and at the end
 OPTIONS = dict(sft_steps=20, max_steps=3, save_every=2, group_size=4, prompts_per_step=2, num_iterations=2,
                log_completions=1, rewards=["tests.helpers:counting_reward"], eval_every=2, eval_prompts=3,
