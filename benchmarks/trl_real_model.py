@@ -62,8 +62,7 @@ TRAINER_JOBS = {
 # the drop-in's rows: TRL's trainer, FastGRPOTrainer as constructed by default (the padded batch, as TRL forwards
 # it), and with share_prompts=True (each group's prompt once)
 DROPIN_RUNNERS = {"trl": "GRPOTrainer", "fast_trl": "FastGRPOTrainer",
-                  "fast_trl_shared": "FastGRPOTrainer(share_prompts=True)",
-                  "fast_trl_padded": "FastGRPOTrainer(share_prompts=False)"}
+                  "fast_trl_shared": "FastGRPOTrainer(share_prompts=True)"}
 
 
 def trainer_config(spec: dict, **overrides):

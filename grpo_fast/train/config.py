@@ -288,8 +288,7 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16")
 # every key with a fixed set of values
 CHOICES = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
            "vllm_dtype": VLLM_DTYPES, "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"),
-           "scale_rewards": SCALES,
-           "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant"),
+           "scale_rewards": SCALES, "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant"),
            "grad_accum_dtype": ("fp32", "bf16")}
 
 

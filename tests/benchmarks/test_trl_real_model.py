@@ -103,12 +103,12 @@ def test_rounds_alternate_their_order(monkeypatch):
     assert calls == ["grpo_fast", "trl", "trl", "grpo_fast", "grpo_fast", "trl"] and rounds == [1, 1, 2, 2, 3, 3]
 
 
-def test_padded_rows_are_named_and_divided_by_trls():
+def test_shared_prompt_rows_are_named_and_divided_by_trls():
     rows = [_row("trl", 1024, 100.0, 60.0, 6000.0), _row("fast_trl", 1024, 80.0, 60.0, 3000.0),
-            _row("fast_trl_padded", 1024, 70.0, 60.0, 2400.0)]
+            _row("fast_trl_shared", 1024, 70.0, 60.0, 2400.0)]
     table = trl_real_model.markdown({"dropin": rows}, argparse.Namespace(dropin_steps=3, dropin_prompts=2), "cmd")
-    padded = next(line for line in table.splitlines() if "share_prompts=False" in line)
-    assert padded.startswith("| 1024 | FastGRPOTrainer(share_prompts=False) | 70.00 | 10.00 | 0.25x | 0.70x |")
+    shared = next(line for line in table.splitlines() if "share_prompts=True" in line)
+    assert shared.startswith("| 1024 | FastGRPOTrainer(share_prompts=True) | 70.00 | 10.00 | 0.25x | 0.70x |")
 
 
 def test_results_are_written_once_unless_overwritten(tmp_path):
