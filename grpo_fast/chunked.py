@@ -19,6 +19,7 @@ import torch
 
 from grpo_fast import backends
 from grpo_fast.backends.base import ChunkOps
+from grpo_fast.kept import KeptSet
 from grpo_fast.numerics import LogitTransform, accumulation_dtype
 
 DEFAULT_CHUNK_BYTES_CPU = 256 * 2**20
@@ -234,11 +235,14 @@ def chunked_pass(
     grad_hidden: bool = True,
     grad_weight: bool = True,
     grad_bias: bool = True,
+    kept: Optional[KeptSet] = None,
 ) -> PassResult:
     """One sweep over the tokens of hidden (N, H) against weight (V, H).
 
     token_grads(start, end, logp, entropy) -> (g_logp, g_entropy or None), all (end - start,) fp32, is called
-    once per chunk; without it only log-probs (and entropies) are computed: one GEMM pass.
+    once per chunk; without it only log-probs (and entropies) are computed: one GEMM pass. kept: each token's
+    kept set (grpo_fast.kept), over which log-probs, entropies and gradients are then taken; the logits are
+    computed whole either way, so the GEMM passes do not change.
     """
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
@@ -272,7 +276,8 @@ def chunked_pass(
             torch.mm(h, weight_t, out=y)                        # GEMM 1: logits
         else:
             torch.addmm(bias, h, weight_t, out=y)
-        state = ops.stats_(y, targets[start:end], transform, need_entropy)
+        chunk_kept = None if kept is None else kept.chunk(start, end)
+        state = ops.stats_(y, targets[start:end], transform, need_entropy, kept=chunk_kept)
         logp[start:end] = state.logp
         if need_entropy:
             entropy[start:end] = state.entropy

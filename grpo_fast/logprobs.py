@@ -9,6 +9,7 @@ import torch
 from grpo_fast import backends
 from grpo_fast.chunked import VersionGuard, chunk_plan, chunked_pass, forbid_double_backward
 from grpo_fast.inputs import check_chunk_bytes, check_lm_head, check_target_range, check_transform
+from grpo_fast.kept import KeptSet, check_kept_set
 from grpo_fast.numerics import LogitTransform, accumulation_dtype
 
 
@@ -19,10 +20,11 @@ class _TokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, return_entropy, guard):
-        result = chunked_pass(hidden, weight, bias, targets, transform, ops, rows, need_entropy=return_entropy)
+    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, return_entropy, guard, kept):
+        result = chunked_pass(hidden, weight, bias, targets, transform, ops, rows, need_entropy=return_entropy,
+                              kept=kept)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.transform, ctx.ops, ctx.rows, ctx.guard = transform, ops, rows, guard
+        ctx.transform, ctx.ops, ctx.rows, ctx.guard, ctx.kept = transform, ops, rows, guard, kept
         if return_entropy:
             return result.logp, result.entropy
         return result.logp
@@ -47,18 +49,18 @@ class _TokenLogprobs(torch.autograd.Function):
         result = chunked_pass(
             hidden, weight, bias, targets, ctx.transform, ctx.ops, ctx.rows,
             need_entropy=grad_entropy is not None, token_grads=token_grads,
-            grad_hidden=needs[0], grad_weight=needs[1], grad_bias=bias is not None and needs[2],
+            grad_hidden=needs[0], grad_weight=needs[1], grad_bias=bias is not None and needs[2], kept=ctx.kept,
         )
-        return result.grad_hidden, result.grad_weight, result.grad_bias, None, None, None, None, None, None
+        return result.grad_hidden, result.grad_weight, result.grad_bias, None, None, None, None, None, None, None
 
 
 def flat_token_logprobs(hidden, weight, bias, targets, transform: LogitTransform, *, return_entropy, chunk_bytes,
-                        backend, ops=None, guard: Optional[VersionGuard] = None):
+                        backend, ops=None, guard: Optional[VersionGuard] = None, kept: Optional[KeptSet] = None):
     """token_logprobs on checked (N, H) inputs; returns logp or (logp, entropy), (N,) fp32. ops: the resolved
     backend (default: `backend` on hidden's device). guard: the caller's tensors, checked for in-place changes
-    before the backward (None: no check, for calls without gradients)."""
+    before the backward (None: no check, for calls without gradients). kept: the tokens' checked kept sets."""
     ops, _, rows = chunk_plan(hidden, weight, chunk_bytes, backend, ops)
-    return _TokenLogprobs.apply(hidden, weight, bias, targets, transform, ops, rows, return_entropy, guard)
+    return _TokenLogprobs.apply(hidden, weight, bias, targets, transform, ops, rows, return_entropy, guard, kept)
 
 
 def token_logprobs(
@@ -74,6 +76,8 @@ def token_logprobs(
     chunk_bytes: Optional[int] = None,
     backend: str = "auto",
     process_group=None,
+    kept_ids: Optional[torch.Tensor] = None,
+    kept_offsets: Optional[torch.Tensor] = None,
 ):
     """Per-token log-probability of each target, computed in chunks without the (N, V) logits.
 
@@ -83,6 +87,9 @@ def token_logprobs(
         z = logit_softcap * torch.tanh(z / logit_softcap)          # only when logit_softcap is set
         logp = torch.log_softmax(z / temperature, -1).gather(-1, targets[..., None])[..., 0]
         entropy = -(logp_all.exp() * logp_all).sum(-1)             # logp_all: the full log-softmax
+
+    With a kept set (the tokens a top-k / top-p sampler kept at each position), z is -inf off it before the
+    log-softmax: log-probs, entropies and gradients are those of the distribution the engine sampled from.
 
     Args:
         hidden: (B, T, H) or (N, H), fp32 / bf16 / fp16: final (normed) hidden states.
@@ -96,6 +103,10 @@ def token_logprobs(
         backend: "auto" (Triton on CUDA when importable, else torch), "torch" or "triton".
         process_group: weight (and bias) are this rank's rows of a vocabulary-parallel head; every rank passes
             the same hidden and targets and gets the full log-probs (see `grpo_loss`).
+        kept_ids, kept_offsets: optional kept set of each token, CSR (see `grpo_fast.kept`): token t's kept ids
+            are kept_ids[kept_offsets[t]:kept_offsets[t + 1]], tokens in targets' row-major order; each set must
+            hold its target. The entropy is then the kept-set distribution's. Same GEMM passes, no (N, V) tensor:
+            the kept logits are read from the chunk's logits buffer.
 
     Returns:
         logp, or (logp, entropy): fp32 tensors of shape hidden.shape[:-1]. Differentiable with respect to
@@ -108,12 +119,13 @@ def token_logprobs(
     check_chunk_bytes(chunk_bytes)
     ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
     check_target_range(targets, vocab_size)
+    kept = check_kept_set(kept_ids, kept_offsets, targets, vocab_size)
     token_shape = hidden.shape[:-1]
     # The caller's hidden: the reshape below copies a non-contiguous one, which no in-place change would reach.
     guard = VersionGuard("token_logprobs", hidden=hidden, weight=weight, bias=bias) if torch.is_grad_enabled() else None
     out = flat_token_logprobs(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), transform,
-        return_entropy=return_entropy, chunk_bytes=chunk_bytes, backend=backend, ops=ops, guard=guard,
+        return_entropy=return_entropy, chunk_bytes=chunk_bytes, backend=backend, ops=ops, guard=guard, kept=kept,
     )
     if return_entropy:
         return out[0].view(token_shape), out[1].view(token_shape)

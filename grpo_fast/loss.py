@@ -19,6 +19,7 @@ from grpo_fast.inputs import (
     check_transform,
     policy_batch,
 )
+from grpo_fast.kept import KeptSet, check_kept_set
 from grpo_fast.logprobs import flat_token_logprobs
 from grpo_fast.numerics import LogitTransform
 from grpo_fast.variants import LossConfig, TokenTerms, entropy_weights, loss_config, policy_loss, token_weights
@@ -31,11 +32,12 @@ class _FusedPolicyLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, token_grads, finish, metrics_out, guard):
+    def forward(ctx, hidden, weight, bias, targets, transform, ops, rows, token_grads, finish, metrics_out, guard,
+                kept):
         needs = ctx.needs_input_grad
         result = chunked_pass(
             hidden, weight, bias, targets, transform, ops, rows, need_entropy=True, token_grads=token_grads,
-            grad_hidden=needs[0], grad_weight=needs[1], grad_bias=bias is not None and needs[2],
+            grad_hidden=needs[0], grad_weight=needs[1], grad_bias=bias is not None and needs[2], kept=kept,
         )
         loss, metrics = finish(result.logp, result.entropy)
         metrics_out.update(metrics)
@@ -51,7 +53,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
         grads = ctx.saved_tensors
         if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
             grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 def _scatter(values, index, shape):
@@ -62,13 +64,14 @@ def _scatter(values, index, shape):
 
 def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, transform: LogitTransform, *,
                       num_items_in_batch=None, chunk_bytes=None, backend="auto", token_stats=None, ops=None,
-                      entropy_mask=None, policy_mask=None):
+                      entropy_mask=None, policy_mask=None, kept: Optional[KeptSet] = None):
     """The policy loss of `batch`; see `grpo_loss`. Inputs already checked.
 
     token_stats: an optional dict that receives the detached (B, T) "logp" and "entropy" (zero off the mask),
     for callers that log per-token metrics of their own (the TRL integration). ops: the resolved backend
     (default: `backend` on hidden's device). entropy_mask: the (B, T) 0/1 tokens the entropy bonus averages over
-    (default: the mask); policy_mask: a (B, T) factor of the policy term alone (see `policy_loss`).
+    (default: the mask); policy_mask: a (B, T) factor of the policy term alone (see `policy_loss`). kept: the
+    checked kept sets of the B x T tokens (grpo_fast.kept), or None for the full vocabulary.
     """
     hidden, mask = batch.hidden, batch.mask
     shape = tuple(mask.shape)
@@ -80,6 +83,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     index = mask.reshape(-1).nonzero().squeeze(1)
     hidden_c = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
     targets_c = batch.targets.reshape(-1).index_select(0, index).long()
+    kept_c = None if kept is None else kept.select(index)
     mask_f = mask.to(batch.advantages.dtype)
     entropy_mask_f = mask_f if entropy_mask is None else entropy_mask.to(mask_f.dtype) * mask_f
 
@@ -98,7 +102,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         # loss math drives token_logprobs' backward (which recomputes each chunk): 4 GEMM passes.
         logp_c, entropy_c = flat_token_logprobs(
             hidden_c, weight, bias, targets_c, transform, return_entropy=True, chunk_bytes=chunk_bytes,
-            backend=backend, ops=ops, guard=guard,
+            backend=backend, ops=ops, guard=guard, kept=kept_c,
         )
         return loss_from(logp_c, entropy_c)
 
@@ -136,7 +140,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         token_grads = guard = None
     metrics: dict = {}
     loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish,
-                                  metrics, guard)
+                                  metrics, guard, kept_c)
 
     side = (batch.advantages, batch.old_logps, batch.ref_logps, batch.is_ratio)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in side):
@@ -179,6 +183,8 @@ def grpo_loss(
     chunk_bytes: Optional[int] = None,
     backend: str = "auto",
     process_group=None,
+    kept_ids: Optional[torch.Tensor] = None,
+    kept_offsets: Optional[torch.Tensor] = None,
     **loss_options,
 ):
     """GRPO-family policy loss from final hidden states and the LM-head weight, without the (N, V) logits.
@@ -190,6 +196,9 @@ def grpo_loss(
         per_token = -min(r * A, clamp(r, 1 - epsilon_low, 1 + epsilon_high) * A)   # cispo / sapo / vespo differ
         per_token = per_token * is_ratio + beta * k3_kl(ref_logps, logp)           # vespo: is_ratio in its weight
         loss = reduce[loss_type](per_token, mask) - entropy_coef * masked_mean(entropy)
+
+    With a kept set (kept_ids, kept_offsets: the tokens a top-k / top-p sampler kept), logp and the entropy are
+    over it, as in `token_logprobs`: the ratio against an engine's renormalized log-probs is then unbiased.
 
     For token-level variants (every loss type but vespo, with importance_sampling_level="token")
     the gradient is computed during the forward, chunk by chunk: 3 GEMM passes over (N, H, V) in all, 2 when the
@@ -226,6 +235,9 @@ def grpo_loss(
         process_group: for a vocabulary-parallel LM head: weight (and bias) hold this rank's rows of the
             vocabulary (ranks in order, any sizes); every rank passes the same hidden, targets and the rest, and
             gets the full loss, the full d(hidden) and its own slice's d(weight). Runs the PyTorch backend.
+        kept_ids, kept_offsets: optional CSR kept set of each of the B x T (or N) tokens, as in `token_logprobs`;
+            where mask is 0 a set may be empty. old_logps and ref_logps should come over the same sets (the
+            engine's log-probs do; `token_logprobs(..., kept_ids=, kept_offsets=)` for the rest).
 
     Returns:
         (loss, metrics): loss a 0-dim fp32 tensor; metrics a dict of detached 0-dim tensors: "ratio/mean",
@@ -243,14 +255,15 @@ def grpo_loss(
     return checked_policy_loss(
         hidden, weight, targets, advantages, mask, config=config, transform=transform, old_logps=old_logps,
         ref_logps=ref_logps, bias=bias, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
-        chunk_bytes=chunk_bytes, backend=backend, process_group=process_group,
+        chunk_bytes=chunk_bytes, backend=backend, process_group=process_group, kept_ids=kept_ids,
+        kept_offsets=kept_offsets,
     )
 
 
 def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: LossConfig, transform: LogitTransform,
                         old_logps=None, ref_logps=None, bias=None, is_ratio=None, num_items_in_batch=None,
                         chunk_bytes=None, backend="auto", token_stats=None, process_group=None, entropy_mask=None,
-                        policy_mask=None):
+                        policy_mask=None, kept_ids=None, kept_offsets=None):
     """`grpo_loss` with its options already taken into a LossConfig and a LogitTransform: checks the tensors,
     resolves the backend and runs `fused_policy_loss` (token_stats, entropy_mask, policy_mask: see there). The
     entry of GRPOLoss and the TRL integration."""
@@ -261,6 +274,7 @@ def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: Lo
     ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
     batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
     check_target_range(batch.targets, vocab_size, batch.mask)
+    kept = check_kept_set(kept_ids, kept_offsets, batch.targets, vocab_size, batch.mask)
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch!r}")
     for name, value in (("entropy_mask", entropy_mask), ("policy_mask", policy_mask)):
@@ -268,7 +282,7 @@ def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: Lo
             raise ValueError(f"{name} must have shape {tuple(batch.mask.shape)} like mask, got {tuple(value.shape)}")
     return fused_policy_loss(batch, weight, bias, config, transform, num_items_in_batch=num_items_in_batch,
                              chunk_bytes=chunk_bytes, backend=backend, token_stats=token_stats, ops=ops,
-                             entropy_mask=entropy_mask, policy_mask=policy_mask)
+                             entropy_mask=entropy_mask, policy_mask=policy_mask, kept=kept)
 
 
 class GRPOLoss(nn.Module):
@@ -281,7 +295,8 @@ class GRPOLoss(nn.Module):
 
     Tensors, shapes, dtypes and the returned (loss, metrics) are `grpo_loss`'s: hidden (B, T, H) or (N, H) fp32 /
     bf16 / fp16, weight (V, H), targets / mask / old_logps / ref_logps / is_ratio (B, T) or (N,), advantages (B,)
-    or (B, T); loss a 0-dim fp32 tensor. forward takes the tensors, num_items_in_batch and process_group.
+    or (B, T); loss a 0-dim fp32 tensor. forward takes the tensors, num_items_in_batch, process_group and a kept
+    set (kept_ids, kept_offsets).
 
     config: a `LossConfig`, or None to build one from **loss_options (LossConfig's fields as keywords, see
         `grpo_loss`; an unknown keyword raises a ValueError naming it; beside a config each keeps its default).
@@ -301,12 +316,12 @@ class GRPOLoss(nn.Module):
         self.chunk_bytes, self.backend = chunk_bytes, backend
 
     def forward(self, hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
-                is_ratio=None, num_items_in_batch=None, process_group=None):
+                is_ratio=None, num_items_in_batch=None, process_group=None, kept_ids=None, kept_offsets=None):
         return checked_policy_loss(
             hidden, weight, targets, advantages, mask, config=self.config, transform=self.transform,
             old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=is_ratio,
             num_items_in_batch=num_items_in_batch, chunk_bytes=self.chunk_bytes, backend=self.backend,
-            process_group=process_group,
+            process_group=process_group, kept_ids=kept_ids, kept_offsets=kept_offsets,
         )
 
     def extra_repr(self) -> str:

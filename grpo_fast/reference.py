@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from grpo_fast.inputs import check_lm_head, check_transform, policy_batch
+from grpo_fast.kept import KeptSet
 from grpo_fast.numerics import accumulation_dtype
 from grpo_fast.variants import LossConfig, loss_config, policy_loss
 
@@ -27,22 +28,30 @@ def logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, logit
 
 
 def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None,
-                   return_entropy=False):
-    """Full-logits log_softmax(z).gather(targets); targets outside [0, V) give 0 (callers mask them)."""
+                   return_entropy=False, kept_ids=None, kept_offsets=None):
+    """Full-logits log_softmax(z).gather(targets); targets outside [0, V) give 0 (callers mask them). With a
+    CSR kept set, z is -inf off each token's kept ids (tokens with an empty set get the full vocabulary)."""
     z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    keep = None
+    if kept_ids is not None:
+        kept = KeptSet.of(kept_ids, kept_offsets)
+        keep = (kept.dense(weight.shape[0]) | (kept.sizes() == 0)[:, None]).view(z.shape)
+        z = z.masked_fill(~keep, float("-inf"))
     logp_all = torch.log_softmax(z, dim=-1)
     valid = (targets >= 0) & (targets < weight.shape[0])
     logp = logp_all.gather(-1, torch.where(valid, targets, 0).long()[..., None])[..., 0]
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     if not return_entropy:
         return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    # off the kept set p = 0 and log p = -inf: their terms are 0 (masked before the product, so no 0 * inf)
+    entropy = -(logp_all.exp() * (logp_all if keep is None else logp_all.masked_fill(~keep, 0.0))).sum(-1)
     return logp, entropy
 
 
 def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
               temperature=1.0, logit_scale=1.0, logit_softcap=None, num_items_in_batch=None,
-              is_ratio: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None, **options):
+              is_ratio: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None, kept_ids=None,
+              kept_offsets=None, **options):
     """The same loss as `grpo_fast.grpo_loss` (same keywords) from the full logits; returns (loss, metrics)."""
     options.pop("chunk_bytes", None)
     options.pop("backend", None)
@@ -54,7 +63,7 @@ def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     logp, entropy = token_logprobs(
         batch.hidden, weight, batch.targets, bias=bias, temperature=temperature, logit_scale=logit_scale,
-        logit_softcap=logit_softcap, return_entropy=True,
+        logit_softcap=logit_softcap, return_entropy=True, kept_ids=kept_ids, kept_offsets=kept_offsets,
     )
     return policy_loss(
         logp, entropy, batch.mask.to(dtype), batch.advantages.to(dtype), old_logps=cast(batch.old_logps),

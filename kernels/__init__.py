@@ -3,13 +3,17 @@
 - logprob_forward: one read of a (C, V) logits buffer -> log-sum-exp, target log-prob and entropy per row.
 - policy_grad: the loss epilogue -> dL/dlogp per row (ratio, clipping, KL, importance weights, reduction weight).
 - dlogits: one read and one write of the same buffer -> dL/dlogits in place.
-- tuning: the block sizes and warp counts of all three.
+- kept_logprob_forward / kept_dlogits: the same two passes over each row's kept set (top-k / top-p sampling):
+  K gathered logits read per row, the row cleared and its K gradients scattered.
+- tuning: the block sizes and warp counts of all of them.
 
 They know nothing of autograd or trainers; `grpo_fast.backends.triton_ops` drives them.
 """
 
 from grpo_fast.kernels.dlogits import dlogits_
+from grpo_fast.kernels.kept_dlogits import kept_dlogits_
+from grpo_fast.kernels.kept_logprob_forward import kept_logprob_forward
 from grpo_fast.kernels.logprob_forward import logprob_forward
 from grpo_fast.kernels.policy_grad import policy_grad
 
-__all__ = ["logprob_forward", "policy_grad", "dlogits_"]
+__all__ = ["logprob_forward", "policy_grad", "dlogits_", "kept_logprob_forward", "kept_dlogits_"]

@@ -35,6 +35,17 @@ def _dlogits_kernel(
     in_vocab = cols < V
     y = tl.where(in_vocab, tl.load(ptrs, mask=in_row, other=0.0).to(tl.float32), 0.0)
     target = tl.load(Targets + row)
+    dy = grad_logits(y, cols == target, row, Lse, Entropy, GradLogp, GradEntropy, in_scale, out_scale, grad_scale,
+                     HAS_SOFTCAP, HAS_GRAD_ENTROPY, COMPILED)
+    dy = tl.where(in_vocab, dy, 0.0)
+    tl.store(ptrs, dy.to(Logits.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def grad_logits(y, is_target, row, Lse, Entropy, GradLogp, GradEntropy, in_scale, out_scale, grad_scale,
+                HAS_SOFTCAP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, COMPILED: tl.constexpr):
+    """dL/dy at logits y (fp32) of row `row`: (g_logp 1[target] - p (g_logp + g_H (z - lse + H))) dz/dy, with p
+    = exp(z - lse) over whatever set lse was taken (the vocabulary, or a kept set)."""
     lse2 = tl.load(Lse + row) * LOG2E
     g_logp = tl.load(GradLogp + row)
     # In base 2: p = 2^u with u = (z - lse) * log2(e), one fused multiply-add from y. u is floored at NEG_BIG, so
@@ -54,9 +65,8 @@ def _dlogits_kernel(
         coef = (g_logp + g_entropy * tl.load(Entropy + row)) + (g_entropy * LN2) * u
     else:
         coef = g_logp
-    dz = tl.where(cols == target, g_logp, 0.0) - probs * coef
-    dy = tl.where(in_vocab, dz * dz_dy, 0.0)
-    tl.store(ptrs, dy.to(Logits.dtype.element_ty), mask=in_row)
+    dz = tl.where(is_target, g_logp, 0.0) - probs * coef
+    return dz * dz_dy
 
 
 def dlogits_(logits, targets, lse, g_logp, *, entropy=None, g_entropy=None, scale=1.0, temperature=1.0,

@@ -36,6 +36,17 @@ def _pre_exp(y, in_scale, HAS_SOFTCAP: tl.constexpr, NEGATE: tl.constexpr, COMPI
 
 
 @triton.jit
+def _z_scale(in_scale, out_scale, HAS_SOFTCAP: tl.constexpr, NEGATE: tl.constexpr):
+    """dz/dx for the x of _pre_exp."""
+    if HAS_SOFTCAP:
+        return out_scale
+    elif NEGATE:
+        return -in_scale
+    else:
+        return in_scale
+
+
+@triton.jit
 def _load_whole_tile(row_ptr, start, groups: tl.constexpr, GROUP: tl.constexpr, BF16_PAIRS: tl.constexpr):
     """The (groups, GROUP) tile at columns [start, start + groups * GROUP) as fp32, in any order within a group.
 
@@ -90,12 +101,7 @@ def _logprob_forward_kernel(
     row_ptr = Logits + row * stride_row
     target = tl.load(Targets + row)
     y_target = tl.load(row_ptr + target).to(tl.float32)     # issued early: its latency hides behind the loop
-    if HAS_SOFTCAP:
-        z_scale = out_scale                                   # z = x * z_scale
-    elif NEGATE:
-        z_scale = -in_scale
-    else:
-        z_scale = in_scale
+    z_scale = _z_scale(in_scale, out_scale, HAS_SOFTCAP, NEGATE)      # z = x * z_scale
     scale2 = z_scale * LOG2E                                  # exp(z - max) = 2^((x - max) * scale2)
     groups: tl.constexpr = BLOCK_V // GROUP
     group_max = tl.full([groups], NEG_BIG, tl.float32)
@@ -117,6 +123,15 @@ def _logprob_forward_kernel(
         x = tl.where(cols < V, _pre_exp(y, in_scale, HAS_SOFTCAP, NEGATE, COMPILED), NEG_BIG)
         group_max, group_sum, group_rest, group_dot = _update(x, group_max, group_sum, group_rest, group_dot,
                                                               scale2, COMPUTE_ENTROPY)
+    x_target = _pre_exp(y_target, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
+    _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_scale, scale2, Lse + row, Logp + row,
+                     Entropy + row, groups, COMPUTE_ENTROPY)
+
+
+@triton.jit
+def _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_scale, scale2, lse_ptr, logp_ptr,
+                     entropy_ptr, groups: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """Combines the groups' running statistics into the row's lse, target log-prob and entropy, and stores them."""
     # Combine the groups relative to the row max. 1 + s_rest of the row: the rest of the first group holding the
     # max, plus its other elements at the max (ties: then s >= 2 and nothing is lost), plus every other group.
     row_max = tl.max(group_max, axis=0)
@@ -128,13 +143,12 @@ def _logprob_forward_kernel(
     ties = tl.floor(group_sum - group_rest + 0.5) - 1.0      # an integer: both sums hold the same small terms
     sum_rest = tl.sum(tl.where(index == first, group_rest + ties, group_sum * weight), axis=0)
     log_sum = log1p(sum_rest)                                 # ln(sum exp(z - max)), accurate near 0
-    x_target = _pre_exp(y_target, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
-    tl.store(Lse + row, row_max * z_scale + log_sum)
-    tl.store(Logp + row, (x_target - row_max) * z_scale - log_sum)
+    tl.store(lse_ptr, row_max * z_scale + log_sum)
+    tl.store(logp_ptr, (x_target - row_max) * z_scale - log_sum)
     if COMPUTE_ENTROPY:
         # sum 2^d d relative to the row max; groups of weight 0 left out (their shift times their sum may be huge)
         dot = tl.sum(tl.where(weight > 0.0, weight * (group_dot + group_sum * shift), 0.0), axis=0)
-        tl.store(Entropy + row, log_sum - LN2 * dot / sum_exp)
+        tl.store(entropy_ptr, log_sum - LN2 * dot / sum_exp)
 
 
 def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None, compute_entropy=True,

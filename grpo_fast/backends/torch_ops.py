@@ -90,6 +90,61 @@ def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, onehot=None) 
     buffer.copy_(dlogits)
 
 
+@dataclass
+class KeptState:
+    """The statistics of a chunk over its kept sets (grpo_fast.kept): only the K kept logits are read."""
+
+    rows: torch.Tensor               # (K,) int64: the chunk row of each kept id
+    cols: torch.Tensor               # (K,) int64: its column in the buffer
+    is_target: torch.Tensor          # (K,) bool: the id is its row's target
+    logits: torch.Tensor             # (K,) z at the kept ids, fp32
+    probs: torch.Tensor              # (K,) softmax over each row's kept set
+    lse: torch.Tensor                # (C,) log-sum-exp over the kept set
+    logp: torch.Tensor               # (C,)
+    entropy: Optional[torch.Tensor]  # (C,) entropy of the kept-set distribution
+
+
+def kept_stats_(buffer, targets, transform, need_entropy, kept) -> KeptState:
+    """stats_ over each row's kept set S (a grpo_fast.kept.KeptChunk; every row holds K >= 1 ids, its target
+    among them): lse_S = logsumexp_{j in S} z_j, logp = z_target - lse_S, H_S = lse_S - sum_{j in S} p^S_j z_j,
+    with the same split of the largest term as stats_ (peaked rows keep their relative accuracy)."""
+    rows, cols = kept.rows(), kept.ids
+    num_rows, num_kept = buffer.shape[0], cols.numel()
+    z = transformed_(buffer[rows, cols], transform)        # a (K,) copy: the buffer keeps its logits
+    stat = z.new_zeros(num_rows)
+    row_max = z.new_full((num_rows,), NEG_BIG).scatter_reduce_(0, rows, z, "amax")
+    shifted = z - row_max.index_select(0, rows)
+    # s - 1: every term but one at each row's max (its first id there)
+    position = torch.arange(num_kept, device=z.device)
+    first = torch.full((num_rows,), num_kept, dtype=torch.long, device=z.device).scatter_reduce_(
+        0, rows, torch.where(shifted == 0, position, num_kept), "amin")
+    rest = stat.clone().index_add_(0, rows, shifted.exp().index_fill_(0, first, 0.0))
+    log_sum = rest.log1p()
+    probs = (shifted - log_sum.index_select(0, rows)).exp_()
+    is_target = cols == targets.index_select(0, rows)
+    logp = stat.clone().index_add_(0, rows, torch.where(is_target, shifted, 0.0)) - log_sum
+    entropy = (log_sum - stat.clone().index_add_(0, rows, probs * shifted)) if need_entropy else None
+    return KeptState(rows, cols, is_target, z, probs, row_max + log_sum, logp, entropy)
+
+
+def kept_dlogits_(buffer, state: KeptState, g_logp, g_entropy, transform) -> None:
+    """buffer <- dL/dy: (g 1[j = target] - p^S_j (g + g_H (z_j - lse_S + H_S))) dz/dy at the kept ids, 0 elsewhere
+    (the tokens off the kept set do not enter the kept-set distribution)."""
+    rows, z = state.rows, state.logits
+    g_rows = g_logp.index_select(0, rows)
+    if g_entropy is None:
+        coef = g_rows
+    else:
+        centred = z - (state.lse - state.entropy).index_select(0, rows)
+        coef = centred.mul_(g_entropy.index_select(0, rows)).add_(g_rows)
+    dz = torch.where(state.is_target, g_rows, 0.0) - state.probs * coef
+    if transform.softcap is not None:
+        dz.mul_(1 - (z * (transform.temperature / transform.softcap)).square_())
+    dz.mul_(transform.scale / transform.temperature)
+    buffer.zero_()
+    buffer[rows, state.cols] = dz.to(buffer.dtype)
+
+
 def policy_grad(logp, terms):
     """d(loss)/d(logp) per token: autograd over the loss math of grpo_fast.variants."""
     return token_loss_grad(logp, terms)
@@ -99,9 +154,19 @@ class TorchOps(ChunkOps):
     """The passes above as a single-device backend."""
 
     bytes_per_logit = staticmethod(bytes_per_logit)
-    stats_ = staticmethod(stats_)
     policy_grad = staticmethod(policy_grad)
-    dlogits_ = staticmethod(dlogits_)
+
+    @staticmethod
+    def stats_(buffer, targets, transform, need_entropy, kept=None):
+        if kept is not None:
+            return kept_stats_(buffer, targets, transform, need_entropy, kept)
+        return stats_(buffer, targets, transform, need_entropy)
+
+    @staticmethod
+    def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
+        if isinstance(state, KeptState):
+            return kept_dlogits_(buffer, state, g_logp, g_entropy, transform)
+        return dlogits_(buffer, state, targets, g_logp, g_entropy, transform)
 
 
 OPS = TorchOps()

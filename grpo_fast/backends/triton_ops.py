@@ -9,7 +9,7 @@ import torch
 
 from grpo_fast.backends.base import ChunkOps
 from grpo_fast.kernels import dlogits_ as _dlogits_kernel
-from grpo_fast.kernels import logprob_forward
+from grpo_fast.kernels import kept_dlogits_, kept_logprob_forward, logprob_forward
 from grpo_fast.kernels import policy_grad as _policy_grad_kernel
 from grpo_fast.kernels.launch import has_padding
 
@@ -19,6 +19,7 @@ class ChunkState:
     lse: torch.Tensor
     logp: torch.Tensor
     entropy: Optional[torch.Tensor]
+    kept: Optional[object] = None            # the chunk's grpo_fast.kept.KeptChunk: statistics over it
 
 
 def bytes_per_logit(dtype: torch.dtype) -> int:
@@ -27,9 +28,15 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
 
 # chunked_pass pads the row stride of its buffer to 16 elements and those columns are scratch (see backends):
 # `has_padding` tells the kernels they may read and write them, so that their loads and stores stay vectors.
-def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
+def stats_(buffer, targets, transform, need_entropy, kept=None) -> ChunkState:
     if buffer.dtype == torch.float64:
         raise TypeError("backend='triton' takes fp32, bf16 or fp16 inputs, got float64 (use backend='torch')")
+    if kept is not None:
+        lse, logp, entropy = kept_logprob_forward(
+            buffer, targets, kept.ids, kept.offsets, scale=transform.scale, temperature=transform.temperature,
+            softcap=transform.softcap, compute_entropy=need_entropy,
+        )
+        return ChunkState(lse, logp, entropy, kept)
     lse, logp, entropy = logprob_forward(
         buffer, targets, scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
         compute_entropy=need_entropy, padded=has_padding(buffer),
@@ -42,6 +49,13 @@ def policy_grad(logp, terms):
 
 
 def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:
+    if state.kept is not None:
+        kept_dlogits_(
+            buffer, targets, state.kept.ids, state.kept.offsets, state.lse, g_logp, entropy=state.entropy,
+            g_entropy=g_entropy, scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
+            padded=has_padding(buffer),
+        )
+        return
     _dlogits_kernel(
         buffer, targets, state.lse, g_logp, entropy=state.entropy, g_entropy=g_entropy,
         scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,

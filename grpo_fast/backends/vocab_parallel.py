@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from grpo_fast.backends import torch_ops
 from grpo_fast.backends.base import ChunkOps
-from grpo_fast.backends.torch_ops import ChunkState
+from grpo_fast.backends.torch_ops import ChunkState, KeptState
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ class VocabParallelOps(ChunkOps):
         owned = (local >= 0) & (local < self.shard.size)
         return torch.where(owned, local, 0), owned
 
-    def stats_(self, buffer, targets, transform, need_entropy) -> ChunkState:
+    def stats_(self, buffer, targets, transform, need_entropy, kept=None):
+        if kept is not None:
+            return self._kept_stats(buffer, targets, transform, need_entropy, kept)
         group = self.shard.group
         z = torch_ops.transformed_(buffer, transform)
         row_max = z.amax(dim=-1)
@@ -76,7 +78,35 @@ class VocabParallelOps(ChunkOps):
         entropy = lse - sum_exp_z / sum_exp if need_entropy else None          # H = lse - sum p z
         return ChunkState(z, probs, lse, target_logit - lse, entropy)
 
+    def _kept_stats(self, buffer, targets, transform, need_entropy, kept) -> KeptState:
+        """stats_ over each row's kept set: this rank reads the kept ids in its slice, and the same collectives
+        as the full pass give every rank the kept-set statistics."""
+        group = self.shard.group
+        rows, local = kept.rows(), kept.ids - self.shard.start
+        owned = (local >= 0) & (local < self.shard.size)
+        rows, cols, ids = rows[owned], local[owned], kept.ids[owned]
+        z = torch_ops.transformed_(buffer[rows, cols], transform)
+        num_rows = buffer.shape[0]
+        row_max = z.new_full((num_rows,), torch_ops.NEG_BIG).scatter_reduce_(0, rows, z, "amax")
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        probs = (z - row_max.index_select(0, rows)).exp_()
+        is_target = ids == targets.index_select(0, rows)
+        sums = z.new_zeros(3, num_rows)
+        sums[0].index_add_(0, rows, probs)
+        if need_entropy:
+            sums[1].index_add_(0, rows, probs * z)
+        sums[2].index_add_(0, rows, torch.where(is_target, z, 0.0))
+        dist.all_reduce(sums, group=group)
+        sum_exp, sum_exp_z, target_logit = sums
+        lse = row_max + sum_exp.log()
+        probs.div_(sum_exp.index_select(0, rows))
+        entropy = lse - sum_exp_z / sum_exp if need_entropy else None
+        return KeptState(rows, cols, is_target, z, probs, lse, target_logit - lse, entropy)
+
     def dlogits_(self, buffer, state, targets, g_logp, g_entropy, transform) -> None:
+        if isinstance(state, KeptState):          # the one-hot term is where is_target holds: the owner's
+            torch_ops.kept_dlogits_(buffer, state, g_logp, g_entropy, transform)
+            return
         local, owned = self._local(targets)
         # the one-hot term lives on the rank that owns the target: elsewhere add zero at column 0
         torch_ops.dlogits_(buffer, state, local, g_logp, g_entropy, transform,

@@ -34,6 +34,8 @@ from grpo_fast.variants import LossConfig, TokenTerms
 dlogits = importlib.import_module("grpo_fast.kernels.dlogits")
 logprob_forward = importlib.import_module("grpo_fast.kernels.logprob_forward")
 policy_grad = importlib.import_module("grpo_fast.kernels.policy_grad")
+kept_logprob_forward = importlib.import_module("grpo_fast.kernels.kept_logprob_forward")
+kept_dlogits = importlib.import_module("grpo_fast.kernels.kept_dlogits")
 
 # Shared memory per block available to a kernel, per architecture.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -89,6 +91,28 @@ def variants():
 
                 yield "logprob_forward", label, logprob_forward._logprob_forward_kernel, stats
                 yield "dlogits", label, dlogits._dlogits_kernel, grad
+    for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for vocab, padded in ((151936, False), (50257, True)):
+            for softcap in (None, 30.0):
+                label = f"{dtype_name}/V={vocab}{'/padded' if padded else ''}/softcap={softcap is not None}"
+                kept_ids = torch.randint(0, vocab, (4 * 512,))
+                kept_offsets = torch.arange(0, 4 * 512 + 1, 512)
+                targets = kept_ids[::512].clone()
+
+                def kept_stats(vocab=vocab, padded=padded, softcap=softcap, targets=targets, dtype=dtype,
+                               kept_ids=kept_ids, kept_offsets=kept_offsets):
+                    kept_logprob_forward.kept_logprob_forward(_buffer(4, vocab, dtype, padded), targets, kept_ids,
+                                                              kept_offsets, softcap=softcap, temperature=0.7)
+
+                def kept_grad(vocab=vocab, padded=padded, softcap=softcap, targets=targets, dtype=dtype,
+                              kept_ids=kept_ids, kept_offsets=kept_offsets):
+                    vectors = torch.rand(4, 4)
+                    kept_dlogits.kept_dlogits_(_buffer(4, vocab, dtype, padded), targets, kept_ids, kept_offsets,
+                                               vectors[0], vectors[1], entropy=vectors[2], g_entropy=vectors[3],
+                                               softcap=softcap, temperature=0.7, padded=padded)
+
+                yield "kept_logprob_forward", label, kept_logprob_forward._kept_logprob_forward_kernel, kept_stats
+                yield "kept_dlogits", label, kept_dlogits._kept_dlogits_kernel, kept_grad
     for objective in policy_grad.OBJECTIVES:
         def epilogue(objective=objective):
             n = 3000
@@ -187,9 +211,12 @@ def sass_instructions(cubin: bytes):
 
 
 def per_thread_elements(kernel_name, kwargs) -> int:
-    """Columns one thread handles per loop iteration (logprob_forward) or per program (dlogits)."""
+    """Columns one thread handles per loop iteration (logprob_forward, the kept-set kernels' id loop) or per
+    program (dlogits)."""
     if kernel_name == "policy_grad":
         return kwargs["BLOCK"] // (32 * kwargs["num_warps"])
+    if kernel_name.startswith("kept_"):
+        return max(1, kwargs["BLOCK_K"] // (32 * kwargs["num_warps"]))
     return kwargs["BLOCK_V"] // (32 * kwargs["num_warps"])
 
 

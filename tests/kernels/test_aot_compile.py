@@ -36,7 +36,8 @@ def vectorizable(report) -> bool:
 
 
 def test_every_kernel_compiles_without_spills(reports):
-    assert {r["kernel"] for r in reports} == {"logprob_forward", "policy_grad", "dlogits"}
+    assert {r["kernel"] for r in reports} == {"logprob_forward", "policy_grad", "dlogits", "kept_logprob_forward",
+                                              "kept_dlogits"}
     assert {r["arch"] for r in reports} == {"sm_90", "sm_80"}
     for r in reports:
         assert r["cubin_bytes"] > 0
@@ -71,6 +72,13 @@ def test_dlogits_moves_16_byte_vectors(reports):
     for r in reports:
         if r["kernel"] == "dlogits" and vectorizable(r):
             assert 16 in r["load_bytes"] and r["store_bytes"] == [16], r
+
+
+def test_kept_dlogits_clears_rows_in_16_byte_vectors(reports):
+    # the row is written whole (zeros) and K gradients scattered: the clearing stores must be vectors
+    for r in reports:
+        if r["kernel"] == "kept_dlogits" and vectorizable(r):
+            assert 16 in r["store_bytes"], r
 
 
 def test_softcap_divides_once_per_element(reports):

@@ -1,5 +1,6 @@
 """A vocabulary-parallel LM head over a gloo process group: every loss type, log-probs and entropies, forward
-and backward, equal the unsharded computation (2 and 3 ranks, uneven slices, several chunks per pass)."""
+and backward, equal the unsharded computation (2 and 3 ranks, uneven slices, several chunks per pass), also over
+kept sets (top-k / top-p) whose ids fall in several slices."""
 
 import socket
 
@@ -9,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import grpo_fast as gf
+from grpo_fast.kept import kept_set_from_mask
 
 CASES = [dict(loss_type=name) for name in ("grpo", "bnpo", "dapo", "cispo", "sapo")] + [
     dict(loss_type="dr_grpo", max_completion_length=8, beta=0.1, entropy_coef=0.01),
@@ -71,6 +73,46 @@ def run_logprobs(sizes, rank, group):
                                                      process_group=group), logp.detach())
 
 
+def kept_sets(targets, vocab, mask=None, seed=2):
+    """Random CSR kept sets holding each target; empty where mask is 0 (the loss skips those tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    keep = torch.rand(targets.numel(), vocab, generator=generator) < 0.3
+    keep.scatter_(1, targets.reshape(-1, 1).clamp(min=0), True)
+    if mask is not None:
+        keep &= mask.reshape(-1, 1)
+    return kept_set_from_mask(keep)
+
+
+def run_kept(sizes, rank, group):
+    """Kept sets split across the slices: loss, log-probs, entropies and gradients equal the unsharded ones."""
+    hidden, weight, bias, targets, mask, old, ref, advantages = inputs(seed=3)
+    start, size = sum(sizes[:rank]), sizes[rank]
+    kept_ids, kept_offsets = kept_sets(targets, weight.shape[0], mask)
+    kwargs = dict(old_logps=old, ref_logps=ref, backend="torch", chunk_bytes=512, beta=0.1, entropy_coef=0.02,
+                  logit_softcap=4.0, temperature=0.8, kept_ids=kept_ids, kept_offsets=kept_offsets)
+    h_full, w_full, b_full = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    expected, expected_metrics = gf.grpo_loss(h_full, w_full, targets, advantages, mask, bias=b_full, **kwargs)
+    expected.backward()
+    h, w, b = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_(), \
+        bias[start:start + size].clone().requires_grad_()
+    loss, metrics = gf.grpo_loss(h, w, targets, advantages, mask, bias=b, process_group=group, **kwargs)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h.grad, h_full.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(b.grad, b_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(metrics["entropy"], expected_metrics["entropy"], rtol=1e-9, atol=1e-12)
+
+    full_ids, full_offsets = kept_sets(targets, weight.shape[0])
+    logp, entropy = gf.token_logprobs(hidden, weight, targets, return_entropy=True, kept_ids=full_ids,
+                                      kept_offsets=full_offsets)
+    logp_s, entropy_s = gf.token_logprobs(hidden, weight[start:start + size], targets, return_entropy=True,
+                                          kept_ids=full_ids, kept_offsets=full_offsets, chunk_bytes=512,
+                                          process_group=group)
+    torch.testing.assert_close(logp_s, logp, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(entropy_s, entropy, rtol=1e-10, atol=1e-12)
+
+
 def worker(rank, world, port, sizes):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -78,6 +120,7 @@ def worker(rank, world, port, sizes):
         for case in CASES:
             run_case(case, sizes, rank, dist.group.WORLD)
         run_logprobs(sizes, rank, dist.group.WORLD)
+        run_kept(sizes, rank, dist.group.WORLD)
         with pytest.raises(ValueError, match=r"targets must lie in \[0, V\) = \[0, 37\)"):
             hidden, weight, _, targets, _, _, _, _ = inputs()
             start, size = sum(sizes[:rank]), sizes[rank]
