@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, Batch
+from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, Batch, kept_set
 from grpo_fast.profiling import GemmCounter, machine_name, peak_rss_bytes, start_peak_rss
 
 GPU_HEADS = [(896, 151936), (3584, 151936), (2304, 256000)]         # Qwen2.5-0.5B, Qwen2.5-7B, Gemma-2-2B
@@ -34,7 +34,7 @@ CPU_HEADS = [(512, 32768), (1024, 65536)]
 CPU_TOKENS = [1024, 2048, 4096, 8192]
 QUICK_HEADS = [(512, 32768)]
 QUICK_TOKENS = [1024, 2048]
-QUICK_IMPLS = ["floor", "grpo_fast", "grpo_fast_two_phase", "naive", "trl", "liger"]
+QUICK_IMPLS = ["floor", "grpo_fast", "grpo_fast_kept512", "grpo_fast_two_phase", "naive", "trl", "liger"]
 CHECK_SHAPE = (512, 64, 2000)                                         # N, H, V of the accuracy check
 SKIPPED = "skipped: time budget spent"
 OUTPUT_FILES = ("bench.md", "bench.json", "time_vs_tokens.png", "memory_vs_tokens.png")
@@ -90,22 +90,27 @@ def seconds(text: str) -> float:
     return value
 
 
-def make_batch(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0, sequences: int = 8) -> Batch:
-    """Inputs of one step: `sequences` completions of shape.tokens / sequences tokens, every token counted."""
+def make_batch(shape: Shape, dtype: torch.dtype, device: str, seed: int = 0, sequences: int = 8,
+               kept: int = 0) -> Batch:
+    """Inputs of one step: `sequences` completions of shape.tokens / sequences tokens, every token counted; kept:
+    ids per token in kept sets (implementations.kept_set), 0 for none."""
     gen = torch.Generator().manual_seed(seed)
     seq = max(shape.tokens // sequences, 1)
     batch = max(shape.tokens // seq, 1)
     hidden = torch.randn(batch, seq, shape.hidden, generator=gen)
     weight = torch.randn(shape.vocab, shape.hidden, generator=gen) * (2.0 / shape.hidden**0.5)
     uniform = -math.log(shape.vocab)
+    targets = torch.randint(0, shape.vocab, (batch, seq), generator=gen).to(device)
+    kept_ids, kept_offsets = kept_set(targets, shape.vocab, kept) if kept else (None, None)
     return Batch(
         hidden=hidden.to(device, dtype).requires_grad_(),
         weight=weight.to(device, dtype).requires_grad_(),
-        targets=torch.randint(0, shape.vocab, (batch, seq), generator=gen).to(device),
+        targets=targets,
         mask=torch.ones(batch, seq, dtype=torch.bool, device=device),
         advantages=torch.randn(batch, generator=gen).to(device),
         old_logps=(uniform + 0.2 * torch.randn(batch, seq, generator=gen)).to(device),
         ref_logps=(uniform + 0.2 * torch.randn(batch, seq, generator=gen)).to(device),
+        kept_ids=kept_ids, kept_offsets=kept_offsets,
     )
 
 
@@ -119,7 +124,7 @@ def check(name: str, dtype: torch.dtype, device: str) -> dict:
     """GEMM passes and errors against the float64 reference of one implementation at CHECK_SHAPE."""
     impl = IMPLEMENTATIONS[name]
     shape = Shape(*CHECK_SHAPE)
-    batch = make_batch(shape, dtype, device, seed=1)
+    batch = make_batch(shape, dtype, device, seed=1, kept=impl.kept)
     result = {}
     try:
         with GemmCounter() as counter:
@@ -131,7 +136,7 @@ def check(name: str, dtype: torch.dtype, device: str) -> dict:
         loss, d_hidden, d_weight = impl.step(batch)
     if loss is None:                                     # the floor computes no loss: nothing to compare
         return {**result, "loss_error": None, "grad_error": None}
-    exact = make_batch(shape, torch.float64, "cpu", seed=1)
+    exact = make_batch(shape, torch.float64, "cpu", seed=1, kept=impl.kept)     # the reference: same kept sets
     exact.hidden.data.copy_(batch.hidden.detach().cpu())
     exact.weight.data.copy_(batch.weight.detach().cpu())
     ref_loss, ref_hidden, ref_weight = IMPLEMENTATIONS["naive"].step(exact)
@@ -163,8 +168,9 @@ def measure(name: str, shape: Shape, dtype: torch.dtype, device: str, repeats: i
     cuda = device.startswith("cuda")
     try:
         if not cuda:  # thread pools and first-call paths, on a problem too small to leave memory behind
-            impl.step(make_batch(Shape(64, shape.hidden, min(shape.vocab, 1024)), dtype, device, seed=2))
-        batch = make_batch(shape, dtype, device)
+            impl.step(make_batch(Shape(64, shape.hidden, min(shape.vocab, 1024)), dtype, device, seed=2,
+                                 kept=impl.kept))
+        batch = make_batch(shape, dtype, device, kept=impl.kept)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -30,6 +30,13 @@ class Batch:
     advantages: torch.Tensor   # (B,)
     old_logps: torch.Tensor    # (B, T) fp32
     ref_logps: torch.Tensor    # (B, T) fp32
+    kept_ids: Optional[torch.Tensor] = None       # the CSR kept set of every token (top-k / top-p rows), or None
+    kept_offsets: Optional[torch.Tensor] = None
+
+    @property
+    def kept(self) -> dict:
+        """The kept_ids / kept_offsets keywords of the loss, or none."""
+        return {} if self.kept_ids is None else {"kept_ids": self.kept_ids, "kept_offsets": self.kept_offsets}
 
     @property
     def num_items(self) -> torch.Tensor:
@@ -43,6 +50,7 @@ class Implementation:
     requires: tuple = ()                        # modules that must be importable
     devices: tuple = ("cpu", "cuda")
     description: str = ""
+    kept: int = 0                               # ids per token in the batch's kept sets (0: whole vocabulary)
 
     def unavailable(self, device: str) -> Optional[str]:
         """Why this implementation cannot run here, or None."""
@@ -52,6 +60,19 @@ class Implementation:
             if importlib.util.find_spec(module) is None:
                 return f"{module} not installed"
         return None
+
+
+KEPT = 512                     # a top_k = 512 sampler's kept set
+
+
+def kept_set(targets: torch.Tensor, vocab: int, k: int) -> tuple:
+    """(kept_ids, kept_offsets): k ids per token, (target + j * (V // k)) mod V for j < k (distinct, target
+    first), min(k, V) when k > V."""
+    k = min(k, vocab)
+    step = vocab // k
+    flat = targets.reshape(-1).clamp(min=0)
+    ids = (flat[:, None] + torch.arange(k, device=flat.device) * step) % vocab
+    return ids.reshape(-1), torch.arange(0, flat.numel() * k + 1, k, device=flat.device)
 
 
 def backward(loss, batch):
@@ -69,11 +90,13 @@ def loss_math(logp, entropy, batch):
 
 
 def grpo_fast_fused(backend, chunk_bytes=None):
-    """The fused loss on `backend`; chunk_bytes: the chunk budget (None: the loss's default)."""
+    """The fused loss on `backend`; chunk_bytes: the chunk budget (None: the loss's default). Over the batch's
+    kept sets when it has them."""
     def step(batch):
         loss, _ = gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask,
                                old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-                               num_items_in_batch=batch.num_items, backend=backend, chunk_bytes=chunk_bytes, **LOSS)
+                               num_items_in_batch=batch.num_items, backend=backend, chunk_bytes=chunk_bytes,
+                               **batch.kept, **LOSS)
         return backward(loss, batch)
     return step
 
@@ -88,7 +111,7 @@ def naive(batch):
     """Full logits, fp32 log-softmax and gather, then the loss math: what TRL did before its fused head."""
     loss, _ = reference.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask,
                                   old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-                                  num_items_in_batch=batch.num_items, **LOSS)
+                                  num_items_in_batch=batch.num_items, **batch.kept, **LOSS)
     return backward(loss, batch)
 
 
@@ -134,6 +157,10 @@ IMPLEMENTATIONS = {impl.name: impl for impl in [
     Implementation("grpo_fast", grpo_fast_fused("torch"), description="fused loss, torch backend"),
     Implementation("grpo_fast[triton]", grpo_fast_fused("triton"), requires=("triton",), devices=("cuda",),
                    description="fused loss, Triton backend"),
+    Implementation("grpo_fast_kept512", grpo_fast_fused("torch"), kept=KEPT,
+                   description="fused loss over kept sets of 512 ids per token (top_k 512), torch backend"),
+    Implementation("grpo_fast_kept512[triton]", grpo_fast_fused("triton"), requires=("triton",), devices=("cuda",),
+                   kept=KEPT, description="fused loss over kept sets of 512 ids per token, Triton backend"),
     Implementation("grpo_fast_two_phase", grpo_fast_two_phase, description="token_logprobs, then the loss math"),
     Implementation("naive", naive, description="full logits, fp32 log-softmax, gather"),
     Implementation("trl", trl, requires=("trl",), description="TRL 1.16 ChunkedLogProbFunction + loss math"),

@@ -142,6 +142,26 @@ def patch_grpo_trainer(trainer: GRPOTrainer) -> GRPOTrainer:
     return trainer
 
 
+def truncated_sampling_bias(args) -> str | None:
+    """The warning for a GRPOConfig whose vLLM importance-sampling correction runs under truncated sampling
+    (top_p < 1, top_k > 0 or min_p > 0), or None. vLLM's sampled-token log-probs are then over each token's kept
+    set and TRL 1.16's over the whole vocabulary, and TRL hands the trainer no kept sets (vLLM's sampling mask)
+    to compute over: every ratio carries its token's kept mass."""
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False)):
+        return None
+    truncation = [f"{name}={value}" for name, value, off in (("top_p", args.top_p, 1.0), ("top_k", args.top_k, 0),
+                                                             ("min_p", args.min_p, None))
+                  if value not in (off, None, 0, 0.0, -1)]
+    if not truncation:
+        return None
+    return ("grpo_fast: vLLM samples with " + ", ".join(truncation) + ", so its log-probs are over each token's "
+            "kept set, while the trainer's are over the whole vocabulary: TRL hands over no kept sets (vLLM's "
+            "sampling mask), so vllm_importance_sampling_correction's ratio exp(trainer - vLLM) is biased low by "
+            "each token's kept mass (0.90 on average at top_p 0.9 on the tiny model, see the README). Sample with "
+            "top_p=1.0, top_k=0 and min_p=None, or train with grpo_fast's trainer, whose log-probs follow the "
+            "engine's kept sets (grpo_fast.grpo_loss(..., kept_ids=, kept_offsets=)).")
+
+
 class FastGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` (same constructor) with grpo_fast's log-probs, entropies and, where TRL's options allow,
     its fused loss: the gradient computed with the logits, 3 GEMM passes over the LM head instead of 4.
@@ -173,6 +193,9 @@ class FastGRPOTrainer(GRPOTrainer):
         if reasons:             # once, at construction: what this configuration leaves to TRL's loss, and why
             warnings.warn("grpo_fast: TRL's own loss code runs on grpo_fast's log-probs (4 GEMM passes, not the "
                           "fused loss) for: " + "; ".join(reasons), stacklevel=2)
+        bias = truncated_sampling_bias(self.args)
+        if bias:
+            warnings.warn(bias, stacklevel=2)
 
     def _use_shared_prompt_attention(self) -> bool:
         """Switch the policy to grpo_fast's variable-length attention where prompts can be shared (see the class

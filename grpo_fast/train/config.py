@@ -98,6 +98,10 @@ class TrainConfig:
     max_completion_length: int = _rollouts(6, "tokens sampled per completion at most")
     temperature: float = _rollouts(1.0, "sampling temperature")
     top_p: float = _rollouts(1.0, "nucleus sampling probability mass, in (0, 1]")
+    top_k: int = _rollouts(0, "sample among the top_k most likely tokens (0: every token), before top_p. With "
+                              "top_k > 0 or top_p < 1 the engines return each token's kept set and the trainer's "
+                              "log-probs (old, reference, training) are over it; engine 'vllm' needs top_k > 0 "
+                              "then (it bounds the kept sets vLLM returns)")
     ignore_eos: bool = _rollouts(False, "sample all max_completion_length tokens of every completion (length tests)")
     vllm_gpu_memory_utilization: float = _rollouts(0.3, "vLLM's share of the GPU memory, in (0, 1]")
     vllm_dtype: str = _rollouts("auto", '"auto" (bfloat16 on a GPU, and on a CPU that computes bf16 natively: AMX '
@@ -249,13 +253,12 @@ class TrainConfig:
             raise ValueError(f"loss_type 'vespo' takes the rollout correction per token into its sequence weight; "
                              f"importance_sampling={self.importance_sampling!r} is per sequence: use token_truncate, "
                              "token_mask or none")
-        if self.engine == "vllm" and self.importance_sampling != "none" and self.top_p < 1:
-            # vLLM's sampled-token log-probs are renormalized over the nucleus, the trainer's are over the whole
-            # vocabulary: exp(trainer - engine) would be off by the kept mass on every token, not by the mismatch
-            raise ValueError(f"top_p={self.top_p} with engine 'vllm' and importance_sampling="
-                             f"{self.importance_sampling!r}: the engine's log-probs are over the top-p nucleus and "
-                             "the trainer's over the whole vocabulary, so the correction's ratio would be biased by "
-                             "the kept probability mass; set top_p: 1.0 or importance_sampling: none")
+        if self.engine == "vllm" and self.top_p < 1 and self.top_k == 0:
+            # vLLM hands over kept sets only under a top_k bound; without them the trainer's log-probs would be over
+            # the whole vocabulary and the engine's over the nucleus, off by the kept mass on every token
+            raise ValueError(f"top_p={self.top_p} with engine 'vllm' needs top_k > 0, got top_k=0: vLLM returns the "
+                             "kept set of each token (which the trainer's log-probs must be over, so that the rollout "
+                             "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
         check_optimizer(self.dtype, self.optimizer, self.lora_rank)
         if self.lora_rank:
             if not self.lora_target_modules or not all(isinstance(n, str) and n.strip()
@@ -277,6 +280,12 @@ class TrainConfig:
                              f"under torchrun ({world_size} processes) use max_staleness: 0")
         if self.scale_rewards == "batch" and world_size > 1:
             raise ValueError("scale_rewards='batch' needs the rewards of all ranks; use 'group' or 'none'")
+
+    @property
+    def truncates_sampling(self) -> bool:
+        """Whether the engines sample from a truncated distribution (top_k > 0 or top_p < 1): they then return
+        each token's kept set, and every log-prob of the trainer is over it."""
+        return self.top_k > 0 or self.top_p < 1
 
     def loss_config(self) -> LossConfig:
         return LossConfig(loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
@@ -303,7 +312,8 @@ RULES = {
     "num_prompts": _POSITIVE, "max_operand": _POSITIVE,
     "group_size": _rule(">= 2 (advantages compare completions)", lambda v: v >= 2),
     "prompts_per_step": _POSITIVE, "max_completion_length": _POSITIVE, "temperature": _POSITIVE,
-    "top_p": _FRACTION, "vllm_gpu_memory_utilization": _FRACTION, "importance_sampling_cap": _POSITIVE,
+    "top_p": _FRACTION, "top_k": _NON_NEGATIVE, "vllm_gpu_memory_utilization": _FRACTION,
+    "importance_sampling_cap": _POSITIVE,
     "importance_sampling_min": _NON_NEGATIVE, "max_staleness": _NON_NEGATIVE,
     "beta": _NON_NEGATIVE, "epsilon_low": _NON_NEGATIVE, "epsilon_high": _NON_NEGATIVE, "num_iterations": _POSITIVE,
     "entropy_coef": _ANY, "learning_rate": _POSITIVE, "weight_decay": _NON_NEGATIVE, "warmup_steps": _NON_NEGATIVE,

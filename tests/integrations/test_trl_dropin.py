@@ -221,6 +221,24 @@ def test_one_warning_at_construction_lists_the_fallbacks(tmp_path):
         run_grpo(dropin.FastGRPOTrainer, tmp_path / "b", steps=1, top_entropy_quantile=0.5)
 
 
+def test_truncated_sampling_with_the_vllm_correction_names_the_bias():
+    """TRL 1.16 hands over no kept sets: with vLLM's correction under top_p / top_k / min_p the warning names the
+    bias and the fix; without the correction, or without truncation, there is nothing to say."""
+    from trl import GRPOConfig
+
+    def config(**fields):
+        return GRPOConfig(output_dir="unused", report_to=[], bf16=False, use_cpu=True, **fields)
+
+    message = dropin.truncated_sampling_bias(config(use_vllm=True, top_p=0.9, top_k=20))
+    assert message.startswith("grpo_fast: vLLM samples with top_p=0.9, top_k=20, so its log-probs are over each "
+                              "token's kept set") and "biased low by each token's kept mass" in message
+    assert "min_p=0.05" in dropin.truncated_sampling_bias(config(use_vllm=True, min_p=0.05))
+    assert dropin.truncated_sampling_bias(config(use_vllm=True)) is None
+    assert dropin.truncated_sampling_bias(config(use_vllm=True, top_p=0.9,
+                                                 vllm_importance_sampling_correction=False)) is None
+    assert dropin.truncated_sampling_bias(config(top_p=0.9)) is None              # no vLLM: TRL's own sampling
+
+
 @pytest.mark.parametrize("name", ["dapo", "grpo_kl_num_iterations"])
 def test_vision_language_matches_grpo_trainer(name, tmp_path, calls):
     """A Qwen2-VL model through TRL's VLM path: pixel values and image grids go through the model's own multimodal

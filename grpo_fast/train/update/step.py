@@ -21,6 +21,7 @@ import torch
 import grpo_fast as gf
 from grpo_fast import attention
 from grpo_fast import reference as full_logits
+from grpo_fast.kept import KeptSet
 from grpo_fast.models import lm_head
 from grpo_fast.train import distributed, lora
 from grpo_fast.train.config import TrainConfig
@@ -48,7 +49,8 @@ class UpdateBatch:
     advantages (B,); old_logps, ref_logps (B, C) fp32: the sampling policy's and the reference's log-probs (None:
     on-policy, no KL); is_ratio (B, C): the batch importance-sampling correction, or None; sampling_logps (B, C)
     fp32: the engine's log-probs when the correction comes from the update's own forward (one iteration per
-    step: accumulate_gradients fills is_ratio from them), else None.
+    step: accumulate_gradients fills is_ratio from them), else None. kept: with top-k / top-p sampling, the kept
+    set of each of the B x C completion positions (grpo_fast.kept.KeptSet), over which every log-prob is taken.
     """
 
     input_ids: torch.Tensor
@@ -61,6 +63,19 @@ class UpdateBatch:
     ref_logps: Optional[torch.Tensor] = None
     is_ratio: Optional[torch.Tensor] = None
     sampling_logps: Optional[torch.Tensor] = None
+    kept: Optional[KeptSet] = None
+
+
+def micro_kept(batch: UpdateBatch, micro: MicroBatch) -> dict:
+    """The kept_ids / kept_offsets keywords of a micro-batch's loss and log-probs (its rows, its first
+    completion_length positions), or no keywords without kept sets."""
+    if batch.kept is None:
+        return {}
+    columns = batch.completion_ids.shape[1]
+    rows = torch.as_tensor(micro.rows, device=batch.kept.ids.device)
+    positions = rows[:, None] * columns + torch.arange(micro.completion_length, device=rows.device)
+    kept = batch.kept.select(positions.reshape(-1))
+    return {"kept_ids": kept.ids, "kept_offsets": kept.offsets}
 
 
 @dataclass
@@ -138,11 +153,14 @@ def head_in(model, dtype: torch.dtype) -> tuple:
 
 
 def micro_batch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, head_kwargs: dict,
-                         completion_ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(token_logprobs(hidden, weight, completion_ids, temperature=temperature, **head_kwargs) * mask).float(): a
-    micro-batch's (b, C) log-probs in fp32, zero off `mask`, outside autocast (the loss's dtype), one GEMM pass."""
+                         completion_ids: torch.Tensor, mask: torch.Tensor, temperature: float,
+                         kept: Optional[dict] = None) -> torch.Tensor:
+    """(token_logprobs(hidden, weight, completion_ids, temperature=temperature, **head_kwargs, **kept) * mask)
+    .float(): a micro-batch's (b, C) log-probs in fp32, zero off `mask`, outside autocast (the loss's dtype), one
+    GEMM pass; kept: micro_kept's keywords."""
     with torch.autocast(hidden.device.type, enabled=False):
-        values = gf.token_logprobs(hidden, weight, completion_ids, **{**head_kwargs, "temperature": temperature})
+        values = gf.token_logprobs(hidden, weight, completion_ids, **{**head_kwargs, "temperature": temperature},
+                                   **(kept or {}))
     return (values * mask).float()
 
 
@@ -157,7 +175,7 @@ def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
         hidden, weight, kwargs = completion_hidden(policy, micro)
         logps[micro.rows, :micro.completion_length] = micro_batch_logprobs(
             hidden, weight, kwargs, micro.completion(batch.completion_ids), micro.completion(batch.loss_mask),
-            config.temperature)
+            config.temperature, micro_kept(batch, micro))
     return logps
 
 
@@ -175,6 +193,8 @@ def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference
         loss_mask = loss_mask & ~generation.truncated[:, None]
     batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                         generation.completion_ids, loss_mask, advantages.to(loss_mask.device))
+    if generation.kept_ids is not None:
+        batch.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
     correct = generation.sampling_logps is not None and config.importance_sampling != "none"
     if correct and config.num_iterations == 1:
         batch.sampling_logps = generation.sampling_logps
@@ -192,13 +212,13 @@ def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference
 @torch.no_grad()
 def own_rollout_correction(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
                            mask: torch.Tensor, sampling_logps: torch.Tensor, head_kwargs: dict,
-                           config: TrainConfig) -> torch.Tensor:
+                           config: TrainConfig, kept: Optional[dict] = None) -> torch.Tensor:
     """importance_weights(token_logprobs(hidden, weight, completion_ids) * mask, sampling_logps, mask, ...): a
     micro-batch's rollout correction (b, C) fp32 from the hidden states its loss takes, one no-grad GEMM pass over
     the LM head, instead of a forward of the trunk before the update (the same value: the same weights and
     inputs). Rows are whole sequences, so the sequence_* modes see every token of theirs."""
     logps = micro_batch_logprobs(hidden.detach(), weight.detach(), head_kwargs, completion_ids, mask,
-                                 config.temperature)
+                                 config.temperature, kept)
     return importance_weights(logps, sampling_logps, mask, config.importance_sampling,
                               config.importance_sampling_cap, config.importance_sampling_min)
 
@@ -253,16 +273,17 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     for index, (micro, counts) in enumerate(batches):
         hidden, weight, head_kwargs = completion_hidden(policy, micro, config.offload_activations)
         mask = micro.completion(batch.loss_mask)
+        kept = micro_kept(batch, micro)
         if batch.sampling_logps is not None:
             batch.is_ratio[micro.rows, :micro.completion_length] = own_rollout_correction(
                 hidden, weight, micro.completion(batch.completion_ids), mask, micro.completion(batch.sampling_logps),
-                head_kwargs, config)
+                head_kwargs, config, kept)
         with torch.autocast(hidden.device.type, enabled=False):
             loss, metrics = loss_function(
                 hidden, weight, micro.completion(batch.completion_ids), batch.advantages[micro.rows], mask,
                 old_logps=micro.completion(batch.old_logps), ref_logps=micro.completion(batch.ref_logps),
                 is_ratio=micro.completion(batch.is_ratio), num_items_in_batch=totals["tokens"],
-                config=loss_config, **{**head_kwargs, "temperature": config.temperature},
+                config=loss_config, **{**head_kwargs, "temperature": config.temperature}, **kept,
             )
         share = micro_batch_share(mask, loss_config, totals["sequences"], totals["tokens"]) if counts else 0.0
         loss = loss * share

@@ -3,12 +3,14 @@
 import json
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from grpo_fast.kept import KeptSet  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train import tasks  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
@@ -32,6 +34,8 @@ def trainer_logprobs(model, generation, config):
     rollout = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                       generation.completion_ids, loss_mask=generation.completion_mask,
                       advantages=torch.zeros(generation.input_ids.shape[0]))
+    if generation.kept_ids is not None:
+        rollout.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
     return completion_logprobs(Policy.of(model), rollout, config)
 
 
@@ -55,10 +59,11 @@ def test_config_refuses_what_it_cannot_bound():
 
 def test_the_process_serves_versions_in_order_with_the_trainers_numerics(tmp_path):
     """Each rollout comes from the weights pushed before it was asked for, equals the in-process engine's on those
-    weights, and its sampling log-probs are the trainer's, top_p 0.9 included (over the whole vocabulary both: the
-    correction's ratio is 1 on unchanged weights)."""
+    weights, and its sampling log-probs are the trainer's, top_p 0.9 / top_k 12 included (over the same kept sets
+    both: the correction's ratio is 1 on unchanged weights, where the whole vocabulary misses by the kept mass)."""
     model, tokenizer, prompts = tiny_policy()
-    config = TrainConfig(group_size=3, max_completion_length=8, max_staleness=1, top_p=0.9, output_dir=str(tmp_path))
+    config = TrainConfig(group_size=3, max_completion_length=8, max_staleness=1, top_p=0.9, top_k=12,
+                         output_dir=str(tmp_path))
     threads = torch.get_num_threads()
     engine = start_process(config, model, tokenizer, max(map(len, prompts)))      # pushes version 0
     try:
@@ -87,6 +92,9 @@ def test_the_process_serves_versions_in_order_with_the_trainers_numerics(tmp_pat
     mask = first.completion_mask
     gap = (first.sampling_logps - trainer_logprobs(model, first, config)).abs()[mask].max()
     assert gap < 1e-4, gap
+    assert first.kept_ids is not None and torch.equal(first.kept_offsets, expected_first.kept_offsets)
+    whole = replace(first, kept_ids=None, kept_offsets=None)
+    assert (first.sampling_logps - trainer_logprobs(model, whole, config)).abs()[mask].max() > 1e-2
 
 
 def test_engine_failure_and_death_raise_engine_error(tmp_path):

@@ -70,3 +70,28 @@ def test_sampler_checks_its_rows():
         PromptSeededSampler([0], n=2, temperature=0.0, top_p=1.0)
     with pytest.raises(ValueError, match="2 prompts x 2 rows, got 3"):
         PromptSeededSampler([0, 1], n=2, temperature=1.0, top_p=1.0)(None, torch.zeros(3, 5))
+
+
+def test_top_k_then_top_p_keeps_transformers_set_and_records_it():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from grpo_fast.train.rollout.sampling import kept_mask, top_k_mask
+
+    torch.manual_seed(1)
+    logits = torch.randn(64, 50) * 2
+    for top_k in (1, 5, 20):
+        assert torch.equal(top_k_mask(torch.softmax(logits, -1), top_k),
+                           torch.isfinite(TopKLogitsWarper(top_k)(None, logits)))
+    for top_k, top_p in ((20, 0.8), (5, 0.95), (0, 0.7)):
+        warped = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, logits) if top_k else logits)
+        expected = torch.isfinite(warped)
+        assert torch.equal(kept_mask(torch.softmax(logits, -1), top_k, top_p), expected)
+        sampler = PromptSeededSampler(list(range(8)), n=8, temperature=1.0, top_p=top_p, top_k=top_k)
+        tokens = sampler(None, logits).argmax(-1)
+        (pairs,) = sampler.kept_steps                                 # one step: (row, id) of every kept token
+        recorded = torch.zeros_like(expected).index_put_((pairs[:, 0], pairs[:, 1]), torch.tensor(True))
+        assert torch.equal(recorded, expected)
+        assert expected.gather(1, tokens[:, None]).all()
+    untruncated = PromptSeededSampler([0], n=2, temperature=1.0, top_p=1.0)
+    untruncated(None, logits[:2])
+    assert untruncated.kept_steps == []                               # nothing recorded without truncation
