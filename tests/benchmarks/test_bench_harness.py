@@ -66,7 +66,7 @@ def test_unavailable_peer_is_reported_not_raised(monkeypatch):
 def test_check_counts_gemm_passes_and_errors():
     floor = harness.check("floor", torch.float32, "cpu")
     assert floor["gemm_passes"] == 3.0 and floor["loss_error"] is None
-    for name, passes in [("grpo_fast", 3.0), ("grpo_fast_two_phase", 4.0), ("naive", 3.0)]:
+    for name, passes in [("grpo_fast", 3.0), ("grpo_fast_kept512", 3.0), ("grpo_fast_two_phase", 4.0), ("naive", 3.0)]:
         result = harness.check(name, torch.float32, "cpu")
         assert result["gemm_passes"] == passes, name
         assert result["loss_error"] < 1e-5 and result["grad_error"] < 1e-5, (name, result)
@@ -102,3 +102,19 @@ def test_time_budget_skips_remaining_rows(tmp_path, monkeypatch):
     rows = harness.run([SHAPE], ["floor", "grpo_fast"], "float32", "cpu", 1, str(tmp_path), time_budget=0,
                        log=lambda *_: None)
     assert all(r["error"] == "skipped: time budget spent" for r in rows)
+
+
+def test_kept_set_row_runs_over_its_kept_sets():
+    """grpo_fast_kept512's batch holds kept sets (512 distinct ids per token, its target among them), and its loss
+    is the kept-set loss: not the whole-vocabulary one of the same inputs."""
+    from grpo_fast.benchmarks.implementations import kept_set
+
+    shape = harness.Shape(64, 32, 2000)
+    batch = harness.make_batch(shape, torch.float32, "cpu", kept=512)
+    ids = batch.kept_ids.view(64, 512)
+    assert torch.equal(ids[:, 0], batch.targets.reshape(-1))
+    assert all(row.unique().numel() == 512 for row in ids)
+    assert kept_set(batch.targets, 300, 512)[0].numel() == 64 * 300        # k capped at V
+    kept_loss = IMPLEMENTATIONS["grpo_fast_kept512"].step(batch)[0]
+    batch.kept_ids = batch.kept_offsets = None
+    assert abs(float(kept_loss) - float(IMPLEMENTATIONS["grpo_fast"].step(batch)[0])) > 1e-3

@@ -219,3 +219,15 @@ def test_a_local_model_directory_trains(tmp_path):
     assert history[0]["grad_norm"] > 0
     state = torch.load(tmp_path / "run" / "checkpoint-1" / "state.pt", weights_only=False)
     assert any(not torch.equal(state["model"][name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_truncated_sampling_trains_over_the_kept_sets(tmp_path):
+    """top_p 0.9 and top_k 8 with the HF engine in a rollout process (the engine's log-probs reach the loss through
+    the correction): on the first step, sampled from the weights the trainer holds, the ratio is 1, the engine's
+    and the trainer's log-probs being over the same kept sets; the loss's entropy is the kept sets' (at most
+    ln 8 = 2.08, where the tiny model's whole-vocabulary entropy is about 3.4); the run trains on."""
+    history = T.train(TrainConfig(max_steps=2, top_p=0.9, top_k=8, max_staleness=1, group_size=4, prompts_per_step=4,
+                                  eval_every=0, output_dir=str(tmp_path)), log=lambda *_: None)
+    assert [r["step"] for r in history] == [1, 2]
+    assert abs(history[0]["is_ratio_mean"] - 1.0) < 1e-4, history[0]
+    assert all(0 < r["entropy"] < 2.08 for r in history), history

@@ -74,9 +74,10 @@ def test_vllm_engine_for_real(tmp_path):
     assert result["train_steps"] == [1, 2]
     assert all(abs(ratio - 1.0) < 1e-3 for ratio in result["is_ratio_mean"]), result
     assert result["evals"] == [[0, 100, 4], [2, 100, 4]] and result["cli_eval"] == [10, 4, True], result
-    # max_staleness 1: vLLM in the rollout process, each step from the weights pushed one version before
+    # max_staleness 1: vLLM in the rollout process, each step from the weights pushed one version before, at
+    # top_p 0.9 / top_k 20 (the kept sets travel with the rollouts: without them the first ratio would be ~0.9)
     assert result["async_versions"] == [[1, 0, 0], [2, 0, 1], [3, 1, 1]], result
-    assert abs(result["async_is_ratio_mean"][0] - 1.0) < 1e-3, result      # fresh weights: the engine's numerics
+    assert abs(result["async_is_ratio_mean"][0] - 1.0) < 1e-4, result      # fresh weights: the engine's numerics
     assert all(0.5 < ratio < 2.0 for ratio in result["async_is_ratio_mean"]), result
     assert result["async_evals"] == [[0, 5], [2, 5], [3, 5]], result
 

@@ -104,9 +104,10 @@ def main(output_dir: str) -> None:
     record = evaluate.main(output_dir + "/run", {"engine": "vllm", "vllm_dtype": "float32", "eval_prompts": 10},
                            log=lambda *_: None)
     result["cli_eval"] = [record["problems"], record["samples"], 0 <= record["accuracy"] <= 1]
-    # the engine in its own process, one step ahead: versions pushed through reload_weights, evaluations there too
+    # the engine in its own process, one step ahead: versions pushed through reload_weights, evaluations there too;
+    # top_p 0.9 / top_k 20: the kept sets cross the process with the rollouts
     history = train(TrainConfig(engine="vllm", vllm_dtype="float32", max_staleness=1, sft_steps=20, max_steps=3,
-                                group_size=4, prompts_per_step=4, eval_every=2, eval_prompts=5,
+                                group_size=4, prompts_per_step=4, eval_every=2, eval_prompts=5, top_p=0.9, top_k=20,
                                 output_dir=output_dir + "/async", log_completions=0), log=lambda *_: None)
     result["async_versions"] = [[r["step"], r["policy_version"], r["staleness"]] for r in history]
     result["async_is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
