@@ -36,7 +36,7 @@ import torch
 import grpo_fast as gf
 from grpo_fast import backends, chunked, reference
 from grpo_fast.benchmarks.harness import Shape, relative_error, shape_argument
-from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch, grpo_fast_fused
+from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch, grpo_fast_fused, kept_set
 from grpo_fast.numerics import LogitTransform
 from grpo_fast.profiling import machine_name
 from grpo_fast.variants import LossConfig, TokenTerms
@@ -48,7 +48,9 @@ CONFIGS = {
     "sapo+softcap": dict(loss_type="sapo", logit_softcap=30.0),
     "luspo(seq)": dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.04),
     "token_logprobs": dict(temperature=1.3, logit_softcap=30.0),    # log-probs and entropies, both differentiated
+    "dapo+kl/kept512": dict(loss_type="dapo", beta=0.04),            # over kept sets (KEPT_CASES), top_k 512's
 }
+KEPT_CASES = {"dapo+kl/kept512": 512}     # the cases over kept sets: ids per token (kernels/kept_*.py)
 VOCABS = (5000, 32768, 50257, 151936)
 VOCABS_QUICK = (500, 3000)
 FP32_TOL = 1e-5                                 # max error / max |reference|, every output
@@ -201,6 +203,14 @@ def correctness_inputs(sequences, length, hidden_size, vocab, dtype, device, see
                 cotangents=torch.randn(2, sequences, length, generator=gen, device=device))
 
 
+def kept_keywords(name, inputs, vocab) -> dict:
+    """kept_ids / kept_offsets for a case of KEPT_CASES (k ids per token around each sampled one), else none."""
+    if name not in KEPT_CASES:
+        return {}
+    ids, offsets = kept_set(inputs["sampled"], vocab, KEPT_CASES[name])
+    return {"kept_ids": ids, "kept_offsets": offsets}
+
+
 def case_outputs(name, inputs, hidden, weight, old=None, ref=None, fused=None) -> dict:
     """The outputs of one case and the gradients of hidden and weight: grpo_fast with `fused` options, else the
     full-logits reference (float64 for float64 hidden and weight)."""
@@ -214,7 +224,7 @@ def case_outputs(name, inputs, hidden, weight, old=None, ref=None, fused=None) -
     else:
         fn = gf.grpo_loss if fused else reference.grpo_loss
         objective, _ = fn(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"], old_logps=old,
-                          ref_logps=ref, **options, **(fused or {}))
+                          ref_logps=ref, **options, **kept_keywords(name, inputs, weight.shape[0]), **(fused or {}))
         values = {"loss": objective}
     d_hidden, d_weight = torch.autograd.grad(objective, (hidden, weight))
     return {**{k: v.detach() for k, v in values.items()}, "dhidden": d_hidden, "dweight": d_weight}
@@ -230,7 +240,8 @@ def check_case(name, inputs, dtype, backend, ops) -> dict:
     float64 on the same rounded inputs; fp32 max-wise within FP32_TOL, half precision norm-wise (HALF_*)."""
     hidden, weight, vocab = inputs["hidden"], inputs["weight"], inputs["weight"].shape[0]
     transform = {k: v for k, v in CONFIGS[name].items() if k in ("temperature", "logit_softcap")}
-    exact_logp = reference.token_logprobs(hidden.double(), weight.double(), inputs["sampled"], **transform)
+    exact_logp = reference.token_logprobs(hidden.double(), weight.double(), inputs["sampled"], **transform,
+                                          **kept_keywords(name, inputs, vocab))
     old, ref = ((exact_logp + noise).float() for noise in inputs["noise"])       # ratios near the clip band
     tokens = inputs["sampled"].numel() if name == "token_logprobs" else int(inputs["mask"].sum())
     rows = max(4, (tokens - 1) // 3)

@@ -36,8 +36,8 @@ def scale_dlogits(real, factor=1.01):
 
 
 def shift_logp(real, delta=1e-3):
-    def stats_(buffer, targets, transform, need_entropy):
-        state = real(buffer, targets, transform, need_entropy)
+    def stats_(buffer, targets, transform, need_entropy, kept=None):
+        state = real(buffer, targets, transform, need_entropy, kept=kept)
         state.logp = state.logp + delta
         return state
     return stats_

@@ -96,7 +96,10 @@ def test_grpo_loss_over_kept_sets(backend, case):
     kw = dict(old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], is_ratio=inputs["is_ratio"],
               temperature=0.9, logit_softcap=4.0, **case)
     leaves = {k: inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    loss, metrics = gf.grpo_loss(leaves["hidden"], leaves["weight"], inputs["targets"], inputs["advantages"], mask,
+    # (B, T) layouts of the strides tests: hidden with T outermost in memory, targets a transposed view
+    hidden_view = leaves["hidden"].transpose(0, 1).contiguous().transpose(0, 1)
+    targets_view = inputs["targets"].t().contiguous().t()
+    loss, metrics = gf.grpo_loss(hidden_view, transposed(leaves["weight"]), targets_view, inputs["advantages"], mask,
                                  bias=leaves["bias"], kept_ids=ids, kept_offsets=offsets, chunk_bytes=37 * 4 * 5,
                                  backend=backend, **kw)
     exact = as_float64(inputs)
@@ -207,3 +210,44 @@ def test_empty_or_targetless_or_repeated_kept_sets_raise():
         gf.token_logprobs(inputs["hidden"], inputs["weight"], targets,
                           kept_ids=kept_set_from_mask(empty)[0].to(DEVICE),
                           kept_offsets=kept_set_from_mask(empty)[1].to(DEVICE))
+
+
+def test_chunk_passes_read_only_the_kept_logits(backend):
+    """The logits off the kept sets are poisoned (NaN, +inf) in a padded buffer: the statistics and the gradient,
+    which the passes write over the whole row (zeros off the kept sets, padding included), do not see them."""
+    from grpo_fast import backends
+    from grpo_fast.chunked import padded_width
+    from grpo_fast.kept import KeptChunk
+    from grpo_fast.numerics import LogitTransform
+
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 6, 300
+    logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 2
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    ids, offsets = kept_sets(targets, vocab, share=0.1, seed=4)
+    keep = torch.zeros(rows, vocab, dtype=torch.bool)
+    keep[torch.repeat_interleave(torch.arange(rows), offsets.diff().cpu()), ids.cpu()] = True
+    transform = LogitTransform(scale=0.8, softcap=5.0, temperature=0.9)
+    z = transform.softcap * torch.tanh(logits * transform.scale / transform.softcap) / transform.temperature
+    z_kept = z.masked_fill(~keep, float("-inf"))
+    lse = z_kept.logsumexp(-1)
+    probs = (z_kept - lse[:, None]).exp()
+    entropy = -(probs * (z_kept - lse[:, None]).masked_fill(~keep, 0)).sum(-1)
+    g_logp, g_entropy = torch.randn(2, rows, generator=gen, dtype=torch.float64)
+    dz = g_logp[:, None] * (torch.nn.functional.one_hot(targets, vocab) - probs) \
+        - g_entropy[:, None] * probs * (z_kept - lse[:, None] + entropy[:, None]).masked_fill(~keep, 0)
+    dy = dz * (1 - torch.tanh(logits * transform.scale / transform.softcap) ** 2) * transform.scale \
+        / transform.temperature
+
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    buffer = torch.full((rows, padded_width(vocab)), float("nan"), dtype=dtype, device=DEVICE)[:, :vocab]
+    buffer.copy_(logits.masked_fill(~keep, float("nan")).to(dtype))
+    buffer[0, (~keep[0]).nonzero()[0]] = float("inf")
+    ops = backends.resolve(backend, torch.device(DEVICE))
+    state = ops.stats_(buffer, targets.to(DEVICE), transform, True, kept=KeptChunk(ids, offsets))
+    assert_close(state.logp, z_kept.gather(1, targets[:, None])[:, 0] - lse, 1e-5, name="logp")
+    assert_close(state.entropy, entropy, 1e-5, name="entropy")
+    grads = [g.to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32) for g in (g_logp, g_entropy)]
+    ops.dlogits_(buffer, state, targets.to(DEVICE), *grads, transform)
+    assert_close(buffer, dy, 1e-5, name="dlogits")
+    assert bool((buffer.cpu()[~keep] == 0).all())
