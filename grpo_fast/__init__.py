@@ -4,6 +4,8 @@ The loss library (this package's top level; it imports nothing from the two belo
     variants      the registry of loss types (`LOSS_TYPES`), `LossConfig`, the per-token math and reductions
     logprobs      `token_logprobs`: per-token log-probs and entropies in chunks of the vocabulary
     loss          `grpo_loss` / `GRPOLoss`: the policy loss, fused (3 GEMM passes) or two-phase
+    token_loss    `fused_token_loss`: your own token-separable loss inside the sweep (3 GEMM passes)
+    kept          kept sets (top-k / top-p sampling): the CSR format and its checks
     chunked       the chunk loop shared by both, and the d(weight) accumulation
     backends/     how a chunk is processed: PyTorch, the Triton kernels (`grpo_fast.kernels`), a vocabulary-
                   parallel head; their interface `ChunkOps` in backends/base
@@ -23,7 +25,9 @@ Built on it:
 
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import GRPOLoss, grpo_loss
+from grpo_fast.token_loss import TokenChunk, autograd_token_loss, fused_token_loss
 from grpo_fast.variants import LOSS_TYPES, LossConfig
 
 __version__ = "0.1.0"
-__all__ = ["token_logprobs", "grpo_loss", "GRPOLoss", "LossConfig", "LOSS_TYPES"]
+__all__ = ["token_logprobs", "grpo_loss", "GRPOLoss", "LossConfig", "LOSS_TYPES", "fused_token_loss",
+           "autograd_token_loss", "TokenChunk"]

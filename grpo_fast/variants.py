@@ -54,6 +54,10 @@ class LossConfig:
         e^lambda * w^k * e^(-lambda * w) of the sequence ratio w, for A >= 0 / A < 0 (see `vespo_weights`).
     entropy_coef: subtract entropy_coef * (masked mean entropy) from the loss.
     max_completion_length: the dr_grpo normalizer (required for dr_grpo).
+    log_ratio_clamp: clamp every log-ratio the loss exponentiates, logp - old and the KL's ref - logp, to
+        [-log_ratio_clamp, log_ratio_clamp] (verl: 20), so that no exp overflows; None: no clamp.
+    kl_clamp: clamp the per-token k3 KL to [-kl_clamp, kl_clamp] (verl's low_var_kl: 10); None: no clamp. A
+        clamped term passes no gradient, as torch.clamp outside its interval.
     """
 
     loss_type: str = "dapo"
@@ -71,6 +75,8 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0
     max_completion_length: Optional[int] = None
+    log_ratio_clamp: Optional[float] = None
+    kl_clamp: Optional[float] = None
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -94,6 +100,10 @@ class LossConfig:
             raise ValueError(f"delta must be > 0 or None, got {self.delta!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+        for name in ("log_ratio_clamp", "kl_clamp"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError(
                 "sapo temperatures must be > 0, got "
@@ -189,10 +199,17 @@ def micro_batch_share(mask: torch.Tensor, config: LossConfig, total_sequences: i
 
 def importance_ratio(logp, old_logps, mask, config: LossConfig) -> torch.Tensor:
     """exp(logp - old) per token, or per sequence (B, 1) as exp of the masked mean log-ratio (GSPO)."""
-    log_ratio = logp - old_logps
+    log_ratio = clamp_log_ratio(logp - old_logps, config)
     if config.importance_sampling_level == "sequence":
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     return torch.exp(log_ratio)
+
+
+def clamp_log_ratio(log_ratio, config: LossConfig):
+    """log_ratio clamped to [-log_ratio_clamp, log_ratio_clamp] (unchanged without the option)."""
+    if config.log_ratio_clamp is None:
+        return log_ratio
+    return torch.clamp(log_ratio, -config.log_ratio_clamp, config.log_ratio_clamp)
 
 
 def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config: LossConfig, *, mask=None,
@@ -229,7 +246,7 @@ def per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, conf
         loss = loss * is_ratio
     kl = None
     if config.beta != 0.0:
-        kl = k3_kl(ref_logps, logp)
+        kl = k3_kl(ref_logps, logp, config)
         if config.use_bias_correction_kl:
             kl = kl * ratio
         loss = loss + config.beta * kl
@@ -265,9 +282,14 @@ def vespo_weights(logp, old_logps, advantages, mask, is_ratio, config: LossConfi
         return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def k3_kl(ref_logps, logp) -> torch.Tensor:
-    """`torch.exp(ref_logps - logp) - (ref_logps - logp) - 1`: the per-token k3 estimate of KL(policy || ref)."""
-    return torch.exp(ref_logps - logp) - (ref_logps - logp) - 1
+def k3_kl(ref_logps, logp, config: Optional[LossConfig] = None) -> torch.Tensor:
+    """`torch.exp(d) - d - 1` with d = ref_logps - logp: the per-token k3 estimate of KL(policy || ref); with a
+    config's clamps, d clamped to +-log_ratio_clamp and the result to +-kl_clamp."""
+    diff = ref_logps - logp if config is None else clamp_log_ratio(ref_logps - logp, config)
+    kl = torch.exp(diff) - diff - 1
+    if config is not None and config.kl_clamp is not None:
+        kl = torch.clamp(kl, -config.kl_clamp, config.kl_clamp)
+    return kl
 
 
 def clip_flags(ratio, advantages, config: LossConfig) -> dict:

@@ -22,7 +22,7 @@ OBJECTIVES = {"clip": CLIP, "cispo": CISPO, "sapo": SAPO}
 def _policy_grad_kernel(
     Logp, Old, Ref, Adv, IsRatio, Weights, GradLogp,
     n,
-    eps_low, eps_high, delta, beta, sapo_temperature_pos, sapo_temperature_neg,
+    eps_low, eps_high, delta, beta, sapo_temperature_pos, sapo_temperature_neg, log_ratio_clamp, kl_clamp,
     # Meta-parameters
     BLOCK: tl.constexpr,
     OBJECTIVE: tl.constexpr,
@@ -31,15 +31,26 @@ def _policy_grad_kernel(
     HAS_IS_RATIO: tl.constexpr,
     HAS_KL: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
+    CLAMP_LOG_RATIO: tl.constexpr,
+    CLAMP_KL: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
     logp = tl.load(Logp + offs, mask=valid, other=0.0)
     adv = tl.load(Adv + offs, mask=valid, other=0.0)
     if HAS_OLD:
-        ratio = tl.exp(logp - tl.load(Old + offs, mask=valid, other=0.0))
+        log_ratio = logp - tl.load(Old + offs, mask=valid, other=0.0)
+        if CLAMP_LOG_RATIO:            # clamp passes the gradient on its closed interval only
+            d_ratio_scale = ((log_ratio >= -log_ratio_clamp) & (log_ratio <= log_ratio_clamp)).to(tl.float32)
+            log_ratio = tl.minimum(tl.maximum(log_ratio, -log_ratio_clamp), log_ratio_clamp)
+        ratio = tl.exp(log_ratio)
     else:
         ratio = tl.full([BLOCK], 1.0, tl.float32)            # old = logp.detach(): r = 1, dr/dlogp = 1
+    # dr/dlogp: r, or 0 where the log-ratio was clamped
+    if HAS_OLD and CLAMP_LOG_RATIO:
+        d_ratio = ratio * d_ratio_scale
+    else:
+        d_ratio = ratio
     if OBJECTIVE == 0:
         # -min(u A, c A), u = min(r, delta), c = clamp(r, 1 - eps_low, 1 + eps_high). clamp passes the gradient
         # on its closed interval; min sends it to the smaller term and splits ties evenly, as torch does.
@@ -54,21 +65,29 @@ def _policy_grad_kernel(
         a = unclipped * adv
         b = clipped * adv
         d_min = tl.where(a < b, d_unclipped, tl.where(b < a, d_clipped, 0.5 * (d_unclipped + d_clipped)))
-        grad = -adv * d_min * ratio
+        grad = -adv * d_min * d_ratio
     elif OBJECTIVE == 1:
         grad = -tl.minimum(ratio, eps_high) * adv                # the clamped ratio is detached
     else:
         temperature = tl.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
         gate = tl.sigmoid(temperature * (ratio - 1.0))
-        grad = -4.0 * gate * (1.0 - gate) * adv * ratio
+        grad = -4.0 * gate * (1.0 - gate) * adv * d_ratio
     if HAS_IS_RATIO:
         grad = grad * tl.load(IsRatio + offs, mask=valid, other=0.0)
     if HAS_KL:
         diff = tl.load(Ref + offs, mask=valid, other=0.0) - logp
+        d_diff = tl.full([BLOCK], -1.0, tl.float32)              # d(ref - logp)/dlogp
+        if CLAMP_LOG_RATIO:
+            d_diff = tl.where((diff >= -log_ratio_clamp) & (diff <= log_ratio_clamp), d_diff, 0.0)
+            diff = tl.minimum(tl.maximum(diff, -log_ratio_clamp), log_ratio_clamp)
         exp_diff = tl.exp(diff)
-        d_kl = 1.0 - exp_diff                                    # d/dlogp of exp(ref - logp) - (ref - logp) - 1
+        kl = exp_diff - diff - 1.0
+        d_kl = (exp_diff - 1.0) * d_diff                         # d/dlogp of exp(d) - d - 1
+        if CLAMP_KL:
+            d_kl = tl.where((kl >= -kl_clamp) & (kl <= kl_clamp), d_kl, 0.0)
+            kl = tl.minimum(tl.maximum(kl, -kl_clamp), kl_clamp)
         if BIAS_CORRECTION:
-            d_kl = (d_kl + (exp_diff - diff - 1.0)) * ratio      # d/dlogp of kl * r
+            d_kl = d_kl * ratio + kl * d_ratio                   # d/dlogp of kl * r
         grad = grad + beta * d_kl
     grad = grad * tl.load(Weights + offs, mask=valid, other=0.0)
     tl.store(GradLogp + offs, grad, mask=valid)
@@ -95,6 +114,7 @@ def policy_grad(logp, terms):
             n,
             float(config.epsilon_low), float(config.epsilon_high), float(config.delta or 0.0), float(config.beta),
             float(config.sapo_temperature_pos), float(config.sapo_temperature_neg),
+            float(config.log_ratio_clamp or 0.0), float(config.kl_clamp or 0.0),
             BLOCK=POLICY_GRAD["BLOCK"],
             OBJECTIVE=OBJECTIVES[config.objective],
             HAS_OLD=terms.old_logps is not None,
@@ -102,6 +122,8 @@ def policy_grad(logp, terms):
             HAS_IS_RATIO=terms.is_ratio is not None,
             HAS_KL=config.beta != 0.0,
             BIAS_CORRECTION=config.use_bias_correction_kl,
+            CLAMP_LOG_RATIO=config.log_ratio_clamp is not None,
+            CLAMP_KL=config.kl_clamp is not None,
             num_warps=POLICY_GRAD["num_warps"],
         )
     return grad

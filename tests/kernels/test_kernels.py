@@ -65,6 +65,9 @@ POLICY_OPTIONS = [
     dict(loss_type="cispo", epsilon_high=1.5, beta=0.04),
     dict(loss_type="sapo", beta=0.02, use_bias_correction_kl=True),
     dict(loss_type="bnpo", delta=0.9),       # a cap below 1 + epsilon_high: the unclipped branch saturates
+    # verl's clamps, tight enough to bind on part of the tokens: the log-ratios at +-0.3, the KL at 0.02
+    dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=True, log_ratio_clamp=0.3, kl_clamp=0.02),
+    dict(loss_type="sapo", beta=0.1, log_ratio_clamp=0.3, kl_clamp=0.02),
 ]
 
 

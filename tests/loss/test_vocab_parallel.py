@@ -112,6 +112,20 @@ def run_kept(sizes, rank, group):
     torch.testing.assert_close(logp_s, logp, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(entropy_s, entropy, rtol=1e-10, atol=1e-12)
 
+    # a caller's own token-separable loss, inside the sweep of each slice
+    token_loss = gf.autograd_token_loss(lambda logp, entropy, index: (logp * advantages.repeat_interleave(8)[index]
+                                                                      - 0.1 * entropy).sum())
+    h_full, w_full = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    own = gf.fused_token_loss(h_full, w_full, targets, token_loss, mask=mask, with_entropy=True, chunk_bytes=512)
+    own.backward()
+    h, w = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_()
+    own_s = gf.fused_token_loss(h, w, targets, token_loss, mask=mask, with_entropy=True, chunk_bytes=512,
+                                process_group=group)
+    own_s.backward()
+    torch.testing.assert_close(own_s, own, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h.grad, h_full.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
+
 
 def worker(rank, world, port, sizes):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -1,0 +1,188 @@
+"""Your own token-separable loss inside the vocabulary sweep: the chunk's log-probs in, d(loss)/d(logp) and the
+value out, 3 GEMM passes (2 with a frozen head) and no (N, V) logits.
+
+    def my_loss(chunk):                   # chunk.logp (n,), chunk.entropy (n,) or None, chunk.index (n,)
+        adv = advantages.view(-1)[chunk.index]
+        per_token = -adv * torch.exp(chunk.logp - old.view(-1)[chunk.index])
+        return per_token.sum(), -adv * torch.exp(chunk.logp - old.view(-1)[chunk.index]), None
+    loss = gf.fused_token_loss(hidden, weight, targets, my_loss, mask=mask)
+    loss.backward()
+
+or, with the gradient taken by autograd from the per-token expression:
+
+    loss = gf.fused_token_loss(hidden, weight, targets, gf.autograd_token_loss(
+        lambda logp, entropy, index: (-advantages.view(-1)[index] * (logp - old.view(-1)[index]).exp()).sum()),
+        mask=mask)
+
+A loss is token-separable when it is a sum over tokens of functions of each token's own log-prob (and entropy):
+then each chunk's gradient is known while its logits are in the buffer, as grpo_loss's token-level variants use
+it. Normalizers known up front (a token count, a sequence length, verl's dp_size) are constants of those
+functions. A loss that needs every token first (a sequence-level ratio) is not token-separable: compute
+`token_logprobs` and the loss with autograd instead (4 passes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from grpo_fast import backends
+from grpo_fast.chunked import VersionGuard, chunk_plan
+from grpo_fast.inputs import check_chunk_bytes, check_lm_head, check_target_range, check_tensor, check_transform
+from grpo_fast.kept import check_kept_set
+from grpo_fast.loss import _FusedPolicyLoss
+from grpo_fast.numerics import accumulation_dtype
+
+
+@dataclass
+class TokenChunk:
+    """One chunk of the sweep, as `token_loss` sees it.
+
+    logp: (n,) fp32 (fp64 for fp64 inputs), the chunk's log-probs (detached: return their gradient instead).
+    entropy: (n,) like logp when `with_entropy`, else None.
+    index: (n,) int64, the chunk's tokens as positions in targets.reshape(-1) (index per-token tensors with it).
+    """
+
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    index: torch.Tensor
+
+
+def autograd_token_loss(fn: Callable) -> Callable:
+    """A `token_loss` for `fused_token_loss` from fn(logp, entropy, index) -> 0-dim tensor, the chunk's loss as a
+    differentiable torch expression of logp (and entropy): its gradient is taken with torch.autograd.grad. The
+    expression must be a sum over the chunk's tokens (token-separable)."""
+    def token_loss(chunk: TokenChunk):
+        with torch.enable_grad():
+            logp = chunk.logp.detach().requires_grad_()
+            entropy = None if chunk.entropy is None else chunk.entropy.detach().requires_grad_()
+            value = fn(logp, entropy, chunk.index)
+            inputs = [logp] if entropy is None else [logp, entropy]
+            grads = torch.autograd.grad(value, inputs, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+        return value.detach(), grads[0], None if entropy is None else grads[1]
+    return token_loss
+
+
+def _checked_chunk_result(result, chunk: TokenChunk):
+    """(value, g_logp, g_entropy) of a token_loss, with a one-line error for anything else."""
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise TypeError(f"token_loss must return (value, g_logp, g_entropy), got {type(result).__name__}")
+    value, g_logp, g_entropy = result
+    n = chunk.logp.shape[0]
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(f"token_loss's value must be a 1-element tensor, got {value!r:.80}")
+    for name, grad, wanted in (("g_logp", g_logp, True), ("g_entropy", g_entropy, chunk.entropy is not None)):
+        if grad is None and name == "g_entropy":
+            continue
+        if name == "g_entropy" and not wanted:
+            raise ValueError("token_loss returned g_entropy, but fused_token_loss was called with "
+                             "with_entropy=False: pass with_entropy=True")
+        if not isinstance(grad, torch.Tensor) or tuple(grad.shape) != (n,):
+            shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+            raise ValueError(f"token_loss's {name} must have shape ({n},) like chunk.logp, got {shape}")
+    dtype = chunk.logp.dtype
+    return (value.detach().reshape(()).to(dtype), g_logp.detach().to(dtype).contiguous(),
+            None if g_entropy is None else g_entropy.detach().to(dtype).contiguous())
+
+
+def fused_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    token_loss: Callable,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    with_entropy: bool = False,
+    chunk_bytes: Optional[int] = None,
+    backend: str = "auto",
+    process_group=None,
+    kept_ids: Optional[torch.Tensor] = None,
+    kept_offsets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """sum over chunks of token_loss(chunk)[0], with the gradient computed inside the sweep. Equals::
+
+        logp, entropy = token_logprobs(hidden, weight, targets, return_entropy=True, ...)    # all tokens
+        loss = per_token_function(logp[mask], entropy[mask]).sum()                           # token-separable
+
+    where token_loss gives, for each chunk of the masked tokens, the value of its share of the sum and its
+    gradients with respect to the chunk's log-probs (and entropies). 3 GEMM passes over (N, H, V), 2 when the
+    weight does not require grad; under torch.no_grad() (or without a trainable input) 1, gradients skipped.
+
+    Args:
+        hidden: (B, T, H) or (N, H), fp32 / bf16 / fp16. weight: (V, H) like hidden. bias: optional (V,).
+        targets: hidden.shape[:-1] token ids, in [0, V) where mask is 1.
+        token_loss: token_loss(chunk: TokenChunk) -> (value, g_logp, g_entropy): value a 1-element tensor, g_logp
+            (n,) = d(value)/d(chunk.logp), g_entropy (n,) or None (only with with_entropy). Called once per chunk,
+            in order; `autograd_token_loss(fn)` builds one from a torch expression.
+        mask: optional hidden.shape[:-1] bool / 0-1: the tokens that count; the others are compacted away before
+            any GEMM (padding and prompt tokens cost nothing). Default: every token.
+        temperature, logit_scale, logit_softcap, chunk_bytes, backend, process_group, kept_ids, kept_offsets: as
+            in `token_logprobs`.
+
+    Returns:
+        a 0-dim tensor in logp's dtype (fp32; fp64 for fp64 inputs), differentiable with respect to hidden, weight
+        and bias (first order; hidden, weight and bias must not change in place before the backward).
+    """
+    check_lm_head(hidden, weight, bias, targets)
+    transform = check_transform(temperature, logit_scale, logit_softcap)
+    check_chunk_bytes(chunk_bytes)
+    if not callable(token_loss):
+        raise TypeError(f"token_loss must be callable (chunk) -> (value, g_logp, g_entropy), got "
+                        f"{type(token_loss).__name__}")
+    token_shape = tuple(hidden.shape[:-1])
+    flat_mask = None
+    if mask is not None:
+        check_tensor("mask", mask)
+        if tuple(mask.shape) != token_shape:
+            raise ValueError(f"mask must have shape {token_shape} (hidden.shape[:-1]), got {tuple(mask.shape)}")
+        if mask.device != hidden.device:
+            raise ValueError(f"mask must be on {hidden.device} like hidden, got {mask.device}")
+        flat_mask = mask.reshape(-1) != 0
+    ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
+    check_target_range(targets, vocab_size, None if flat_mask is None else flat_mask.view(token_shape))
+    kept = check_kept_set(kept_ids, kept_offsets, targets, vocab_size,
+                          None if flat_mask is None else flat_mask.view(token_shape))
+    guard = VersionGuard("fused_token_loss", hidden=hidden, weight=weight, bias=bias) \
+        if torch.is_grad_enabled() else None
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    if flat_mask is None:
+        index = torch.arange(flat_targets.numel(), device=hidden.device)
+        hidden_c, targets_c, kept_c = flat_hidden, flat_targets, kept
+    else:
+        index = flat_mask.nonzero().squeeze(1)
+        hidden_c, targets_c = flat_hidden.index_select(0, index), flat_targets.index_select(0, index)
+        kept_c = None if kept is None else kept.select(index)
+    ops, chunk_bytes, rows = chunk_plan(hidden_c, weight, chunk_bytes, backend, ops)
+    values = []
+
+    def chunk_result(start, end, logp, entropy):
+        chunk = TokenChunk(logp, entropy if with_entropy else None, index[start:end])
+        value, g_logp, g_entropy = _checked_chunk_result(token_loss(chunk), chunk)
+        values.append(value)
+        return g_logp, g_entropy
+
+    def token_grads(start, end, logp, entropy):
+        return chunk_result(start, end, logp, entropy)
+
+    def finish(logp, entropy):
+        if not values:                       # no gradient pass ran: the values of the log-prob pass's chunks
+            for start in range(0, logp.shape[0], rows):
+                end = min(start + rows, logp.shape[0])
+                chunk_result(start, end, logp[start:end], None if entropy is None else entropy[start:end])
+        total = torch.stack(values).sum() if values else logp.new_zeros(())
+        return total, {}
+
+    trainable = [t for t in (hidden_c, weight, bias) if t is not None and t.requires_grad]
+    if not (torch.is_grad_enabled() and trainable):
+        token_grads = guard = None
+    loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish, {},
+                                  guard, kept_c)
+    return loss.to(accumulation_dtype(hidden.dtype))

@@ -1,0 +1,91 @@
+"""fused_token_loss: a caller's own token-separable loss inside the sweep equals the same expression over the
+float64 reference's log-probs and entropies, value and gradients, on both backends, masked and over kept sets;
+3 GEMM passes (2 frozen, 1 without gradients); a malformed token_loss is a one-line error."""
+
+import pytest
+import torch
+
+import grpo_fast as gf
+from grpo_fast import reference
+from grpo_fast.profiling import GemmCounter
+from tests.helpers import DEVICE, assert_close, make_batch
+from tests.loss.test_kept import kept_sets
+
+
+def expression(advantages, old, weights, coef):
+    """A clipped-ratio term with per-token weights (any engine's normalizer) plus an entropy bonus: a sum over
+    tokens, each term a function of that token's log-prob and entropy."""
+    def fn(logp, entropy, index):
+        ratio = (logp - old.reshape(-1)[index]).exp()
+        adv = advantages.reshape(-1)[index]
+        policy = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+        value = (policy * weights.reshape(-1)[index]).sum()
+        return value if entropy is None else value - coef * (entropy * weights.reshape(-1)[index]).sum()
+    return fn
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("kept", [False, True])
+def test_own_loss_equals_the_reference(backend, with_entropy, kept):
+    inputs = make_batch(batch=3, seq=9, vocab=37, seed=8, bias=True)
+    mask, targets = inputs["mask"], inputs["targets"]
+    gen = torch.Generator().manual_seed(2)
+    advantages = torch.randn(3, 9, generator=gen, dtype=torch.float64).to(DEVICE)
+    old = (-torch.rand(3, 9, generator=gen, dtype=torch.float64) * 3).to(DEVICE)
+    weights = torch.rand(3, 9, generator=gen, dtype=torch.float64).to(DEVICE) / mask.sum()
+    fn = expression(advantages, old, weights, 0.05)
+    keep = dict(zip(("kept_ids", "kept_offsets"), kept_sets(targets, 37, mask, seed=3))) if kept else {}
+    leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+    loss = gf.fused_token_loss(leaves[0], leaves[1], targets, gf.autograd_token_loss(fn), mask=mask,
+                               bias=leaves[2], temperature=0.8, logit_softcap=4.0, with_entropy=with_entropy,
+                               chunk_bytes=37 * 4 * 5, backend=backend, **keep)
+    exact = [inputs[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
+    logp, entropy = reference.token_logprobs(exact[0], exact[1], targets, bias=exact[2], temperature=0.8,
+                                             logit_softcap=4.0, return_entropy=True, **keep)
+    index = mask.reshape(-1).nonzero().squeeze(1)
+    expected = fn(logp.reshape(-1)[index], entropy.reshape(-1)[index] if with_entropy else None, index)
+    assert_close(loss, expected, 1e-5, atol=1e-8, name="loss")
+    grads = torch.autograd.grad(loss, leaves)
+    expected_grads = torch.autograd.grad(expected, exact)
+    for name, g, e in zip(("hidden", "weight", "bias"), grads, expected_grads):
+        assert_close(g, e, 1e-5, atol=1e-8, name=f"d{name}")
+
+
+def test_hand_written_gradients_and_gemm_passes():
+    n, h, v = 96, 32, 200
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    scale = torch.randn(n, generator=gen)
+
+    def token_loss(chunk):                    # sum of scale * logp: its gradient is scale itself
+        return (scale[chunk.index] * chunk.logp).sum(), scale[chunk.index], None
+
+    for weight_grad, expected in ((True, 3), (False, 2)):
+        weight = torch.randn(v, h, generator=gen, requires_grad=weight_grad)
+        with GemmCounter() as counter:
+            loss = gf.fused_token_loss(hidden, weight, targets, token_loss, chunk_bytes=20_000, backend="torch")
+            loss.backward()
+        assert counter.flops / (2 * n * h * v) == expected
+        expected_loss = (scale * gf.token_logprobs(hidden.detach(), weight.detach(), targets)).sum()
+        assert_close(loss, expected_loss, 1e-5, name="loss")
+    with torch.no_grad(), GemmCounter() as counter:
+        value = gf.fused_token_loss(hidden, weight, targets, token_loss, chunk_bytes=20_000, backend="torch")
+    assert counter.flops / (2 * n * h * v) == 1
+    assert_close(value, expected_loss, 1e-5, name="no-grad value")
+
+
+def test_malformed_token_loss_raises():
+    inputs = make_batch(batch=2, seq=4, vocab=11, seed=2)
+    call = lambda fn, **kw: gf.fused_token_loss(inputs["hidden"], inputs["weight"], inputs["targets"], fn,  # noqa
+                                                **{"mask": inputs["mask"], **kw})
+    with pytest.raises(TypeError, match="token_loss must be callable"):
+        call(None)
+    with pytest.raises(TypeError, match=r"token_loss must return \(value, g_logp, g_entropy\), got Tensor"):
+        call(lambda chunk: chunk.logp.sum())
+    with pytest.raises(ValueError, match=r"token_loss's g_logp must have shape \(\d+,\) like chunk.logp, got \(1,\)"):
+        call(lambda chunk: (chunk.logp.sum(), chunk.logp[:1], None))
+    with pytest.raises(ValueError, match="called with with_entropy=False: pass with_entropy=True"):
+        call(lambda chunk: (chunk.logp.sum(), chunk.logp, chunk.logp))
+    with pytest.raises(ValueError, match=r"mask must have shape \(2, 4\)"):
+        call(lambda chunk: (chunk.logp.sum(), chunk.logp, None), mask=inputs["mask"][:, :2])
