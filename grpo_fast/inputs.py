@@ -91,6 +91,13 @@ def check_target_range(targets, vocab_size, valid=None) -> None:
         raise ValueError(f"targets must lie in [0, V) = [0, {vocab_size}){where}, got values in [{low}, {high}]")
 
 
+def check_entropy_weights(entropy_coef, entropy_weights) -> None:
+    """entropy_weights replace entropy_coef's masked mean: the two together would leave unclear which holds."""
+    if entropy_weights is not None and entropy_coef != 0.0:
+        raise ValueError(f"entropy_weights replace entropy_coef's masked mean of the entropy: pass entropy_coef=0.0 "
+                         f"with them, got entropy_coef={entropy_coef!r}")
+
+
 @dataclass
 class PolicyBatch:
     """The per-token inputs of the loss in (B, T) layout: mask bool, the rest fp32."""
@@ -102,9 +109,12 @@ class PolicyBatch:
     old_logps: Optional[torch.Tensor]     # (B, T) like advantages
     ref_logps: Optional[torch.Tensor]
     is_ratio: Optional[torch.Tensor]
+    loss_weights: Optional[torch.Tensor] = None          # (B, T): the caller's reduction of the loss terms
+    entropy_weights: Optional[torch.Tensor] = None       # (B, T): the caller's weights of the entropy bonus
 
 
-def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio) -> PolicyBatch:
+def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio, loss_weights=None,
+                 entropy_weights=None) -> PolicyBatch:
     """Checks the loss inputs and brings them to (B, T) layout; (N, ...) inputs are one sequence (B = 1)."""
     token_shape = tuple(hidden.shape[:-1])
     check_tensor("mask", mask)
@@ -131,6 +141,8 @@ def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_rat
     old_logps = per_token("old_logps", old_logps)
     ref_logps = per_token("ref_logps", ref_logps)
     is_ratio = per_token("is_ratio", is_ratio)
+    loss_weights = per_token("loss_weights", loss_weights)
+    entropy_weights = per_token("entropy_weights", entropy_weights)
 
     check_tensor("advantages", advantages, floating=True)
     if advantages.device != hidden.device:
@@ -148,6 +160,7 @@ def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_rat
         add_batch = lambda t: None if t is None else t[None]  # noqa: E731
         hidden, targets, mask = hidden[None], targets[None], mask[None]
         old_logps, ref_logps, is_ratio = add_batch(old_logps), add_batch(ref_logps), add_batch(is_ratio)
+        loss_weights, entropy_weights = add_batch(loss_weights), add_batch(entropy_weights)
     else:
         batch_size = token_shape[0]
         if tuple(advantages.shape) == (batch_size,):
@@ -156,4 +169,5 @@ def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_rat
             raise ValueError(
                 f"advantages must be (B,) = ({batch_size},) or (B, T) = {token_shape}, got {_shape(advantages)}"
             )
-    return PolicyBatch(hidden, targets, mask, advantages.to(dtype), old_logps, ref_logps, is_ratio)
+    return PolicyBatch(hidden, targets, mask, advantages.to(dtype), old_logps, ref_logps, is_ratio, loss_weights,
+                       entropy_weights)

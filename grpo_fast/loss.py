@@ -14,6 +14,7 @@ from grpo_fast.chunked import VersionGuard, chunk_plan, chunked_pass, forbid_dou
 from grpo_fast.inputs import (
     PolicyBatch,
     check_chunk_bytes,
+    check_entropy_weights,
     check_lm_head,
     check_target_range,
     check_transform,
@@ -22,7 +23,7 @@ from grpo_fast.inputs import (
 from grpo_fast.kept import KeptSet, check_kept_set
 from grpo_fast.logprobs import flat_token_logprobs
 from grpo_fast.numerics import LogitTransform
-from grpo_fast.variants import LossConfig, TokenTerms, entropy_weights, loss_config, policy_loss, token_weights
+from grpo_fast.variants import LossConfig, TokenTerms, entropy_bonus_weights, loss_config, policy_loss, token_weights
 
 
 class _FusedPolicyLoss(torch.autograd.Function):
@@ -95,6 +96,7 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
             logp, entropy, mask_f, batch.advantages,
             old_logps=batch.old_logps, ref_logps=batch.ref_logps, is_ratio=batch.is_ratio,
             num_items_in_batch=num_items_in_batch, config=config, entropy_mask=entropy_mask_f, policy_mask=policy_mask,
+            loss_weights=batch.loss_weights, entropy_weights=batch.entropy_weights,
         )
 
     if not config.token_separable:
@@ -116,11 +118,16 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
         policy_factor = policy_mask.to(mask_f.dtype)
         grad_is_ratio = policy_factor if grad_is_ratio is None else grad_is_ratio * policy_factor
 
+    weights = token_weights(mask_f, config, num_items_in_batch) if batch.loss_weights is None \
+        else batch.loss_weights * mask_f
+    if batch.entropy_weights is not None:
+        bonus = batch.entropy_weights * mask_f
+    else:
+        bonus = None if config.entropy_coef == 0.0 else entropy_bonus_weights(entropy_mask_f, config)
     terms = TokenTerms(
-        config, advantages=compact(batch.advantages),
-        weights=compact(token_weights(mask_f, config, num_items_in_batch)),
+        config, advantages=compact(batch.advantages), weights=compact(weights),
         old_logps=compact(batch.old_logps), ref_logps=compact(batch.ref_logps), is_ratio=compact(grad_is_ratio),
-        entropy_grad=None if config.entropy_coef == 0.0 else -compact(entropy_weights(entropy_mask_f, config)),
+        entropy_grad=None if bonus is None else -compact(bonus),
     )
 
     def token_grads(start, end, logp, entropy):
@@ -142,7 +149,8 @@ def fused_policy_loss(batch: PolicyBatch, weight, bias, config: LossConfig, tran
     loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish,
                                   metrics, guard, kept_c)
 
-    side = (batch.advantages, batch.old_logps, batch.ref_logps, batch.is_ratio)
+    side = (batch.advantages, batch.old_logps, batch.ref_logps, batch.is_ratio, batch.loss_weights,
+            batch.entropy_weights)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in side):
         # A learned baseline, say: the loss is the torch loss math of the per-token log-probs and these inputs, so
         # at the kernels' (fixed) log-probs its gradient to them is that math's. Run it once more with autograd on
@@ -185,6 +193,8 @@ def grpo_loss(
     process_group=None,
     kept_ids: Optional[torch.Tensor] = None,
     kept_offsets: Optional[torch.Tensor] = None,
+    loss_weights: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
     **loss_options,
 ):
     """GRPO-family policy loss from final hidden states and the LM-head weight, without the (N, V) logits.
@@ -238,6 +248,12 @@ def grpo_loss(
         kept_ids, kept_offsets: optional CSR kept set of each of the B x T (or N) tokens, as in `token_logprobs`;
             where mask is 0 a set may be empty. old_logps and ref_logps should come over the same sets (the
             engine's log-probs do; `token_logprobs(..., kept_ids=, kept_offsets=)` for the rest).
+        loss_weights: optional (B, T) or (N,) weights of the per-token losses (policy term plus KL) in place of
+            loss_type's reduction: loss = sum(loss_weights * per_token) over the mask. Any engine's normalizer that
+            is linear in the loss matrix (verl's agg_loss modes, OpenRLHF's means, its dp_size) is such weights;
+            num_items_in_batch is then unused.
+        entropy_weights: optional (B, T) or (N,) weights of the entropy bonus in place of entropy_coef's masked
+            mean: the loss gets -sum(entropy_weights * entropy) over the mask (entropy_coef must stay 0).
 
     Returns:
         (loss, metrics): loss a 0-dim fp32 tensor; metrics a dict of detached 0-dim tensors: "ratio/mean",
@@ -256,14 +272,15 @@ def grpo_loss(
         hidden, weight, targets, advantages, mask, config=config, transform=transform, old_logps=old_logps,
         ref_logps=ref_logps, bias=bias, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
         chunk_bytes=chunk_bytes, backend=backend, process_group=process_group, kept_ids=kept_ids,
-        kept_offsets=kept_offsets,
+        kept_offsets=kept_offsets, loss_weights=loss_weights, entropy_weights=entropy_weights,
     )
 
 
 def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: LossConfig, transform: LogitTransform,
                         old_logps=None, ref_logps=None, bias=None, is_ratio=None, num_items_in_batch=None,
                         chunk_bytes=None, backend="auto", token_stats=None, process_group=None, entropy_mask=None,
-                        policy_mask=None, kept_ids=None, kept_offsets=None):
+                        policy_mask=None, kept_ids=None, kept_offsets=None, loss_weights=None,
+                        entropy_weights=None):
     """`grpo_loss` with its options already taken into a LossConfig and a LogitTransform: checks the tensors,
     resolves the backend and runs `fused_policy_loss` (token_stats, entropy_mask, policy_mask: see there). The
     entry of GRPOLoss and the TRL integration."""
@@ -272,7 +289,9 @@ def checked_policy_loss(hidden, weight, targets, advantages, mask, *, config: Lo
     if config.beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta = {config.beta} > 0 needs ref_logps (the reference policy's log-probs), got None")
     ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
-    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
+    check_entropy_weights(config.entropy_coef, entropy_weights)
+    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio, loss_weights,
+                         entropy_weights)
     check_target_range(batch.targets, vocab_size, batch.mask)
     kept = check_kept_set(kept_ids, kept_offsets, batch.targets, vocab_size, batch.mask)
     if num_items_in_batch is not None and float(num_items_in_batch) < 0:
@@ -316,12 +335,14 @@ class GRPOLoss(nn.Module):
         self.chunk_bytes, self.backend = chunk_bytes, backend
 
     def forward(self, hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
-                is_ratio=None, num_items_in_batch=None, process_group=None, kept_ids=None, kept_offsets=None):
+                is_ratio=None, num_items_in_batch=None, process_group=None, kept_ids=None, kept_offsets=None,
+                loss_weights=None, entropy_weights=None):
         return checked_policy_loss(
             hidden, weight, targets, advantages, mask, config=self.config, transform=self.transform,
             old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=is_ratio,
             num_items_in_batch=num_items_in_batch, chunk_bytes=self.chunk_bytes, backend=self.backend,
-            process_group=process_group, kept_ids=kept_ids, kept_offsets=kept_offsets,
+            process_group=process_group, kept_ids=kept_ids, kept_offsets=kept_offsets, loss_weights=loss_weights,
+            entropy_weights=entropy_weights,
         )
 
     def extra_repr(self) -> str:

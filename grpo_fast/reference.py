@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.inputs import check_lm_head, check_transform, policy_batch
+from grpo_fast.inputs import check_entropy_weights, check_lm_head, check_transform, policy_batch
 from grpo_fast.kept import KeptSet
 from grpo_fast.numerics import accumulation_dtype
 from grpo_fast.variants import LossConfig, loss_config, policy_loss
@@ -51,14 +51,16 @@ def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit
 def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
               temperature=1.0, logit_scale=1.0, logit_softcap=None, num_items_in_batch=None,
               is_ratio: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None, kept_ids=None,
-              kept_offsets=None, **options):
+              kept_offsets=None, loss_weights=None, entropy_weights=None, **options):
     """The same loss as `grpo_fast.grpo_loss` (same keywords) from the full logits; returns (loss, metrics)."""
     options.pop("chunk_bytes", None)
     options.pop("backend", None)
     config = loss_config(config, **options)
     check_lm_head(hidden, weight, bias, targets)
     check_transform(temperature, logit_scale, logit_softcap)
-    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio)
+    check_entropy_weights(config.entropy_coef, entropy_weights)
+    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio, loss_weights,
+                         entropy_weights)
     dtype = accumulation_dtype(hidden.dtype)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     logp, entropy = token_logprobs(
@@ -68,5 +70,5 @@ def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_
     return policy_loss(
         logp, entropy, batch.mask.to(dtype), batch.advantages.to(dtype), old_logps=cast(batch.old_logps),
         ref_logps=cast(batch.ref_logps), is_ratio=cast(batch.is_ratio), num_items_in_batch=num_items_in_batch,
-        config=config,
+        config=config, loss_weights=batch.loss_weights, entropy_weights=batch.entropy_weights,
     )

@@ -345,20 +345,23 @@ def token_loss_grad(logp: torch.Tensor, terms: TokenTerms) -> torch.Tensor:
     return grad
 
 
-def entropy_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
+def entropy_bonus_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """Per-token weights of the entropy bonus: the loss gets -(entropy * these).sum()."""
     return config.entropy_coef * mask / mask.sum().clamp(min=1.0)
 
 
 def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=None, is_ratio=None,
-                num_items_in_batch=None, config: LossConfig, entropy_mask=None, policy_mask=None):
+                num_items_in_batch=None, config: LossConfig, entropy_mask=None, policy_mask=None, loss_weights=None,
+                entropy_weights=None):
     """The policy loss and its metrics from per-token log-probs: logp, mask etc. (B, T), advantages (B, 1) or (B, T).
 
     Values where mask == 0 are ignored (and may be anything, even inf). old_logps None means on-policy:
     old = logp.detach(). entropy may be None when entropy_coef == 0. entropy_mask: the 0/1 tokens (within the
     mask) the entropy bonus averages over, default the mask (TRL narrows it to its high-entropy tokens when it
     filters them). policy_mask: an optional (B, T) factor of the policy term alone (see `per_token_loss`).
-    Returns (loss, metrics).
+    loss_weights: (B, T) weights of the per-token losses in place of the loss type's reduction (`token_weights`):
+    loss = (per_token * loss_weights * mask).sum(). entropy_weights: (B, T) weights of the entropy bonus in place
+    of entropy_coef's masked mean: the loss gets -(entropy * entropy_weights * mask).sum(). Returns (loss, metrics).
     """
     mask = mask.to(logp.dtype)
     keep = mask > 0
@@ -378,12 +381,16 @@ def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=No
     ratio = importance_ratio(logp, old_logps, mask, config)
     losses, kl = per_token_loss(logp, old_logps, advantages, ref_logps, is_ratio, ratio, config, mask=mask,
                                 policy_mask=policy_mask)
-    loss = (losses * token_weights(mask, config, num_items_in_batch)).sum()
+    weights = token_weights(mask, config, num_items_in_batch) if loss_weights is None \
+        else torch.where(keep, loss_weights, zeros)
+    loss = (losses * weights).sum()
     if entropy is not None:
         entropy = torch.where(keep, entropy, zeros)
-        if config.entropy_coef != 0.0:
+        if entropy_weights is not None:
+            loss = loss - (entropy * torch.where(keep, entropy_weights, zeros)).sum()
+        elif config.entropy_coef != 0.0:
             bonus_mask = mask if entropy_mask is None else entropy_mask.to(mask.dtype) * mask
-            loss = loss - (entropy * entropy_weights(bonus_mask, config)).sum()
+            loss = loss - (entropy * entropy_bonus_weights(bonus_mask, config)).sum()
     with torch.no_grad():
         phi = None
         if config.objective == "vespo":

@@ -118,7 +118,8 @@ def variants():
             n = 3000
             v = torch.rand(5, n)
             config = LossConfig(loss_type={"clip": "dapo", "cispo": "cispo", "sapo": "sapo"}[objective],
-                                delta=1.5, beta=0.04, use_bias_correction_kl=True)
+                                delta=1.5, beta=0.04, use_bias_correction_kl=True, log_ratio_clamp=20.0,
+                                kl_clamp=10.0)
             terms = TokenTerms(config, advantages=v[0], weights=v[1], old_logps=-v[2], ref_logps=-v[3],
                                is_ratio=v[4])
             policy_grad.policy_grad(-v[2].clone(), terms)
