@@ -34,7 +34,8 @@ CPU_HEADS = [(512, 32768), (1024, 65536)]
 CPU_TOKENS = [1024, 2048, 4096, 8192]
 QUICK_HEADS = [(512, 32768)]
 QUICK_TOKENS = [1024, 2048]
-QUICK_IMPLS = ["floor", "grpo_fast", "grpo_fast_kept512", "grpo_fast_two_phase", "naive", "trl", "liger"]
+QUICK_IMPLS = ["floor", "grpo_fast", "grpo_fast_kept512", "grpo_fast_two_phase", "naive", "trl", "liger",
+               "torch_linear_ce"]
 CHECK_SHAPE = (512, 64, 2000)                                         # N, H, V of the accuracy check
 SKIPPED = "skipped: time budget spent"
 OUTPUT_FILES = ("bench.md", "bench.json", "time_vs_tokens.png", "memory_vs_tokens.png")
@@ -375,7 +376,7 @@ def run(shapes, names, dtype_name, device, repeats, out_dir, time_budget=None, l
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--quick", action="store_true", help="a CPU subset: 2 shapes, 6 implementations")
+    parser.add_argument("--quick", action="store_true", help="a CPU subset: 2 shapes, 8 implementations")
     parser.add_argument("--shapes", nargs="+", type=shape_argument, help="NxHxV ... (default: by device)")
     parser.add_argument("--impls", nargs="+", choices=sorted(IMPLEMENTATIONS), help="default: all for the device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],

@@ -51,6 +51,7 @@ class Implementation:
     devices: tuple = ("cpu", "cuda")
     description: str = ""
     kept: int = 0                               # ids per token in the batch's kept sets (0: whole vocabulary)
+    missing: Optional[Callable] = None          # () -> why the installed packages cannot run it, or None
 
     def unavailable(self, device: str) -> Optional[str]:
         """Why this implementation cannot run here, or None."""
@@ -59,7 +60,7 @@ class Implementation:
         for module in self.requires:
             if importlib.util.find_spec(module) is None:
                 return f"{module} not installed"
-        return None
+        return None if self.missing is None else self.missing()
 
 
 KEPT = 512                     # a top_k = 512 sampler's kept set
@@ -144,6 +145,29 @@ def liger(compiled):
     return step
 
 
+def torch_linear_cross_entropy_missing() -> Optional[str]:
+    if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return f"torch {torch.__version__} has no chunked linear_cross_entropy (torch >= 2.13)"
+    return None
+
+
+def torch_linear_cross_entropy(batch):
+    """PyTorch's own chunked LM head + cross-entropy (torch >= 2.13): per-token log-probs as
+    -linear_cross_entropy(reduction="none") on its chunked path (LinearCrossEntropyOptions()), then the loss math.
+    Its chunked path warns when it falls back to full logits: that fails the row instead of timing the fallback."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    hidden = batch.hidden[batch.mask]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logp = -F.linear_cross_entropy(hidden, batch.weight, batch.targets[batch.mask], reduction="none",
+                                       options=torch.nn.LinearCrossEntropyOptions())
+    full = torch.zeros(batch.mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(batch.mask, logp)
+    return backward(loss_math(full.float(), None, batch), batch)
+
+
 def floor(batch):
     """The three GEMMs no method can skip: logits, d(hidden), d(weight) (no loss)."""
     hidden = batch.hidden.detach()[batch.mask]
@@ -168,4 +192,6 @@ IMPLEMENTATIONS = {impl.name: impl for impl in [
                    description="LigerFusedLinearGRPOLoss, eager"),
     Implementation("liger_compiled", liger(compiled=True), requires=("liger_kernel",),
                    description="LigerFusedLinearGRPOLoss, torch.compile"),
+    Implementation("torch_linear_ce", torch_linear_cross_entropy, missing=torch_linear_cross_entropy_missing,
+                   description="torch.nn.functional.linear_cross_entropy, chunked, reduction='none'"),
 ]}

@@ -118,3 +118,14 @@ def test_kept_set_row_runs_over_its_kept_sets():
     kept_loss = IMPLEMENTATIONS["grpo_fast_kept512"].step(batch)[0]
     batch.kept_ids = batch.kept_offsets = None
     assert abs(float(kept_loss) - float(IMPLEMENTATIONS["grpo_fast"].step(batch)[0])) > 1e-3
+
+
+def test_torch_linear_cross_entropy_row_computes_the_same_loss():
+    """PyTorch's chunked linear_cross_entropy (torch >= 2.13) as a row: the same loss and gradients as the others,
+    on its chunked path (a fallback to full logits would warn, which fails the row)."""
+    impl = IMPLEMENTATIONS["torch_linear_ce"]
+    if impl.unavailable("cpu"):
+        pytest.skip(impl.unavailable("cpu"))
+    result = harness.check("torch_linear_ce", torch.float32, "cpu")
+    assert result["loss_error"] < 1e-5 and result["grad_error"] < 1e-5, result
+    assert result["gemm_passes"] >= 3.0, result
