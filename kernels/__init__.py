@@ -10,10 +10,30 @@
 They know nothing of autograd or trainers; `grpo_fast.backends.triton_ops` drives them.
 """
 
-from grpo_fast.kernels.dlogits import dlogits_
-from grpo_fast.kernels.kept_dlogits import kept_dlogits_
-from grpo_fast.kernels.kept_logprob_forward import kept_logprob_forward
-from grpo_fast.kernels.logprob_forward import logprob_forward
-from grpo_fast.kernels.policy_grad import policy_grad
+if __name__ == "kernels":
+    # This folder sits at the repository's top level, so with the repository on sys.path (pytest, `python -m` from
+    # its root) `import kernels` finds it before Hugging Face's `kernels` package, which transformers >= 5.25
+    # requires and imports. That import gets the installed package; this folder's code is grpo_fast.kernels.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-__all__ = ["logprob_forward", "policy_grad", "dlogits_", "kept_logprob_forward", "kept_dlogits_"]
+    _repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _repository]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is None:
+        del sys.modules["kernels"]
+        raise ModuleNotFoundError("No module named 'kernels' (Hugging Face's package; the repository's kernels/ "
+                                  "folder is grpo_fast.kernels)", name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module            # what `import kernels` returns once this file has run
+    _spec.loader.exec_module(_module)
+else:
+    from grpo_fast.kernels.dlogits import dlogits_
+    from grpo_fast.kernels.kept_dlogits import kept_dlogits_
+    from grpo_fast.kernels.kept_logprob_forward import kept_logprob_forward
+    from grpo_fast.kernels.logprob_forward import logprob_forward
+    from grpo_fast.kernels.policy_grad import policy_grad
+
+    __all__ = ["logprob_forward", "policy_grad", "dlogits_", "kept_logprob_forward", "kept_dlogits_"]

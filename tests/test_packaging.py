@@ -116,3 +116,28 @@ sys.exit(main(["bench", "--quick"]))
     assert "grpo-fast bench: the benchmark harness" in done.stderr
     assert "TRITON: backend='triton' needs grpo_fast.kernels" in done.stderr
     assert done.stderr.count("is importable only from an install: run `pip install -e .`") == 2
+
+
+def test_the_repository_root_on_sys_path_does_not_shadow_hugging_faces_kernels(tmp_path):
+    """From the repository's root (pytest, `python -m`), `import kernels` is Hugging Face's package where it is
+    installed (transformers >= 5.25 requires and imports it), and no module at all where it is not; the
+    repository's kernels/ folder stays grpo_fast.kernels either way."""
+    import importlib.metadata
+
+    code = ("import grpo_fast.kernels as ours\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError as error:\n    print('absent', error.name)\n"
+            "else:\n    print('found', kernels.__file__)\n"
+            "print('ours', ours.__file__, hasattr(ours, 'dlogits_'))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    try:
+        importlib.metadata.distribution("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    if installed:
+        assert not lines["found"].startswith(os.path.join(ROOT, "kernels")), lines
+    else:
+        assert lines["absent"] == "kernels", lines
+    assert lines["ours"].endswith(os.path.join("kernels", "__init__.py") + " True"), lines
