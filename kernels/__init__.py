@@ -13,7 +13,9 @@ They know nothing of autograd or trainers; `grpo_fast.backends.triton_ops` drive
 if __name__ == "kernels":
     # This folder sits at the repository's top level, so with the repository on sys.path (pytest, `python -m` from
     # its root) `import kernels` finds it before Hugging Face's `kernels` package, which transformers >= 5.25
-    # requires and imports. That import gets the installed package; this folder's code is grpo_fast.kernels.
+    # requires and imports. That import gets the installed package; this folder's code is grpo_fast.kernels. Where
+    # Hugging Face's is not installed the import stays an empty module without a version, which transformers'
+    # probe (it imports a package that has no metadata) counts as no usable `kernels`.
     import importlib.machinery
     import importlib.util
     import os
@@ -22,13 +24,10 @@ if __name__ == "kernels":
     _repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _repository]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
-    if _spec is None:
-        del sys.modules["kernels"]
-        raise ModuleNotFoundError("No module named 'kernels' (Hugging Face's package; the repository's kernels/ "
-                                  "folder is grpo_fast.kernels)", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module            # what `import kernels` returns once this file has run
-    _spec.loader.exec_module(_module)
+    if _spec is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module            # what `import kernels` returns once this file has run
+        _spec.loader.exec_module(_module)
 else:
     from grpo_fast.kernels.dlogits import dlogits_
     from grpo_fast.kernels.kept_dlogits import kept_dlogits_
