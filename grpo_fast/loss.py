@@ -207,9 +207,6 @@ def grpo_loss(
         per_token = per_token * is_ratio + beta * k3_kl(ref_logps, logp)           # vespo: is_ratio in its weight
         loss = reduce[loss_type](per_token, mask) - entropy_coef * masked_mean(entropy)
 
-    With a kept set (kept_ids, kept_offsets: the tokens a top-k / top-p sampler kept), logp and the entropy are
-    over it, as in `token_logprobs`: the ratio against an engine's renormalized log-probs is then unbiased.
-
     For token-level variants (every loss type but vespo, with importance_sampling_level="token")
     the gradient is computed during the forward, chunk by chunk: 3 GEMM passes over (N, H, V) in all, 2 when the
     weight does not require grad. Sequence-level variants, vespo included, take two phases (4 passes).
@@ -245,9 +242,10 @@ def grpo_loss(
         process_group: for a vocabulary-parallel LM head: weight (and bias) hold this rank's rows of the
             vocabulary (ranks in order, any sizes); every rank passes the same hidden, targets and the rest, and
             gets the full loss, the full d(hidden) and its own slice's d(weight). Runs the PyTorch backend.
-        kept_ids, kept_offsets: optional CSR kept set of each of the B x T (or N) tokens, as in `token_logprobs`;
-            where mask is 0 a set may be empty. old_logps and ref_logps should come over the same sets (the
-            engine's log-probs do; `token_logprobs(..., kept_ids=, kept_offsets=)` for the rest).
+        kept_ids, kept_offsets: optional CSR kept set (top-k / top-p) of each of the B x T (or N) tokens, as in
+            `token_logprobs`: logp and the entropy are then over it; where mask is 0 a set may be empty. old_logps
+            and ref_logps should come over the same sets (the engine's log-probs do; `token_logprobs(...,
+            kept_ids=, kept_offsets=)` for the rest), so that the ratio compares like with like.
         loss_weights: optional (B, T) or (N,) weights of the per-token losses (policy term plus KL) in place of
             loss_type's reduction: loss = sum(loss_weights * per_token) over the mask. Any engine's normalizer that
             is linear in the loss matrix (verl's agg_loss modes, OpenRLHF's means, its dp_size) is such weights;

@@ -169,9 +169,6 @@ def fused_token_loss(
         values.append(value)
         return g_logp, g_entropy
 
-    def token_grads(start, end, logp, entropy):
-        return chunk_result(start, end, logp, entropy)
-
     def finish(logp, entropy):
         if not values:                       # no gradient pass ran: the values of the log-prob pass's chunks
             for start in range(0, logp.shape[0], rows):
@@ -181,6 +178,7 @@ def fused_token_loss(
         return total, {}
 
     trainable = [t for t in (hidden_c, weight, bias) if t is not None and t.requires_grad]
+    token_grads = chunk_result
     if not (torch.is_grad_enabled() and trainable):
         token_grads = guard = None
     loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish, {},

@@ -32,12 +32,10 @@ def inputs(vocab=37, hidden_size=8, batch=3, seq=8, seed=0):
     return hidden, weight, bias, targets, mask, old, ref, advantages
 
 
-def run_case(case, sizes, rank, group):
-    hidden, weight, bias, targets, mask, old, ref, advantages = inputs()
+def sharded_equals_full(batch, kwargs, sizes, rank, group):
+    """grpo_loss of this rank's slice of the head equals the unsharded loss: value, metrics and gradients."""
+    hidden, weight, bias, targets, mask, _, _, advantages = batch
     start, size = sum(sizes[:rank]), sizes[rank]
-    case = dict(case)
-    kwargs = dict(old_logps=old, ref_logps=ref, backend="torch", chunk_bytes=512, **case)
-
     h_full, w_full, b_full = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     expected, expected_metrics = gf.grpo_loss(h_full, w_full, targets, advantages, mask, bias=b_full, **kwargs)
     expected.backward()
@@ -52,6 +50,13 @@ def run_case(case, sizes, rank, group):
     torch.testing.assert_close(b.grad, b_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
     for name, value in expected_metrics.items():
         torch.testing.assert_close(metrics[name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def run_case(case, sizes, rank, group):
+    batch = inputs()
+    old, ref = batch[5], batch[6]
+    sharded_equals_full(batch, dict(old_logps=old, ref_logps=ref, backend="torch", chunk_bytes=512, **case), sizes,
+                        rank, group)
 
 
 def run_logprobs(sizes, rank, group):
@@ -85,23 +90,13 @@ def kept_sets(targets, vocab, mask=None, seed=2):
 
 def run_kept(sizes, rank, group):
     """Kept sets split across the slices: loss, log-probs, entropies and gradients equal the unsharded ones."""
-    hidden, weight, bias, targets, mask, old, ref, advantages = inputs(seed=3)
+    batch = inputs(seed=3)
+    hidden, weight, bias, targets, mask, old, ref, advantages = batch
     start, size = sum(sizes[:rank]), sizes[rank]
     kept_ids, kept_offsets = kept_sets(targets, weight.shape[0], mask)
-    kwargs = dict(old_logps=old, ref_logps=ref, backend="torch", chunk_bytes=512, beta=0.1, entropy_coef=0.02,
-                  logit_softcap=4.0, temperature=0.8, kept_ids=kept_ids, kept_offsets=kept_offsets)
-    h_full, w_full, b_full = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    expected, expected_metrics = gf.grpo_loss(h_full, w_full, targets, advantages, mask, bias=b_full, **kwargs)
-    expected.backward()
-    h, w, b = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_(), \
-        bias[start:start + size].clone().requires_grad_()
-    loss, metrics = gf.grpo_loss(h, w, targets, advantages, mask, bias=b, process_group=group, **kwargs)
-    loss.backward()
-    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(h.grad, h_full.grad, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(w.grad, w_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(b.grad, b_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(metrics["entropy"], expected_metrics["entropy"], rtol=1e-9, atol=1e-12)
+    sharded_equals_full(batch, dict(old_logps=old, ref_logps=ref, backend="torch", chunk_bytes=512, beta=0.1,
+                                    entropy_coef=0.02, logit_softcap=4.0, temperature=0.8, kept_ids=kept_ids,
+                                    kept_offsets=kept_offsets), sizes, rank, group)
 
     full_ids, full_offsets = kept_sets(targets, weight.shape[0])
     logp, entropy = gf.token_logprobs(hidden, weight, targets, return_entropy=True, kept_ids=full_ids,
