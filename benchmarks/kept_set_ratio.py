@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -124,12 +125,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     refuse_to_overwrite(parser, args.out, "kept_set_ratio", args.overwrite)
     torch.manual_seed(0)
+    # the engines' model folder and the run's files are scratch: only the table and its JSON are results
+    run_dir = tempfile.mkdtemp(prefix="kept_set_ratio_")
     overrides = {k: v for k, v in (("task", args.task), ("prompt_format", args.prompt_format)) if v is not None}
     # the tiny model gets the trainer's warm start (it stands in for pretraining); a pretrained one runs as shipped
     overrides["sft_steps"] = TrainConfig.sft_steps if args.model == "tiny" else 0
     base = TrainConfig(model=args.model, group_size=args.group_size, max_completion_length=args.tokens,
                        temperature=args.temperature, vllm_dtype=args.vllm_dtype, eval_every=0,
-                       output_dir=os.path.join(args.out or "/tmp", "kept_set_ratio_run"), **overrides)
+                       output_dir=run_dir, **overrides)
     data = load_data(dataclasses.replace(base, engine="hf"), None)
     model, tokenizer, longest, _ = load_policy(base, data, None, None, torch.device("cpu"), base.dtype,
                                                log=lambda *a: None)
@@ -145,6 +148,7 @@ def main(argv=None) -> int:
             print(row, flush=True)
             rows.append(row)
         del engine
+    shutil.rmtree(run_dir, ignore_errors=True)
     command = "python -m grpo_fast.benchmarks.kept_set_ratio " + " ".join(sys.argv[1:] if argv is None else argv)
     table = markdown(rows, args, machine_name("cpu"), command)
     print(table)
