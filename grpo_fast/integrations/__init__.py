@@ -2,4 +2,5 @@
 
 - trl: `FastGRPOTrainer` (TRL's GRPOTrainer with grpo_fast's log-probs and fused loss), `patch_grpo_trainer`.
 - liger: `FusedLinearGRPOLoss`, Liger's fused linear GRPO loss signature on grpo_fast.
+- verl: verl 0.9's actor (loaded by `external_lib`): grpo_fast's log-probs, the actor loss fused in the sweep.
 """

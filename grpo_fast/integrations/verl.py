@@ -1,0 +1,304 @@
+"""verl's actor with grpo_fast computing the LM head's log-probs and, where verl's loss allows it, the actor loss
+inside the vocabulary sweep. Loaded by verl's own hook for outside code:
+
+    actor_rollout_ref.model.external_lib=grpo_fast.integrations.verl
+    actor_rollout_ref.model.use_fused_kernels=True
+    actor_rollout_ref.model.use_remove_padding=True
+
+Importing this module patches verl 0.9 in place (`install()`; idempotent):
+
+- The model forward that verl installs for `use_fused_kernels` (`dense_common.forward_with_torch_backend`)
+  computes its log-probs and entropies with `grpo_fast.token_logprobs`, run as the `lm_head` module's forward:
+  FSDP2 gathers an untied head around the call, where verl's own reads `lm_head.weight` outside the module and
+  fails under FSDP2 ("mixed torch.Tensor and DTensor"). Old and reference log-probs cost 1 GEMM pass.
+- `FSDPEngineWithLMHead.forward_step`, when its loss is verl's `ppo_loss` with a token-separable policy loss
+  (`FUSED_LOSS_MODES`): the micro-batch's whole actor loss runs inside the sweep, 3 GEMM passes instead of 4 and
+  no (tokens, vocab) logits (`fused_ppo_loss`). Every other case runs verl's own loss on grpo_fast's log-probs
+  (two phases, 4 passes), with one warning naming what it leaves to verl.
+
+The loss inside the sweep is verl's own code, not a copy: for each chunk of tokens, verl's `ppo_loss` (its
+policy loss, clamps, rollout IS weights, entropy bonus, KL and `agg_loss` normalizers with dp_size and the
+global token and sequence counts) is evaluated on the micro-batch's log-probs with that chunk's entries as the
+variables, and autograd gives d(loss)/d(logp) of those entries. For a token-separable loss that gradient depends
+on the chunk's own log-probs alone, so it is the final one; the loss value and verl's metrics come from one more
+evaluation on all the log-probs after the sweep. A loss that needs every token first (gspo's sequence ratio,
+clip_cov's and kl_cov's batch-wide token selection, geo_mean, bypass_mode's rejection masks) is not
+token-separable and stays two-phase.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from grpo_fast.logprobs import token_logprobs
+from grpo_fast.token_loss import TokenChunk, fused_token_loss
+
+try:
+    import verl
+    from verl.models.transformers import dense_common
+    from verl.workers.engine.fsdp import transformer_impl
+    from verl.workers.utils import losses
+    from verl.workers.utils.padding import no_padding_2_padding
+except ImportError as error:  # pragma: no cover - exercised only without verl
+    raise ImportError("grpo_fast.integrations.verl needs verl (pip install --no-deps 'verl==0.9.1', see the README's "
+                      "'Use with verl')") from error
+
+TESTED_VERL = ("0.9.",)
+if not str(getattr(verl, "__version__", "")).startswith(TESTED_VERL):
+    raise ImportError(f"grpo_fast.integrations.verl is tested with verl 0.9.x, got verl {verl.__version__}: its "
+                      f"engine and loss internals, which this module patches, change between minor releases")
+
+# verl policy losses whose per-token loss depends on that token's log-prob alone (times normalizers known up front)
+FUSED_LOSS_MODES = frozenset({"vanilla", "dppo_tv", "dppo_kl", "sapo", "gpg", "cispo", "dro"})
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def as_head_forward(head: torch.nn.Module, fn, *args):
+    """fn(head, *args) run as head's forward, so that the module's hooks wrap it: FSDP2's unshard / reshard (and
+    the pre-backward unshard on its outputs), ZeRO-3's gather. The head's own forward is restored after."""
+    had_own = "forward" in head.__dict__
+    own = head.__dict__.get("forward")
+    head.forward = functools.partial(fn, head)
+    try:
+        return head(*args)
+    finally:
+        if had_own:
+            head.forward = own
+        else:
+            del head.forward
+
+
+def _head_logprobs(head, hidden, labels, temperature):
+    return token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature, return_entropy=True)
+
+
+def forward_with_grpo_fast(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                           inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                           output_hidden_states=None, return_dict=None, cache_position=None, logits_to_keep=0,
+                           temperature: float = 1.0, shift_labels=None, grpo_fast_loss=None, **loss_kwargs):
+    """verl's `forward_with_torch_backend` contract (CausalLMOutputForPPO with log_probs and entropy of the next
+    token at every position, (B, T) fp32) with grpo_fast's head; `grpo_fast_loss` (set by the patched
+    forward_step) makes the head compute a fused loss instead, returned as the output's `loss`."""
+    outputs = dense_common.forward_base_model(
+        self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+        output_attentions=output_attentions, output_hidden_states=output_hidden_states, cache_position=cache_position)
+    hidden = outputs[0]
+    if not return_dict:
+        raise NotImplementedError("forward_with_grpo_fast returns a dict (verl passes return_dict=True)")
+    if shift_labels is not None:            # the engine's labels, rolled over the whole packed sequence
+        rolled = shift_labels
+    elif labels is not None:
+        rolled = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        rolled = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise ValueError("forward_with_grpo_fast needs labels, shift_labels or input_ids, got none of them")
+    loss = None
+    if grpo_fast_loss is None:
+        log_probs, entropy = as_head_forward(self.lm_head, _head_logprobs, hidden, rolled, temperature)
+    else:
+        loss, log_probs, entropy = as_head_forward(self.lm_head, grpo_fast_loss, hidden, rolled, temperature)
+    return dense_common.CausalLMOutputForPPO(loss=loss, log_probs=log_probs, entropy=entropy,
+                                             past_key_values=outputs.past_key_values,
+                                             hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+def _padded(data, *fields):
+    """verl's own conversion in ppo_loss: the fields as (bsz, max_response_len) tensors."""
+    return data.select(*fields).to_padded_tensor()
+
+
+def response_positions(data, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, response_mask): for each response token of the (bsz, max_response_len) layout verl's loss
+    reads, the position in the packed (num_tokens,) sequence whose next-token log-prob it is (verl's own
+    `no_padding_2_padding` applied to the positions), and the bool mask of the tokens that count."""
+    positions = no_padding_2_padding(torch.arange(num_tokens, device=device), data).long()
+    mask = _padded(data, "response_mask")["response_mask"].to(device=device, dtype=torch.bool)
+    return positions, mask
+
+
+def fusable(loss_function) -> Optional[str]:
+    """None when `loss_function` is verl's ppo_loss with a token-separable policy loss, else why not (one line)."""
+    if not (isinstance(loss_function, functools.partial) and loss_function.func is losses.ppo_loss):
+        return f"the loss function {getattr(loss_function, '__name__', loss_function)!r} is not verl's ppo_loss"
+    mode = loss_function.keywords["config"].policy_loss.get("loss_mode", "vanilla")
+    if mode not in FUSED_LOSS_MODES:
+        return f"policy loss {mode!r} is not token-separable (fused: {', '.join(sorted(FUSED_LOSS_MODES))})"
+    return None
+
+
+def fused_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, data, config, *,
+                   bias: Optional[torch.Tensor] = None, temperature: float = 1.0, with_entropy: bool = False,
+                   chunk_bytes: Optional[int] = None, backend: str = "auto"):
+    """verl's `ppo_loss(config, {"log_probs": logp, "entropy": entropy}, data)` with logp, entropy the next-token
+    log-probs and entropies of softmax((hidden @ weight.T + bias) / temperature) at each packed position, computed
+    inside the vocabulary sweep: 3 GEMM passes (2 for a frozen head), no (tokens, vocab) logits, and only the
+    response tokens that count go through the head.
+
+    Args:
+        hidden: (1, N, H) or (N, H), the packed micro-batch's final hidden states (verl's remove-padding layout).
+        weight: (V, H), bias: optional (V,), the LM head. labels: N token ids, the packed input ids rolled by one.
+        data: the micro-batch TensorDict verl's ppo_loss reads (responses, prompts, response_mask, old_log_probs,
+            advantages, optional ref_log_prob and rollout_is_weights, dp_size, batch_num_tokens,
+            global_batch_size).
+        config: verl's ActorConfig; its policy_loss.loss_mode must be in FUSED_LOSS_MODES.
+        with_entropy: compute the entropies (verl's calculate_entropy), which adds its entropy bonus.
+
+    Returns:
+        (loss, metrics, log_probs, entropy): loss a 0-dim fp32 tensor equal to verl's, differentiable with respect
+        to hidden, weight and bias; metrics verl's own dict; log_probs and entropy (N,) detached, filled at the
+        response positions (0 elsewhere; entropy None without with_entropy).
+    """
+    mode = config.policy_loss.get("loss_mode", "vanilla")
+    if mode not in FUSED_LOSS_MODES:
+        raise ValueError(f"fused_ppo_loss needs a token-separable policy loss ({', '.join(sorted(FUSED_LOSS_MODES))}),"
+                         f" got loss_mode {mode!r}: run verl's ppo_loss on token_logprobs instead")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    num_tokens = flat_labels.numel()
+    if flat_hidden.shape[0] != num_tokens:
+        raise ValueError(f"labels must hold one id per hidden row ({flat_hidden.shape[0]}), got {num_tokens}")
+    offsets = data["input_ids"].offsets()
+    if int(offsets[-1]) != num_tokens:
+        raise ValueError(f"hidden must hold the micro-batch's {int(offsets[-1])} packed tokens, got {num_tokens}")
+    positions, response_mask = response_positions(data, num_tokens, hidden.device)
+    used = positions[response_mask]
+    counted = torch.zeros(num_tokens, dtype=torch.bool, device=hidden.device)
+    counted[used] = True
+    old = _padded(data, "old_log_probs")["old_log_probs"]
+    # every token's log-prob starts at its old one (ratio 1) and is replaced by the sweep's as the chunks go by;
+    # a chunk's gradient does not depend on the others' values, the loss being token-separable
+    logp_all = torch.zeros(num_tokens, dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64,
+                           device=hidden.device)
+    logp_all[used] = old.to(device=hidden.device, dtype=logp_all.dtype)[response_mask]
+    entropy_all = torch.zeros_like(logp_all) if with_entropy else None
+
+    def model_output(logp, entropy):
+        out = {"log_probs": torch.nested.nested_tensor_from_jagged(logp, offsets)}
+        if entropy is not None:
+            out["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
+        return out
+
+    def token_loss(chunk: TokenChunk):
+        with torch.enable_grad():
+            logp_leaf = chunk.logp.detach().to(logp_all.dtype).requires_grad_()
+            inputs = [logp_leaf]
+            logp = logp_all.index_put((chunk.index,), logp_leaf)
+            entropy = None
+            if with_entropy:
+                entropy_leaf = chunk.entropy.detach().to(logp_all.dtype).requires_grad_()
+                inputs.append(entropy_leaf)
+                entropy = entropy_all.index_put((chunk.index,), entropy_leaf)
+            value, _ = losses.ppo_loss(config, model_output(logp, entropy), data)
+            grads = torch.autograd.grad(value, inputs, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+        logp_all[chunk.index] = chunk.logp.detach().to(logp_all.dtype)
+        if with_entropy:
+            entropy_all[chunk.index] = chunk.entropy.detach().to(logp_all.dtype)
+        # the value is taken once after the sweep; the chunks carry only the gradients
+        return chunk.logp.new_zeros(()), grads[0].to(chunk.logp.dtype), \
+            grads[1].to(chunk.logp.dtype) if with_entropy else None
+
+    carrier = fused_token_loss(flat_hidden, weight, flat_labels, token_loss, mask=counted, bias=bias,
+                               temperature=temperature, with_entropy=with_entropy, chunk_bytes=chunk_bytes,
+                               backend=backend)
+    with torch.no_grad():
+        value, metrics = losses.ppo_loss(config, model_output(logp_all, entropy_all), data)
+    loss = carrier + value.detach().to(carrier.dtype)
+    return loss, metrics, logp_all, entropy_all
+
+
+def _fused_step(self, micro_batch, loss_function):
+    """FSDPEngineWithLMHead.forward_step's work with the actor loss inside the sweep (see fused_ppo_loss)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id, get_device_name
+
+    device_name = get_device_name()
+    micro_batch = micro_batch.to(get_device_id())
+    model_inputs, output_args = self.prepare_model_inputs(micro_batch=micro_batch)
+    config = loss_function.keywords["config"]
+    with_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+    pad_size = output_args.get("pad_size", 0)
+    results = {}
+
+    def head_loss(head, hidden, labels, temperature):
+        num_tokens = hidden.shape[-2] - pad_size          # the engine's static padding is a suffix
+        loss, metrics, logp, entropy = fused_ppo_loss(
+            hidden[..., :num_tokens, :], head.weight, labels[..., :num_tokens], micro_batch, config,
+            bias=head.bias, temperature=temperature, with_entropy=with_entropy)
+        results["metrics"] = metrics
+        return loss, logp, entropy
+
+    model_inputs["grpo_fast_loss"] = head_loss
+    autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+    autocast = nullcontext() if autocast_dtype == torch.float32 else \
+        torch.autocast(device_type=device_name, dtype=autocast_dtype)
+    with autocast:
+        raw = self.module(**model_inputs, use_cache=False)
+    offsets = micro_batch["input_ids"].offsets()
+    model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(raw.log_probs, offsets)}
+    if raw.entropy is not None:
+        model_output["entropy"] = torch.nested.nested_tensor_from_jagged(raw.entropy, offsets)
+    return raw.loss, {"model_output": model_output, "loss": raw.loss.detach().item(), "metrics": results["metrics"]}
+
+
+def _unfusable_reason(self, micro_batch, loss_function, forward_only) -> Optional[str]:
+    """None where _fused_step applies, else why not."""
+    from verl.utils import tensordict_utils as tu
+
+    if forward_only or loss_function is None:
+        return "forward only"                           # old / reference log-probs: the log-prob op, 1 pass
+    reason = fusable(loss_function)
+    if reason:
+        return reason
+    for key, wanted in (("use_fused_kernels", True), ("use_remove_padding", True)):
+        if bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=key == "use_remove_padding")) != wanted:
+            return f"{key} is not {wanted}"
+    if getattr(self, "use_ulysses_sp", False):
+        return "Ulysses sequence parallelism (the loss needs the gathered log-probs)"
+    if getattr(self.module, "_verl_fused_kernels_backend", "torch") != "torch":
+        return "fused_kernels_backend is not 'torch'"
+    for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
+        if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
+            return f"{key} is set"
+    return None
+
+
+_original_forward_step = None
+
+
+def forward_step(self, micro_batch, loss_function, forward_only):
+    """verl's FSDPEngineWithLMHead.forward_step, with the actor loss fused where `_unfusable_reason` is None."""
+    reason = _unfusable_reason(self, micro_batch, loss_function, forward_only)
+    if reason is None:
+        return _fused_step(self, micro_batch, loss_function)
+    if reason != "forward only":
+        _warn_once(f"grpo_fast.integrations.verl: the actor loss runs as verl's own on grpo_fast's log-probs "
+                   f"(two phases, 4 GEMM passes) because {reason}")
+    return _original_forward_step(self, micro_batch, loss_function, forward_only)
+
+
+def install() -> None:
+    """Patch verl (see the module docstring); calling it again changes nothing."""
+    global _original_forward_step
+    dense_common.forward_with_torch_backend = forward_with_grpo_fast
+    engine = transformer_impl.FSDPEngineWithLMHead
+    if engine.forward_step is not forward_step:
+        _original_forward_step = engine.forward_step
+        engine.forward_step = forward_step
+
+
+install()

@@ -1,0 +1,322 @@
+"""grpo_fast.integrations.verl against verl 0.9's own code, in float64: the fused actor loss (verl's ppo_loss
+evaluated inside the sweep) equals verl's ppo_loss on full logits, loss, metrics and gradients, for every
+token-separable policy loss x every loss_agg_mode, with the ratio and KL clamps active, the KL, the entropy bonus,
+rollout IS weights and dp_size normalizers; the patched forward's log-probs equal verl's torch backend's, packed.
+Run in verl's own environment (.ci/run builds it); skipped where verl is not installed."""
+
+from contextlib import nullcontext
+from functools import partial
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from tensordict import TensorDict  # noqa: E402
+from verl.models.transformers import dense_common  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+from grpo_fast.integrations import verl as gf_verl  # noqa: E402
+from tests.helpers import BACKENDS, tiny_model  # noqa: E402  (sets TRITON_INTERPRET before grpo_fast.kernels)
+
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+MODE_OPTIONS = {"vanilla": {}, "dppo_tv": {}, "dppo_kl": {}, "sapo": {}, "gpg": {}, "cispo": {},
+                "dro": {"dro_beta": 0.3}}
+
+
+def micro_batch(prompt_lens, response_lens, vocab, *, seed=0, dtype=torch.float64, dp_size=1, far=True):
+    """A micro-batch as verl's engine gets it: left-right padded rollouts through verl's left_right_2_no_padding,
+    with the global batch info a dp_size-rank step would carry (this rank holding 1 / dp_size of the tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, prompt, response = len(prompt_lens), max(prompt_lens), max(response_lens)
+    input_ids = torch.randint(vocab, (batch, prompt + response), generator=g)
+    attention = torch.zeros(batch, prompt + response, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        attention[i, prompt - p:prompt + r] = 1
+    response_mask = attention[:, prompt:].clone()
+    old = -torch.rand(batch, response, generator=g, dtype=dtype) * 3
+    ref = -torch.rand(batch, response, generator=g, dtype=dtype) * 3
+    if far:     # tokens whose log-ratio passes verl's +-20 clamp and whose low_var_kl passes its +-10 clamp
+        old[0, 0], ref[0, 1], ref[-1, 0] = -40.0, -25.0, 15.0
+    fields = dict(input_ids=input_ids, attention_mask=attention, response_mask=response_mask,
+                  position_ids=(attention.cumsum(-1) - 1).clamp(min=0), prompts=input_ids[:, :prompt],
+                  responses=input_ids[:, prompt:], old_log_probs=old,
+                  advantages=torch.randn(batch, 1, generator=g, dtype=dtype).expand(batch, response).clone(),
+                  ref_log_prob=ref, rollout_is_weights=0.5 + torch.rand(batch, response, generator=g, dtype=dtype))
+    data = left_right_2_no_padding(TensorDict(fields, batch_size=[batch]))
+    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=int(response_mask.sum()) * dp_size,
+                         global_batch_size=batch * dp_size)
+    return data
+
+
+def actor_config(loss_mode="vanilla", loss_agg_mode="token-mean", **overrides):
+    options = dict(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
+                   ppo_mini_batch_size=4, loss_agg_mode=loss_agg_mode, use_kl_loss=True, kl_loss_coef=0.1,
+                   kl_loss_type="low_var_kl", entropy_coeff=0.01, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    options.update(overrides)
+    return FSDPActorConfig(policy_loss=PolicyLossConfig(loss_mode=loss_mode, **MODE_OPTIONS.get(loss_mode, {})),
+                           **options)
+
+
+def verl_reference(hidden, weight, bias, labels, data, config, temperature, with_entropy):
+    """verl's ppo_loss on log-probs and entropies from the full logits (what verl's logits path computes)."""
+    logits = (hidden @ weight.T + bias) / temperature
+    logp_all = logits.log_softmax(-1)
+    out = {"log_probs": torch.nested.nested_tensor_from_jagged(
+        logp_all.gather(-1, labels[:, None]).squeeze(-1), data["input_ids"].offsets())}
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        out["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, data["input_ids"].offsets())
+    return ppo_loss(config, out, data)
+
+
+def packed_inputs(data, hidden_size, vocab, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    num_tokens = int(data["input_ids"].offsets()[-1])
+    hidden = torch.randn(num_tokens, hidden_size, generator=g, dtype=dtype)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=dtype) * 0.5
+    bias = torch.randn(vocab, generator=g, dtype=dtype) * 0.1
+    labels = torch.roll(data["input_ids"].values(), shifts=-1)
+    return hidden, weight, bias, labels
+
+
+def metric_values(metrics):
+    return {k: float(v.aggregate() if hasattr(v, "aggregate") else v) for k, v in metrics.items()}
+
+
+def compare(loss_mode, agg_mode, backend, dtype, rtol, with_entropy=True, dp_size=1, **config_overrides):
+    vocab, hidden_size = 37, 16
+    data = micro_batch([3, 5, 2], [6, 1, 4], vocab, dtype=dtype, dp_size=dp_size)
+    config = actor_config(loss_mode, agg_mode, **config_overrides)
+    hidden, weight, bias, labels = packed_inputs(data, hidden_size, vocab, dtype)
+    temperature = 0.7
+
+    expected_inputs = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    expected, expected_metrics = verl_reference(*expected_inputs, labels, data, config, temperature, with_entropy)
+    expected.backward()
+
+    actual_inputs = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    actual, metrics, logp, _ = gf_verl.fused_ppo_loss(
+        actual_inputs[0], actual_inputs[1], labels, data, config, bias=actual_inputs[2], temperature=temperature,
+        with_entropy=with_entropy, backend=backend, chunk_bytes=4 * 4 * vocab)   # 4 tokens a chunk: several chunks
+    actual.backward()
+
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=rtol * 1e-2)
+    assert metric_values(metrics).keys() == metric_values(expected_metrics).keys()
+    for key, value in metric_values(expected_metrics).items():
+        assert metric_values(metrics)[key] == pytest.approx(value, rel=rtol, abs=rtol * 1e-2), key
+    for name, a, e in zip(("hidden", "weight", "bias"), actual_inputs, expected_inputs):
+        torch.testing.assert_close(a.grad.double(), e.grad.double(), rtol=rtol, atol=rtol * 1e-2, msg=name)
+    return data, config
+
+
+@pytest.mark.parametrize("agg_mode", AGG_MODES)
+@pytest.mark.parametrize("loss_mode", sorted(MODE_OPTIONS))
+def test_fused_loss_equals_verl_ppo_loss(loss_mode, agg_mode):
+    compare(loss_mode, agg_mode, "torch", torch.float64, rtol=1e-10)
+
+
+def test_clamps_are_active_in_the_test_batch():
+    """The far tokens of micro_batch pass verl's clamps: without them the loss would move (else the parity above
+    would not show the clamps are verl's)."""
+    vocab = 37
+    data = micro_batch([3, 5, 2], [6, 1, 4], vocab)
+    near = micro_batch([3, 5, 2], [6, 1, 4], vocab, far=False)
+    assert not torch.equal(data["old_log_probs"], near["old_log_probs"])
+    hidden, weight, bias, labels = packed_inputs(data, 16, vocab, torch.float64)
+    logp = torch.nested.nested_tensor_from_jagged(
+        ((hidden @ weight.T + bias) / 0.7).log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1),
+        data["input_ids"].offsets())
+    from verl.trainer.ppo.core_algos import kl_penalty
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    padded = no_padding_2_padding(logp, data)
+    mask = data["response_mask"].bool()
+    log_ratio = (padded - data["old_log_probs"])[mask]
+    assert (log_ratio.abs() > 20).any()
+    kl_raw = (data["ref_log_prob"] - padded).exp() - (data["ref_log_prob"] - padded) - 1
+    assert (kl_raw[mask].abs() > 10).any()
+    assert torch.allclose(kl_penalty(padded, data["ref_log_prob"], "low_var_kl")[mask].abs().max(),
+                          torch.tensor(10.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-sum"])
+def test_dp_size_normalizers(agg_mode):
+    """A rank of a 4-rank step: verl's dp_size, global token count and global batch size in its normalizers."""
+    compare("vanilla", agg_mode, "torch", torch.float64, rtol=1e-10, dp_size=4)
+
+
+def test_without_entropy_and_kl():
+    compare("vanilla", "token-mean", "torch", torch.float64, rtol=1e-10, with_entropy=False, use_kl_loss=False,
+            entropy_coeff=0.0)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton is not installed")
+@pytest.mark.parametrize("loss_mode", ["vanilla", "cispo"])
+def test_fused_loss_on_the_triton_kernels(loss_mode):
+    """The same through the Triton kernels (the interpreter on CPU, fp32): to fp32's accuracy."""
+    compare(loss_mode, "seq-mean-token-mean", "triton", torch.float32, rtol=2e-4)
+
+
+def test_two_phase_modes_are_refused_by_the_fused_loss():
+    data = micro_batch([3, 5, 2], [6, 1, 4], 37)
+    hidden, weight, bias, labels = packed_inputs(data, 16, 37, torch.float64)
+    for mode in ("gspo", "geo_mean", "clip_cov", "kl_cov", "bypass_mode"):
+        with pytest.raises(ValueError, match=f"token-separable .* got loss_mode '{mode}'"):
+            gf_verl.fused_ppo_loss(hidden, weight, labels, data, actor_config(mode))
+        assert "not token-separable" in gf_verl.fusable(partial(ppo_loss, config=actor_config(mode)))
+    assert gf_verl.fusable(partial(ppo_loss, config=actor_config("vanilla"))) is None
+
+
+def test_patched_forward_equals_verl_torch_backend_packed():
+    """verl's use_fused_kernels forward of a tiny Qwen2 on a packed (1, nnz) row: log-probs and entropies and
+    their gradients from grpo_fast's head equal the float64 logits path, and verl's own FusedLinearForPPO
+    (which computes in fp32) to fp32's accuracy."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    assert dense_common.forward_with_torch_backend is gf_verl.forward_with_grpo_fast      # installed at import
+    model = tiny_model(vocab_size=53).double()
+    ids = torch.randint(53, (1, 17))
+    positions = torch.cat([torch.arange(6), torch.arange(11)])[None]        # two packed sequences
+    labels = torch.roll(ids, -1, -1)
+
+    def logits_path(model):
+        hidden = dense_common.forward_base_model(model, input_ids=ids, position_ids=positions)[0]
+        logp_all = (model.lm_head(hidden) / 0.8).log_softmax(-1)
+        return logp_all.gather(-1, labels[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+    def grads(logp, entropy):
+        model.zero_grad()
+        (logp.sum() + 0.1 * entropy.sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    expected_logp, expected_entropy = logits_path(model)
+    expected_grads = grads(expected_logp, expected_entropy)
+    out = gf_verl.forward_with_grpo_fast(model, input_ids=ids, position_ids=positions, return_dict=True,
+                                         temperature=0.8)
+    actual_grads = grads(out.log_probs, out.entropy)
+    torch.testing.assert_close(out.log_probs, expected_logp, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.entropy, expected_entropy, rtol=1e-10, atol=1e-12)
+    for name in expected_grads:
+        torch.testing.assert_close(actual_grads[name], expected_grads[name], rtol=1e-9, atol=1e-12, msg=name)
+
+    hidden = dense_common.forward_base_model(model, input_ids=ids, position_ids=positions)[0]
+    verl_logp, verl_entropy = FusedLinearForPPO().forward(hidden, model.lm_head.weight, labels, temperature=0.8)
+    torch.testing.assert_close(verl_logp.double(), out.log_probs.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(verl_entropy.double(), out.entropy.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_head_runs_as_the_module_forward():
+    """The head's work goes through lm_head's __call__ (so FSDP2's and ZeRO-3's module hooks gather it), and the
+    module's own forward is back after."""
+    model = tiny_model(vocab_size=53).double()
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(module))
+    gf_verl.forward_with_grpo_fast(model, input_ids=torch.randint(53, (1, 9)), return_dict=True)
+    assert calls == [model.lm_head]
+    assert "forward" not in model.lm_head.__dict__
+    torch.testing.assert_close(model.lm_head(torch.ones(2, 32, dtype=torch.float64)),
+                               torch.ones(2, 32, dtype=torch.float64) @ model.lm_head.weight.T)
+
+
+def test_version_outside_the_tested_range_is_refused(monkeypatch):
+    import importlib
+    import sys
+
+    import verl
+
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    monkeypatch.delitem(sys.modules, "grpo_fast.integrations.verl")
+    with pytest.raises(ImportError, match=r"tested with verl 0\.9\.x, got verl 0\.10\.0"):
+        importlib.import_module("grpo_fast.integrations.verl")
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_fused_loss_gemm_passes(frozen_head):
+    """3 GEMM passes over the response tokens that count (2 with a frozen head), where verl's fused torch backend
+    makes 4: prompt and padding positions never reach the head."""
+    from grpo_fast.profiling import GemmCounter
+
+    vocab, hidden_size = 37, 16
+    data = micro_batch([3, 5, 2], [6, 1, 4], vocab)
+    hidden, weight, bias, labels = packed_inputs(data, hidden_size, vocab, torch.float64)
+    hidden.requires_grad_()
+    weight.requires_grad_(not frozen_head)
+    with GemmCounter() as counter:
+        loss, *_ = gf_verl.fused_ppo_loss(hidden, weight, labels, data, actor_config(), with_entropy=True,
+                                          backend="torch", chunk_bytes=4 * 4 * vocab)
+        loss.backward()
+    counted = int(data["response_mask"].sum())
+    assert counter.flops / (2 * counted * hidden_size * vocab) == (2.0 if frozen_head else 3.0)
+
+
+def engine_step(model, micro_batch, config, use_fused_kernels, calculate_entropy=True):
+    """verl's FSDPEngineWithLMHead.forward_step (as patched, or verl's own where not fusable) on one micro-batch,
+    then the backward, on a CPU engine holding `model` unsharded (the engine's own methods, without FSDP's
+    wrapping, which a single CPU process cannot build): the loss, verl's metrics and the parameters' gradients."""
+    from types import SimpleNamespace
+
+    from verl.utils import torch_functional as verl_F
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    import tests.integrations.verl_cpu_platform  # noqa: F401  (verl's device layer on the CPU)
+
+    engine = object.__new__(FSDPEngineWithLMHead)
+    engine.__dict__.update(module=model, pad_to_length=False, use_ulysses_sp=False, ulysses_device_mesh=None,
+                           ulysses_sequence_parallel_size=1, _autocast_dtype=torch.float32,
+                           compute_entropy_from_logits=verl_F.entropy_from_logits,
+                           engine_config=SimpleNamespace(entropy_checkpointing=False,
+                                                         entropy_from_logits_with_chunking=False))
+    micro_batch = micro_batch.clone()
+    tu.assign_non_tensor(micro_batch, use_remove_padding=True, use_fused_kernels=use_fused_kernels,
+                         calculate_entropy=calculate_entropy, temperature=0.8)
+    model.zero_grad()
+    loss, output = engine.forward_step(micro_batch, loss_function=partial(ppo_loss, config=config),
+                                       forward_only=False)
+    loss.backward()
+    return loss.detach(), metric_values(output["metrics"]), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
+def test_engine_forward_step_fused_and_two_phase_equal_the_logits_path(loss_mode):
+    """Through verl's engine code: with use_fused_kernels, vanilla runs fused inside grpo_fast's sweep and gspo
+    (not token-separable) runs verl's loss on grpo_fast's log-probs, with one warning; both equal verl's own
+    logits path (use_fused_kernels off) in loss, metrics and every parameter's gradient (to 1e-6 of each gradient's
+    largest entry: verl's logits path computes its log-probs in fp32 even for an fp64 model)."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    vocab = 53
+    data = micro_batch([3, 5, 2], [6, 1, 4], vocab, far=False)
+    config = actor_config(loss_mode, "seq-mean-token-mean")
+    model = tiny_model(vocab_size=vocab).double()
+    original_forward = type(model).forward
+    expected = engine_step(model, data, config, use_fused_kernels=False)
+    calls = {"fused": 0}
+    fused = gf_verl.fused_ppo_loss
+
+    def counting(*args, **kwargs):
+        calls["fused"] += 1
+        return fused(*args, **kwargs)
+
+    try:
+        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        assert type(model).forward is gf_verl.forward_with_grpo_fast
+        gf_verl.fused_ppo_loss = counting
+        gf_verl._warned.clear()
+        with pytest.warns(UserWarning, match="not token-separable") if loss_mode == "gspo" else nullcontext():
+            actual = engine_step(model, data, config, use_fused_kernels=True)
+    finally:
+        type(model).forward = original_forward
+        gf_verl.fused_ppo_loss = fused
+    assert calls["fused"] == (1 if loss_mode == "vanilla" else 0)
+    torch.testing.assert_close(actual[0].double(), expected[0].double(), rtol=1e-7, atol=1e-9)
+    assert actual[1].keys() == expected[1].keys()
+    for key, value in expected[1].items():
+        assert actual[1][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    for name, grad in expected[2].items():
+        scale = grad.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(actual[2][name], grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
