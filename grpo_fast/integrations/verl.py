@@ -3,11 +3,13 @@ inside the vocabulary sweep. Loaded by verl's own hook for outside code:
 
     actor_rollout_ref.model.external_lib=grpo_fast.integrations.verl
     actor_rollout_ref.model.use_fused_kernels=True
+    actor_rollout_ref.model.fused_kernel_options.impl_backend=torch
     actor_rollout_ref.model.use_remove_padding=True
 
 Importing this module patches verl 0.9 in place (`install()`; idempotent):
 
-- The model forward that verl installs for `use_fused_kernels` (`dense_common.forward_with_torch_backend`)
+- The model forward that verl installs for `use_fused_kernels` on text models (`dense_common`'s
+  `forward_with_torch_backend` and `forward_with_triton_backend`, chosen by `fused_kernel_options.impl_backend`)
   computes its log-probs and entropies with `grpo_fast.token_logprobs`, run as the `lm_head` module's forward:
   FSDP2 gathers an untied head around the call, where verl's own reads `lm_head.weight` outside the module and
   fails under FSDP2 ("mixed torch.Tensor and DTensor"). Old and reference log-probs cost 1 GEMM pass.
@@ -269,8 +271,9 @@ def _unfusable_reason(self, micro_batch, loss_function, forward_only) -> Optiona
             return f"{key} is not {wanted}"
     if getattr(self, "use_ulysses_sp", False):
         return "Ulysses sequence parallelism (the loss needs the gathered log-probs)"
-    if getattr(self.module, "_verl_fused_kernels_backend", "torch") != "torch":
-        return "fused_kernels_backend is not 'torch'"
+    if getattr(type(self.module), "forward", None) is not forward_with_grpo_fast:
+        return ("the model's forward is not grpo_fast's (verl installs it for use_fused_kernels with "
+                "fused_kernel_options.impl_backend torch or triton, on text models)")
     for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
         if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
             return f"{key} is set"
@@ -294,7 +297,9 @@ def forward_step(self, micro_batch, loss_function, forward_only):
 def install() -> None:
     """Patch verl (see the module docstring); calling it again changes nothing."""
     global _original_forward_step
+    # both of verl's fused-kernel backends: its triton one's kernels are verl's own, and the head is grpo_fast's
     dense_common.forward_with_torch_backend = forward_with_grpo_fast
+    dense_common.forward_with_triton_backend = forward_with_grpo_fast
     engine = transformer_impl.FSDPEngineWithLMHead
     if engine.forward_step is not forward_step:
         _original_forward_step = engine.forward_step

@@ -320,3 +320,45 @@ def test_engine_forward_step_fused_and_two_phase_equal_the_logits_path(loss_mode
         scale = grad.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(actual[2][name], grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
+
+
+def test_fsdp2_engine_on_two_ranks():
+    """verl's FSDP2 actor engine on 2 gloo ranks with an untied head sharded as its own unit (see
+    verl_engine_check.py): grpo_fast fused (vanilla) and two-phase (gspo) equal verl's logits path in verl's
+    metrics and every parameter's gradient (fp32: 1e-5 of each gradient's largest entry), with dp_size 2 in the
+    normalizers, and infer_batch's old log-probs equal; verl's own fused forward fails there, reading the
+    sharded head's weight outside the module (the reason grpo_fast's head runs as lm_head's forward)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.helpers import ROOT
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    with tempfile.TemporaryDirectory() as output_dir:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                               port, "-m", "tests.integrations.verl_engine_check", output_dir], cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["world_size"] == 2
+    assert result["grpo_fast"]["lm_head_is_own_unit"]
+    assert "mixed torch.Tensor and DTensor" in result["verl_fused"], result["verl_fused"]
+    for mode in ("vanilla", "gspo"):
+        actual, expected = result["grpo_fast"][mode], result["logits"][mode]
+        assert actual["fused_calls"] == (2 if mode == "vanilla" else 0)        # 2 micro-batches on rank 0
+        assert actual["metrics"].keys() == expected["metrics"].keys()
+        for key, values in expected["metrics"].items():
+            assert actual["metrics"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), (mode, key)
+        for name, grad in expected["grads"].items():
+            grad = torch.tensor(grad)
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(torch.tensor(actual["grads"][name]), grad, rtol=1e-5,
+                                       atol=1e-5 * grad.abs().max().item(), msg=f"{mode} {name}")
+    torch.testing.assert_close(torch.tensor(result["grpo_fast"]["infer_log_probs"]),
+                               torch.tensor(result["logits"]["infer_log_probs"]), rtol=1e-5, atol=1e-5)
