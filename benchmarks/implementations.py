@@ -2,7 +2,7 @@
 
 All compute the same loss (dapo with the k3 KL, `LOSS` below) forward and backward through hidden and the
 LM-head weight, on the same inputs; they differ only in how the LM head and log-softmax are executed.
-Peers (TRL, Liger) are optional: when one is not importable its rows say so instead of failing the run.
+Peers (TRL, Liger, verl) are optional: when one is not importable its rows say so instead of failing the run.
 """
 
 from __future__ import annotations
@@ -168,6 +168,18 @@ def torch_linear_cross_entropy(batch):
     return backward(loss_math(full.float(), None, batch), batch)
 
 
+def verl_fused(batch):
+    """verl 0.9's fused LM head (FusedLinearForPPO, its torch backend: log-probs and entropies in chunks of
+    tokens, the logits recomputed in backward), then the loss math."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    mask = batch.mask
+    logp, entropy = FusedLinearForPPO().forward(batch.hidden[mask][None], batch.weight, batch.targets[mask][None])
+    logp = logp.new_zeros(mask.shape).masked_scatter(mask, logp[0])
+    entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy[0])
+    return backward(loss_math(logp.float(), entropy.float(), batch), batch)
+
+
 def floor(batch):
     """The three GEMMs no method can skip: logits, d(hidden), d(weight) (no loss)."""
     hidden = batch.hidden.detach()[batch.mask]
@@ -194,4 +206,6 @@ IMPLEMENTATIONS = {impl.name: impl for impl in [
                    description="LigerFusedLinearGRPOLoss, torch.compile"),
     Implementation("torch_linear_ce", torch_linear_cross_entropy, missing=torch_linear_cross_entropy_missing,
                    description="torch.nn.functional.linear_cross_entropy, chunked, reduction='none'"),
+    Implementation("verl", verl_fused, requires=("verl",),
+                   description="verl 0.9 FusedLinearForPPO (torch backend) + loss math"),
 ]}

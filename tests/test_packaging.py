@@ -53,7 +53,7 @@ def test_cli_rejects_unknown_command():
 
 
 
-OWN_ENVIRONMENT = {"grpo_fast.integrations.verl": "verl"}
+OWN_ENVIRONMENT = {"grpo_fast.integrations.verl": "verl", "grpo_fast.integrations.verl_cpu": "verl"}
 
 
 def library_modules() -> list:

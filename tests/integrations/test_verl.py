@@ -262,7 +262,7 @@ def engine_step(model, micro_batch, config, use_fused_kernels, calculate_entropy
     from verl.utils import torch_functional as verl_F
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    import tests.integrations.verl_cpu_platform  # noqa: F401  (verl's device layer on the CPU)
+    import grpo_fast.integrations.verl_cpu  # noqa: F401  (verl's device layer on the CPU)
 
     engine = object.__new__(FSDPEngineWithLMHead)
     engine.__dict__.update(module=model, pad_to_length=False, use_ulysses_sp=False, ulysses_device_mesh=None,
@@ -362,3 +362,13 @@ def test_fsdp2_engine_on_two_ranks():
                                        atol=1e-5 * grad.abs().max().item(), msg=f"{mode} {name}")
     torch.testing.assert_close(torch.tensor(result["grpo_fast"]["infer_log_probs"]),
                                torch.tensor(result["logits"]["infer_log_probs"]), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_row_of_verls_fused_head():
+    """`grpo-fast bench`'s verl row (FusedLinearForPPO, then the same loss math as every row) computes the loss
+    and gradients the others do, in 4 GEMM passes (its backward recomputes the logits)."""
+    from grpo_fast.benchmarks import harness
+
+    result = harness.check("verl", torch.float32, "cpu")
+    assert result["loss_error"] < 1e-5 and result["grad_error"] < 1e-5, result
+    assert result["gemm_passes"] == 4.0, result

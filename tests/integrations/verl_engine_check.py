@@ -22,6 +22,10 @@ for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", RANK="0", L
                        VERL_ENGINE_DEVICE="cuda").items():
     os.environ.setdefault(key, value)          # one process without torchrun; the CPU engine registers as cuda
 
+# verl's CPU platform before any verl module: verl resolves its platform while importing its engines
+import grpo_fast.integrations.verl_cpu  # noqa: E402, F401, I001
+
+# isort: split
 from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
@@ -31,8 +35,6 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
-
-import tests.integrations.verl_cpu_platform  # noqa: E402, F401  (verl's device layer on the CPU)
 
 VERL_FORWARD = dense_common.forward_with_torch_backend      # verl's own, before grpo_fast's install replaces it
 

@@ -1,7 +1,8 @@
-"""verl's device layer on a CPU: verl 0.9's platform registry knows nvidia, huawei and amd and falls back to
-"cuda" where it finds none, so its engines call torch.cuda on a machine without a GPU. This registers a "cpu"
-platform (the abstract methods of verl's PlatformBase, each the CPU's no-op or answer) and selects it; import it
-before verl resolves its platform (the first get_platform() call). Used by the tests only."""
+"""verl's device layer on a CPU host, for tests and benchmarks without a GPU: verl 0.9's platform registry knows
+nvidia, huawei and amd and falls back to "cuda" where it finds none, so its engines call torch.cuda on a machine
+without one. Importing this registers a "cpu" platform (verl's PlatformBase, each method the CPU's answer or a
+no-op) and selects it, and sets VERL_ENGINE_DEVICE=cuda where it is unset: verl's FSDP engine registers for cuda
+and npu only, and runs on the CPU through this platform, over gloo."""
 
 import contextlib
 import os
@@ -64,4 +65,5 @@ class PlatformCPU(PlatformBase):
 
 
 os.environ["VERL_PLATFORM"] = "cpu"
+os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
 platform_manager._current_platform = None       # resolve again, now to this one
