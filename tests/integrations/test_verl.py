@@ -372,3 +372,24 @@ def test_bench_row_of_verls_fused_head():
     result = harness.check("verl", torch.float32, "cpu")
     assert result["loss_error"] < 1e-5 and result["grad_error"] < 1e-5, result
     assert result["gemm_passes"] == 4.0, result
+
+
+def test_engine_benchmark_rows_agree(tmp_path):
+    """benchmarks/verl_engine.py at a tiny shape: the three rows (verl's logits path, verl's fused backend,
+    grpo_fast) each ran verl's train_batch and report the same first loss."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "grpo_fast.benchmarks.verl_engine", "--vocab", "512", "--hidden",
+                           "64", "--response-tokens", "24", "--prompt-tokens", "8", "--steps", "1", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "verl_engine.json").read_text())["rows"]
+    assert [row["row"] for row in rows] == ["logits", "verl_fused", "grpo_fast"]
+    assert all("error" not in row for row in rows), rows
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
+    assert rows[2]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
+    assert "| grpo_fast |" in (tmp_path / "verl_engine.md").read_text()
