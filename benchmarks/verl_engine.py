@@ -48,8 +48,9 @@ def build_batch(args, seed=0):
 def run_row(args) -> dict:
     """One row in this process: build the engine, one warm-up train_batch, then the timed ones."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    import grpo_fast.integrations.verl_cpu  # noqa: F401  (verl's device layer on the CPU, before verl's engines)
+    import grpo_fast.integrations.verl_cpu  # noqa: F401, I001  (verl's device layer on the CPU, before its engines)
 
+    # isort: split
     import torch
     from verl.models.transformers import dense_common
     from verl.trainer.config import CheckpointConfig
