@@ -55,8 +55,13 @@ def run_row(args) -> dict:
     from verl.models.transformers import dense_common
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import (FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig,
-                                     PolicyLossConfig)
+    from verl.workers.config import (
+        FSDPActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        PolicyLossConfig,
+    )
     from verl.workers.engine import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
 
