@@ -15,7 +15,7 @@ The loss library (this package's top level; it imports nothing from the two belo
     reference     the same loss from the full logits: the test oracle and the benchmark baseline
     models        final hidden states and LM-head parameters of Hugging Face causal LMs
     profiling     GEMM counting, peak memory and the machine's name
-    integrations/ drop-ins for TRL's GRPOTrainer, Liger's fused linear GRPO loss and verl's actor
+    integrations/ drop-ins for TRL's GRPOTrainer, Liger's fused linear GRPO loss, verl's and OpenRLHF's actors
 
 Built on it:
     train/        the trainer (`grpo_fast.train.train`, `TrainConfig`, `load_config`) and the memory planner

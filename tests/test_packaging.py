@@ -53,7 +53,8 @@ def test_cli_rejects_unknown_command():
 
 
 
-OWN_ENVIRONMENT = {"grpo_fast.integrations.verl": "verl", "grpo_fast.integrations.verl_cpu": "verl"}
+OWN_ENVIRONMENT = {"grpo_fast.integrations.verl": "verl", "grpo_fast.integrations.verl_cpu": "verl",
+                   "grpo_fast.integrations.openrlhf": "openrlhf"}
 
 
 def library_modules() -> list:
