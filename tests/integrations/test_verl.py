@@ -209,6 +209,21 @@ def test_patched_forward_equals_verl_torch_backend_packed():
     torch.testing.assert_close(verl_entropy.double(), out.entropy.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_patched_forward_equals_the_logits_path_padded():
+    """The same forward on a padded (B, T) batch with an attention mask (verl's use_remove_padding off)."""
+    model = tiny_model(vocab_size=53).double()
+    ids = torch.randint(53, (2, 9))
+    attention = torch.ones(2, 9, dtype=torch.long)
+    attention[1, :3] = 0                                             # a left-padded row
+    out = gf_verl.forward_with_grpo_fast(model, input_ids=ids, attention_mask=attention, return_dict=True,
+                                         temperature=1.3)
+    hidden = dense_common.forward_base_model(model, input_ids=ids, attention_mask=attention)[0]
+    logp_all = (model.lm_head(hidden) / 1.3).log_softmax(-1)
+    torch.testing.assert_close(out.log_probs, logp_all.gather(-1, torch.roll(ids, -1, -1)[..., None]).squeeze(-1),
+                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.entropy, -(logp_all.exp() * logp_all).sum(-1), rtol=1e-10, atol=1e-12)
+
+
 def test_head_runs_as_the_module_forward():
     """The head's work goes through lm_head's __call__ (so FSDP2's and ZeRO-3's module hooks gather it), and the
     module's own forward is back after."""
