@@ -45,6 +45,29 @@ def build_batch(args, seed=0):
     return left_right_2_no_padding(TensorDict(fields, batch_size=[batch]))
 
 
+def build_engine(path: str, fused_kernels: bool, micro_batch: int, lr: float = 1e-6):
+    """verl's FSDP2 actor engine (FSDPEngineWithLMHead, from verl's own configs and EngineRegistry) over the saved
+    model at `path`, fp32 with sdpa attention, remove-padding on, initialized. Needs verl's CPU platform
+    (grpo_fast.integrations.verl_cpu) on a machine without a GPU, and a process group."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    model_config = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True,
+                                 enable_gradient_checkpointing=False, use_fused_kernels=fused_kernels,
+                                 fused_kernel_options={"impl_backend": "torch"},
+                                 override_config={"attn_implementation": "sdpa"})
+    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
+                                     micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False,
+                                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
+                                                      "buffer_dtype": "fp32"})
+    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
+                                engine_config=engine_config, optimizer_config=FSDPOptimizerConfig(lr=lr),
+                                checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
 def run_row(args) -> dict:
     """One row in this process: build the engine, one warm-up train_batch, then the timed ones."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
@@ -53,16 +76,11 @@ def run_row(args) -> dict:
     # isort: split
     import torch
     from verl.models.transformers import dense_common
-    from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import (
         FSDPActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
         PolicyLossConfig,
     )
-    from verl.workers.engine import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
 
     from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
@@ -80,18 +98,7 @@ def run_row(args) -> dict:
                                  num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                                  max_position_embeddings=4096, tie_word_embeddings=True)).save_pretrained(path)
     fused = args.row != "logits"
-    model_config = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True,
-                                 enable_gradient_checkpointing=False, use_fused_kernels=fused,
-                                 fused_kernel_options={"impl_backend": "torch"},
-                                 override_config={"attn_implementation": "sdpa"})
-    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
-                                     micro_batch_size_per_gpu=args.micro_batch, use_dynamic_bsz=False,
-                                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                                      "buffer_dtype": "fp32"})
-    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
-                                engine_config=engine_config, optimizer_config=FSDPOptimizerConfig(lr=1e-6),
-                                checkpoint_config=CheckpointConfig())
-    engine.initialize()
+    engine = build_engine(path, fused, args.micro_batch)
     assert (dense_common.forward_with_torch_backend is verl_forward) == (args.row != "grpo_fast")
     actor_config = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=args.micro_batch,
                                    use_dynamic_bsz=False, ppo_mini_batch_size=args.sequences,

@@ -30,35 +30,18 @@ from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 from verl.models.transformers import dense_common  # noqa: E402
-from verl.trainer.config import CheckpointConfig  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
-from verl.workers.engine import EngineRegistry  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 VERL_FORWARD = dense_common.forward_with_torch_backend      # verl's own, before grpo_fast's install replaces it
 
+from grpo_fast.benchmarks.verl_engine import build_engine  # noqa: E402
 from grpo_fast.integrations import verl as gf_verl  # noqa: E402
 from tests.helpers import tiny_model, tiny_tokenizer  # noqa: E402
 from tests.integrations.test_verl import actor_config, metric_values, micro_batch  # noqa: E402
 
 VOCAB = 259
 PROMPTS, RESPONSES = [3, 5, 2, 4, 6, 3, 2, 5], [6, 1, 4, 3, 5, 2, 7, 4]
-
-
-def build_engine(path: str, fused_kernels: bool):
-    model_config = HFModelConfig(path=path, use_remove_padding=True, enable_gradient_checkpointing=False,
-                                 use_fused_kernels=fused_kernels, fused_kernel_options={"impl_backend": "torch"},
-                                 override_config={"attn_implementation": "sdpa"})
-    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
-                                     micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
-                                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                                      "buffer_dtype": "fp32"})
-    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
-                                engine_config=engine_config, optimizer_config=FSDPOptimizerConfig(lr=1e-3),
-                                checkpoint_config=CheckpointConfig())
-    engine.initialize()
-    return engine
 
 
 def rank_batch(fused_kernels: bool):
@@ -108,13 +91,13 @@ def main(output_dir: str):
     torch.distributed.barrier()
     result = {"world_size": torch.distributed.get_world_size()}
     for name, fused_kernels in (("logits", False), ("grpo_fast", True)):
-        engine = build_engine(path, fused_kernels)
+        engine = build_engine(path, fused_kernels, micro_batch=2)
         result[name] = {mode: step(engine, fused_kernels, mode) for mode in ("vanilla", "gspo")}
         result[name]["infer_log_probs"] = old_logprobs(engine, fused_kernels)
         result[name]["lm_head_is_own_unit"] = type(engine.module.lm_head).__name__.startswith("FSDP")
     dense_common.forward_with_torch_backend = VERL_FORWARD   # verl's own fused forward, as without grpo_fast
     try:
-        engine = build_engine(path, True)
+        engine = build_engine(path, True, micro_batch=2)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             step(engine, True, "gspo")                   # gspo: verl's forward_step, verl's forward
