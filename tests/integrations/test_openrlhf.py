@@ -178,3 +178,35 @@ def test_ray_workers_get_the_patch():
         assert ray.get(patched.remote(), timeout=300) == "grpo_fast.integrations.openrlhf"
     finally:
         ray.shutdown()
+
+
+def test_zero3_on_two_ranks():
+    """Under DeepSpeed ZeRO-3 on 2 gloo ranks, the actor a DeepSpeed engine with its LM head partitioned (see
+    openrlhf_zero3_check.py): the patched step, its sweep inside the engine's forward with the head gathered,
+    gives OpenRLHF's own step's full gradients (to 1e-5 of each one's largest entry, fp32) and metrics, with
+    dp_size 2 and the all-reduced counts in its normalizers."""
+    import json
+    import socket
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           port, "-m", "tests.integrations.openrlhf_zero3_check"], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["world_size"] == 2
+    for case in ("ppo_token_mean", "dual_clip_sample_mean"):
+        actual, expected = result[case]["grpo_fast"], result[case]["openrlhf"]
+        assert actual["partitioned"] and expected["partitioned"], "the head was not partitioned: the test shows nothing"
+        for name, grad in expected["grads"].items():
+            grad = torch.tensor(grad)
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(torch.tensor(actual["grads"][name]), grad, rtol=1e-5,
+                                       atol=1e-5 * grad.abs().max().item(), msg=f"{case} {name}")
+        for key, value in expected["metrics"].items():
+            assert actual["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (case, key)
