@@ -14,6 +14,12 @@ or, with the gradient taken by autograd from the per-token expression:
         lambda logp, entropy, index: (-advantages.view(-1)[index] * (logp - old.view(-1)[index]).exp()).sum()),
         mask=mask)
 
+or, from a loss written over the whole batch (an engine's own loss function) with `batch_token_loss`:
+
+    logp = old.clone()                    # starting values; the sweep writes its log-probs in
+    loss = gf.fused_token_loss(hidden, weight, targets, batch_token_loss(engine_loss, logp), mask=mask)
+    value = engine_loss(logp, None)       # the value: one more evaluation, after the sweep
+
 A loss is token-separable when it is a sum over tokens of functions of each token's own log-prob (and entropy):
 then each chunk's gradient is known while its logits are in the buffer, as grpo_loss's token-level variants use
 it. Normalizers known up front (a token count, a sequence length, verl's dp_size) are constants of those
@@ -63,6 +69,34 @@ def autograd_token_loss(fn: Callable) -> Callable:
             grads = torch.autograd.grad(value, inputs, allow_unused=True)
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
         return value.detach(), grads[0], None if entropy is None else grads[1]
+    return token_loss
+
+
+def batch_token_loss(loss: Callable, logp: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> Callable:
+    """A `token_loss` for `fused_token_loss` from a loss written over the whole batch, loss(logp, entropy) -> 0-dim
+    tensor (an engine's own loss function, say), which must be token-separable.
+
+    logp (and entropy, or None): the batch's tensors in the layout `loss` takes, flat in the row-major order of
+    `targets`, holding starting values (e.g. the old log-probs); each chunk's values are written in as the sweep
+    passes, so after it they are the sweep's. A chunk's gradient is d loss / d (its entries) with the other
+    entries held at their current values, by autograd: for a token-separable loss it depends on the chunk's own
+    values alone, so it is the final one. Each chunk's value is 0: the loss's value is loss(logp, entropy) after
+    the sweep (one more evaluation). With `entropy` given, the chunks must carry entropies (with_entropy=True);
+    a loss that ignores them gets zero entropy gradients."""
+    def token_loss(chunk: TokenChunk):
+        with torch.enable_grad():
+            leaves = [chunk.logp.detach().to(logp.dtype).requires_grad_()]
+            batch_logp = logp.view(-1).index_put((chunk.index,), leaves[0]).view_as(logp)
+            batch_entropy = None
+            if entropy is not None:
+                leaves.append(chunk.entropy.detach().to(entropy.dtype).requires_grad_())
+                batch_entropy = entropy.view(-1).index_put((chunk.index,), leaves[1]).view_as(entropy)
+            grads = torch.autograd.grad(loss(batch_logp, batch_entropy), leaves, allow_unused=True)
+        logp.view(-1)[chunk.index] = leaves[0].detach()
+        if entropy is not None:
+            entropy.view(-1)[chunk.index] = leaves[1].detach()
+        grads = [(torch.zeros_like(t) if g is None else g).to(chunk.logp.dtype) for t, g in zip(leaves, grads)]
+        return chunk.logp.new_zeros(()), grads[0], grads[1] if entropy is not None else None
     return token_loss
 
 

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
-from grpo_fast.token_loss import TokenChunk, fused_token_loss
+from grpo_fast.token_loss import batch_token_loss, fused_token_loss
 
 try:
     import openrlhf
@@ -66,7 +66,8 @@ def unfusable(trainer, experience) -> Optional[str]:
 
 def loss_composition(trainer, experience, kl_ctl, loss_batch_info):
     """loss(logp, entropy) -> the scalar training_step builds from the actor's (B, A) action log-probs and
-    entropies before its backward: OpenRLHF's own calls, in training_step's order (without the aux loss)."""
+    entropies (None without entropy_coef) before its backward: OpenRLHF's own calls, in training_step's order
+    (without the aux loss)."""
     args = trainer.args
     mask = experience.action_mask
 
@@ -80,7 +81,7 @@ def loss_composition(trainer, experience, kl_ctl, loss_batch_info):
                                    log_probs_old=experience.action_log_probs, kl_estimator=args.algo.kl.estimator,
                                    unbiased_gradient=args.algo.kl.unbiased_gradient)
             total = total + aggregate_loss(kl, mask, **loss_batch_info) * kl_ctl
-        if entropy is not None:
+        if entropy is not None and args.actor.entropy_coef != 0:    # as training_step adds it
             total = total - aggregate_loss(entropy, mask, **loss_batch_info) * args.actor.entropy_coef
         return total
     return loss
@@ -105,31 +106,11 @@ class _FusedPass:
         sequences, mask = experience.sequences, experience.action_mask
         num_actions = mask.shape[1]
         self.with_entropy = trainer.args.actor.entropy_coef is not None
-        entropy_weighted = self.with_entropy and trainer.args.actor.entropy_coef != 0
-        loss = loss_composition(trainer, experience, kl_ctl, loss_batch_info)
-        # every token starts at its old log-prob (ratio 1) and takes the sweep's as the chunks go by; a chunk's
-        # gradient does not depend on the others' values, the loss being token-separable
+        # every token starts at its old log-prob (ratio 1); the sweep writes its own in (batch_token_loss)
         self.logp = experience.action_log_probs.detach().float().clone()
         self.entropy = torch.zeros_like(self.logp) if self.with_entropy else None
-
-        def token_loss(chunk: TokenChunk):
-            with torch.enable_grad():
-                logp_leaf = chunk.logp.detach().float().requires_grad_()
-                inputs = [logp_leaf]
-                logp = self.logp.flatten().index_put((chunk.index,), logp_leaf).view_as(self.logp)
-                entropy = None
-                if entropy_weighted:
-                    entropy_leaf = chunk.entropy.detach().float().requires_grad_()
-                    inputs.append(entropy_leaf)
-                    entropy = self.entropy.flatten().index_put((chunk.index,), entropy_leaf).view_as(self.logp)
-                grads = torch.autograd.grad(loss(logp, entropy), inputs, allow_unused=True)
-            grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
-            self.logp.view(-1)[chunk.index] = chunk.logp.detach().float()
-            if self.with_entropy:
-                self.entropy.view(-1)[chunk.index] = chunk.entropy.detach().float()
-            g_entropy = grads[1].to(chunk.logp.dtype) if entropy_weighted else \
-                (torch.zeros_like(chunk.logp) if self.with_entropy else None)
-            return chunk.logp.new_zeros(()), grads[0].to(chunk.logp.dtype), g_entropy
+        token_loss = batch_token_loss(loss_composition(trainer, experience, kl_ctl, loss_batch_info), self.logp,
+                                      self.entropy)
 
         def head_loss(hidden, head):
             # Actor.forward's positions: the logits at S - 1 - A .. S - 2 predict the A action tokens

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from grpo_fast.logprobs import token_logprobs
-from grpo_fast.token_loss import TokenChunk, fused_token_loss
+from grpo_fast.token_loss import batch_token_loss, fused_token_loss
 
 try:
     import verl
@@ -118,20 +118,6 @@ def forward_with_grpo_fast(self, input_ids=None, attention_mask=None, position_i
                                              hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-def _padded(data, *fields):
-    """verl's own conversion in ppo_loss: the fields as (bsz, max_response_len) tensors."""
-    return data.select(*fields).to_padded_tensor()
-
-
-def response_positions(data, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, response_mask): for each response token of the (bsz, max_response_len) layout verl's loss
-    reads, the position in the packed (num_tokens,) sequence whose next-token log-prob it is (verl's own
-    `no_padding_2_padding` applied to the positions), and the bool mask of the tokens that count."""
-    positions = no_padding_2_padding(torch.arange(num_tokens, device=device), data).long()
-    mask = _padded(data, "response_mask")["response_mask"].to(device=device, dtype=torch.bool)
-    return positions, mask
-
-
 def fusable(loss_function) -> Optional[str]:
     """None when `loss_function` is verl's ppo_loss with a token-separable policy loss, else why not (one line)."""
     if not (isinstance(loss_function, functools.partial) and loss_function.func is losses.ppo_loss):
@@ -176,49 +162,33 @@ def fused_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     offsets = data["input_ids"].offsets()
     if int(offsets[-1]) != num_tokens:
         raise ValueError(f"hidden must hold the micro-batch's {int(offsets[-1])} packed tokens, got {num_tokens}")
-    positions, response_mask = response_positions(data, num_tokens, hidden.device)
+    # verl's own layout conversions: the packed position of each (bsz, max_response_len) response token's
+    # log-prob (no_padding_2_padding of the positions), and ppo_loss's padded fields
+    positions = no_padding_2_padding(torch.arange(num_tokens, device=hidden.device), data).long()
+    padded = data.select("response_mask", "old_log_probs").to_padded_tensor()
+    response_mask = padded["response_mask"].to(device=hidden.device, dtype=torch.bool)
     used = positions[response_mask]
     counted = torch.zeros(num_tokens, dtype=torch.bool, device=hidden.device)
     counted[used] = True
-    old = _padded(data, "old_log_probs")["old_log_probs"]
-    # every token's log-prob starts at its old one (ratio 1) and is replaced by the sweep's as the chunks go by;
-    # a chunk's gradient does not depend on the others' values, the loss being token-separable
+    # every token's log-prob starts at its old one (ratio 1); the sweep writes its own in (batch_token_loss)
     logp_all = torch.zeros(num_tokens, dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64,
                            device=hidden.device)
-    logp_all[used] = old.to(device=hidden.device, dtype=logp_all.dtype)[response_mask]
+    logp_all[used] = padded["old_log_probs"].to(device=hidden.device, dtype=logp_all.dtype)[response_mask]
     entropy_all = torch.zeros_like(logp_all) if with_entropy else None
 
-    def model_output(logp, entropy):
+    def verl_loss(logp, entropy):
         out = {"log_probs": torch.nested.nested_tensor_from_jagged(logp, offsets)}
         if entropy is not None:
             out["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
-        return out
+        return losses.ppo_loss(config, out, data)
 
-    def token_loss(chunk: TokenChunk):
-        with torch.enable_grad():
-            logp_leaf = chunk.logp.detach().to(logp_all.dtype).requires_grad_()
-            inputs = [logp_leaf]
-            logp = logp_all.index_put((chunk.index,), logp_leaf)
-            entropy = None
-            if with_entropy:
-                entropy_leaf = chunk.entropy.detach().to(logp_all.dtype).requires_grad_()
-                inputs.append(entropy_leaf)
-                entropy = entropy_all.index_put((chunk.index,), entropy_leaf)
-            value, _ = losses.ppo_loss(config, model_output(logp, entropy), data)
-            grads = torch.autograd.grad(value, inputs, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
-        logp_all[chunk.index] = chunk.logp.detach().to(logp_all.dtype)
-        if with_entropy:
-            entropy_all[chunk.index] = chunk.entropy.detach().to(logp_all.dtype)
-        # the value is taken once after the sweep; the chunks carry only the gradients
-        return chunk.logp.new_zeros(()), grads[0].to(chunk.logp.dtype), \
-            grads[1].to(chunk.logp.dtype) if with_entropy else None
-
-    carrier = fused_token_loss(flat_hidden, weight, flat_labels, token_loss, mask=counted, bias=bias,
-                               temperature=temperature, with_entropy=with_entropy, chunk_bytes=chunk_bytes,
-                               backend=backend)
+    carrier = fused_token_loss(flat_hidden, weight, flat_labels,
+                               batch_token_loss(lambda logp, entropy: verl_loss(logp, entropy)[0], logp_all,
+                                                entropy_all),
+                               mask=counted, bias=bias, temperature=temperature, with_entropy=with_entropy,
+                               chunk_bytes=chunk_bytes, backend=backend)
     with torch.no_grad():
-        value, metrics = losses.ppo_loss(config, model_output(logp_all, entropy_all), data)
+        value, metrics = verl_loss(logp_all, entropy_all)
     loss = carrier + value.detach().to(carrier.dtype)
     return loss, metrics, logp_all, entropy_all
 

@@ -89,3 +89,43 @@ def test_malformed_token_loss_raises():
         call(lambda chunk: (chunk.logp.sum(), chunk.logp, chunk.logp))
     with pytest.raises(ValueError, match=r"mask must have shape \(2, 4\)"):
         call(lambda chunk: (chunk.logp.sum(), chunk.logp, None), mask=inputs["mask"][:, :2])
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_batch_token_loss_takes_a_whole_batch_loss(backend, with_entropy):
+    """batch_token_loss: a loss written over the whole (B, T) batch (per-sequence token means of a clipped ratio,
+    an entropy bonus), evaluated per chunk with the chunk's entries as variables, gives the float64 reference's
+    gradients; after the sweep its tensors hold the sweep's log-probs and entropies, and the loss on them is the
+    value. Several chunks, masked tokens."""
+    from grpo_fast.token_loss import batch_token_loss
+
+    inputs = make_batch(batch=3, seq=9, vocab=37, seed=4, bias=True)
+    mask, targets = inputs["mask"], inputs["targets"]
+    gen = torch.Generator().manual_seed(5)
+    advantages = torch.randn(3, 1, generator=gen, dtype=torch.float64).to(DEVICE)
+    old = (-torch.rand(3, 9, generator=gen, dtype=torch.float64) * 3).to(DEVICE)
+    weights = mask.double() / mask.sum(-1, keepdim=True).clamp(min=1) / 3
+
+    def batch_loss(logp, entropy):
+        ratio = (logp - old).exp()
+        policy = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages)
+        value = (policy * weights).sum()
+        return value if entropy is None else value - 0.05 * (entropy * weights).sum()
+
+    logp = old.clone()
+    entropy = torch.zeros_like(old) if with_entropy else None
+    leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+    carrier = gf.fused_token_loss(leaves[0], leaves[1], targets, batch_token_loss(batch_loss, logp, entropy),
+                                  mask=mask, bias=leaves[2], temperature=0.8, with_entropy=with_entropy,
+                                  chunk_bytes=37 * 4 * 5, backend=backend)
+    grads = torch.autograd.grad(carrier, leaves)
+    exact = [inputs[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
+    ref_logp, ref_entropy = reference.token_logprobs(exact[0], exact[1], targets, bias=exact[2], temperature=0.8,
+                                                     return_entropy=True)
+    ref_logp, ref_entropy = torch.where(mask, ref_logp, old), torch.where(mask, ref_entropy, 0.0)
+    expected = batch_loss(ref_logp, ref_entropy if with_entropy else None)
+    assert float(carrier) == 0.0                                 # the chunks carry gradients only
+    assert_close(batch_loss(logp, entropy), expected, 1e-5, atol=1e-8, name="loss after the sweep")
+    assert_close(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), 1e-5, atol=1e-8, name="logp")
+    for name, g, e in zip(("hidden", "weight", "bias"), grads, torch.autograd.grad(expected, exact)):
+        assert_close(g, e, 1e-5, atol=1e-8, name=f"d{name}")
