@@ -1,7 +1,10 @@
 """What the tests share: devices and backends, random loss inputs, the float64 comparison, reward functions the
 trainer tests load by "tests.helpers:name", and a tiny model and tokenizer for the TRL drop-in tests."""
 
+import contextlib
+import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -31,6 +34,41 @@ def run_result_script(path: str, *args: str, timeout: float = 900) -> dict:
     result = last_result(process.stdout)
     assert process.returncode == 0 and result is not None, process.stdout[-3000:] + process.stderr[-6000:]
     return result
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_json(module: str, *args: str, nproc: int = 2, timeout: float = 600) -> dict:
+    """The JSON of the last line that `python -m module args` prints under torchrun with `nproc` CPU processes
+    (one thread each, from the repository root); fails the calling test with the tail of its stderr when it exits
+    non-zero."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(free_port()), "-m", module, *args]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def counting_calls(owner, name: str):
+    """owner.name replaced, inside the block, by a wrapper that counts its calls: yields {"calls": count}."""
+    original, count = getattr(owner, name), {"calls": 0}
+
+    def counted(*args, **kwargs):
+        count["calls"] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    try:
+        yield count
+    finally:
+        setattr(owner, name, original)
 
 
 # ------------------------------------------------------------------------------------------- loss inputs

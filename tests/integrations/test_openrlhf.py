@@ -24,7 +24,7 @@ from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer  # noqa: E402
 
 from grpo_fast.integrations import openrlhf as gf_openrlhf  # noqa: E402
-from tests.helpers import tiny_model  # noqa: E402
+from tests.helpers import counting_calls, tiny_model  # noqa: E402
 
 VOCAB = 53
 
@@ -113,21 +113,10 @@ def test_fused_step_equals_openrlhf_step(name, kl):
     if kl is None:
         trainer_options["kl_coef"] = None
     expected_status, expected = run(gf_openrlhf._original_training_step, CASES[name], **trainer_options)
-    calls = {"fused": 0}
-    fused_pass = gf_openrlhf._FusedPass
-
-    class Counting(fused_pass):
-        def __init__(self, *args, **kwargs):
-            calls["fused"] += 1
-            super().__init__(*args, **kwargs)
-
-    gf_openrlhf._FusedPass = Counting
-    try:
-        assert ActorPPOTrainer.training_step is gf_openrlhf.training_step          # installed at import
+    assert ActorPPOTrainer.training_step is gf_openrlhf.training_step          # installed at import
+    with counting_calls(gf_openrlhf, "_FusedPass") as fused:
         actual_status, actual = run(ActorPPOTrainer.training_step, CASES[name], **trainer_options)
-    finally:
-        gf_openrlhf._FusedPass = fused_pass
-    assert calls["fused"] == 1
+    assert fused["calls"] == 1
     assert actual.keys() == expected.keys() and len(expected) > 10
     for key, grad in expected.items():
         scale = grad.abs().max().item()
@@ -185,20 +174,9 @@ def test_zero3_on_two_ranks():
     openrlhf_zero3_check.py): the patched step, its sweep inside the engine's forward with the head gathered,
     gives OpenRLHF's own step's full gradients (to 1e-5 of each one's largest entry, fp32) and metrics, with
     dp_size 2 and the all-reduced counts in its normalizers."""
-    import json
-    import socket
-    import subprocess
+    from tests.helpers import torchrun_json
 
-    from tests.helpers import ROOT
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, "-m", "tests.integrations.openrlhf_zero3_check"], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = torchrun_json("tests.integrations.openrlhf_zero3_check")
     assert result["world_size"] == 2
     for case in ("ppo_token_mean", "dual_clip_sample_mean"):
         actual, expected = result[case]["grpo_fast"], result[case]["openrlhf"]

@@ -3,10 +3,6 @@ ranks, the fused loss gathers it inside the model's forward and its gradient rea
 CPU processes under torchrun, gloo; each case in fresh processes, see zero3_parity.py)."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +10,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("trl")
 
-from tests.helpers import ROOT  # noqa: E402
+from tests.helpers import torchrun_json  # noqa: E402
 
 CASES = {
     # fused (3 GEMM passes), with the reference's and old log-probs through grpo_fast's head
@@ -25,20 +21,9 @@ CASES = {
 }
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_zero3_matches_grpo_trainer(name, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
-               "-m", "tests.integrations.zero3_parity", str(tmp_path), json.dumps(CASES[name])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}            # two processes on the machine's cores
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = torchrun_json("tests.integrations.zero3_parity", str(tmp_path), json.dumps(CASES[name]))
     assert result["head_partitioned"], "the LM head was not split into ZeRO-3 partitions: the test shows nothing"
     assert result["fused_loss_calls"] > 0 and result["fallback_reasons"] == []
     for key in result["expected"][0]:

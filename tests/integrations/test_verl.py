@@ -20,7 +20,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 from grpo_fast.integrations import verl as gf_verl  # noqa: E402
-from tests.helpers import BACKENDS, tiny_model  # noqa: E402  (sets TRITON_INTERPRET before grpo_fast.kernels)
+from tests.helpers import BACKENDS, counting_calls, tiny_model  # noqa: E402  (sets TRITON_INTERPRET before grpo_fast.kernels)
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 MODE_OPTIONS = {"vanilla": {}, "dppo_tv": {}, "dppo_kl": {}, "sapo": {}, "gpg": {}, "cispo": {},
@@ -309,24 +309,16 @@ def test_engine_forward_step_fused_and_two_phase_equal_the_logits_path(loss_mode
     model = tiny_model(vocab_size=vocab).double()
     original_forward = type(model).forward
     expected = engine_step(model, data, config, use_fused_kernels=False)
-    calls = {"fused": 0}
-    fused = gf_verl.fused_ppo_loss
-
-    def counting(*args, **kwargs):
-        calls["fused"] += 1
-        return fused(*args, **kwargs)
-
     try:
         patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
         assert type(model).forward is gf_verl.forward_with_grpo_fast
-        gf_verl.fused_ppo_loss = counting
         gf_verl._warned.clear()
-        with pytest.warns(UserWarning, match="not token-separable") if loss_mode == "gspo" else nullcontext():
+        with counting_calls(gf_verl, "fused_ppo_loss") as fused, \
+                pytest.warns(UserWarning, match="not token-separable") if loss_mode == "gspo" else nullcontext():
             actual = engine_step(model, data, config, use_fused_kernels=True)
     finally:
         type(model).forward = original_forward
-        gf_verl.fused_ppo_loss = fused
-    assert calls["fused"] == (1 if loss_mode == "vanilla" else 0)
+    assert fused["calls"] == (1 if loss_mode == "vanilla" else 0)
     torch.testing.assert_close(actual[0].double(), expected[0].double(), rtol=1e-7, atol=1e-9)
     assert actual[1].keys() == expected[1].keys()
     for key, value in expected[1].items():
@@ -343,24 +335,12 @@ def test_fsdp2_engine_on_two_ranks():
     metrics and every parameter's gradient (fp32: 1e-5 of each gradient's largest entry), with dp_size 2 in the
     normalizers, and infer_batch's old log-probs equal; verl's own fused forward fails there, reading the
     sharded head's weight outside the module (the reason grpo_fast's head runs as lm_head's forward)."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
     import tempfile
 
-    from tests.helpers import ROOT
+    from tests.helpers import torchrun_json
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     with tempfile.TemporaryDirectory() as output_dir:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                               port, "-m", "tests.integrations.verl_engine_check", output_dir], cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = torchrun_json("tests.integrations.verl_engine_check", output_dir)
     assert result["world_size"] == 2
     assert result["grpo_fast"]["lm_head_is_own_unit"]
     assert "mixed torch.Tensor and DTensor" in result["verl_fused"], result["verl_fused"]

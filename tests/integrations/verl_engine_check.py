@@ -37,7 +37,7 @@ VERL_FORWARD = dense_common.forward_with_torch_backend      # verl's own, before
 
 from grpo_fast.benchmarks.verl_engine import build_engine  # noqa: E402
 from grpo_fast.integrations import verl as gf_verl  # noqa: E402
-from tests.helpers import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.helpers import counting_calls, tiny_model, tiny_tokenizer  # noqa: E402
 from tests.integrations.test_verl import actor_config, metric_values, micro_batch  # noqa: E402
 
 VOCAB = 259
@@ -57,23 +57,14 @@ def rank_batch(fused_kernels: bool):
 def step(engine, fused_kernels: bool, loss_mode: str):
     """forward_backward_batch as train_batch runs it (without the optimizer step): loss, metrics, full grads."""
     config = actor_config(loss_mode, "seq-mean-token-mean")
-    calls = {"fused": 0}
-    fused = gf_verl.fused_ppo_loss
-
-    def counting(*args, **kwargs):
-        calls["fused"] += 1
-        return fused(*args, **kwargs)
-
-    gf_verl.fused_ppo_loss = counting
-    with engine.train_mode():
+    with counting_calls(gf_verl, "fused_ppo_loss") as fused, engine.train_mode():
         engine.optimizer_zero_grad()
         output = engine.forward_backward_batch(rank_batch(fused_kernels), partial(ppo_loss, config=config))
         grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten().tolist()
                  for name, p in engine.module.named_parameters()}
     metrics = {key: [metric_values({key: v})[key] for v in (value if isinstance(value, list) else [value])]
                for key, value in output["metrics"].items()}
-    gf_verl.fused_ppo_loss = fused
-    return {"metrics": metrics, "grads": grads, "fused_calls": calls["fused"]}
+    return {"metrics": metrics, "grads": grads, "fused_calls": fused["calls"]}
 
 
 def old_logprobs(engine, fused_kernels: bool):

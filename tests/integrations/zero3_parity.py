@@ -28,7 +28,7 @@ import trl  # noqa: E402
 deepspeed.init_distributed(dist_backend="gloo")
 
 from grpo_fast.integrations import trl as dropin  # noqa: E402
-from tests.helpers import run_grpo, tiny_model  # noqa: E402
+from tests.helpers import counting_calls, run_grpo, tiny_model  # noqa: E402
 
 ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
          "gradient_clipping": "auto", "steps_per_print": 10**9, "zero_force_ds_cpu_optimizer": False,
@@ -51,22 +51,14 @@ def run(trainer_cls, output_dir, config):
 
 
 def main(output_dir, config):
-    calls = {"fused_loss": 0}
-    fused_loss = dropin.checked_policy_loss
-
-    def counting(*args, **kwargs):
-        calls["fused_loss"] += 1
-        return fused_loss(*args, **kwargs)
-
-    dropin.checked_policy_loss = counting
     expected, expected_weights, _, _ = run(trl.GRPOTrainer, f"{output_dir}/trl", config)
-    calls["fused_loss"] = 0
-    actual, weights, partitioned, reasons = run(dropin.FastGRPOTrainer, f"{output_dir}/fast", config)
+    with counting_calls(dropin, "checked_policy_loss") as fused_loss:
+        actual, weights, partitioned, reasons = run(dropin.FastGRPOTrainer, f"{output_dir}/fast", config)
     initial = tiny_model(len(weights["model.embed_tokens.weight"])).state_dict()
     if torch.distributed.get_rank() != 0:
         return
     print(json.dumps({
-        "expected": expected, "actual": actual, "fused_loss_calls": calls["fused_loss"], "fallback_reasons": reasons,
+        "expected": expected, "actual": actual, "fused_loss_calls": fused_loss["calls"], "fallback_reasons": reasons,
         "head_partitioned": partitioned,
         "weight_diff": max((weights[n] - expected_weights[n]).abs().max().item() for n in weights),
         "moved": max((weights[n] - initial[n]).abs().max().item() for n in weights),

@@ -2,7 +2,6 @@
 and backward, equal the unsharded computation (2 and 3 ranks, uneven slices, several chunks per pass), also over
 kept sets (top-k / top-p) whose ids fall in several slices."""
 
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 
 import grpo_fast as gf
 from grpo_fast.kept import kept_set_from_mask
+from tests.helpers import free_port
 
 CASES = [dict(loss_type=name) for name in ("grpo", "bnpo", "dapo", "cispo", "sapo")] + [
     dict(loss_type="dr_grpo", max_completion_length=8, beta=0.1, entropy_coef=0.01),
@@ -138,12 +138,6 @@ def worker(rank, world, port, sizes):
             gf.token_logprobs(hidden, weight[:size], targets, backend="triton", process_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("sizes", [[20, 17], [13, 12, 12]], ids=["2 ranks", "3 ranks"])

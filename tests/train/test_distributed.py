@@ -4,7 +4,6 @@ one process."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,15 +17,10 @@ pytest.importorskip("transformers")
 from grpo_fast.train import distributed  # noqa: E402
 from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_and_rollout():
