@@ -18,6 +18,10 @@ Importing this module patches verl 0.9 in place (`install()`; idempotent):
   no (tokens, vocab) logits (`fused_ppo_loss`). Every other case runs verl's own loss on grpo_fast's log-probs
   (two phases, 4 passes), with one warning naming what it leaves to verl.
 
+- With megatron.core importable, verl's Megatron fused forwards (`model_forward_fused`, and
+  `model_forward_1f1b_overlap`) call `megatron_linear_cross_entropy`: `token_logprobs` on the tensor-parallel
+  group's vocabulary-parallel head, with verl's kernel's contract. The Megatron actor's loss stays verl's own.
+
 The loss inside the sweep is verl's own code, not a copy: for each chunk of tokens, verl's `ppo_loss` (its
 policy loss, clamps, rollout IS weights, entropy bonus, KL and `agg_loss` normalizers with dp_size and the
 global token and sequence counts) is evaluated on the micro-batch's log-probs with that chunk's entries as the
@@ -264,9 +268,74 @@ def forward_step(self, micro_batch, loss_function, forward_only):
     return _original_forward_step(self, micro_batch, loss_function, forward_only)
 
 
+class _ShareOverGroup(torch.autograd.Function):
+    """Identity forward; the backward hands each of the group's ranks 1/size of the gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, size):
+        ctx.size = size
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+def megatron_linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+                                  dist_process_group=None):
+    """verl's `verl.utils.kernel.linear_cross_entropy` contract, which verl's Megatron fused forward calls with the
+    tensor-parallel group, on grpo_fast's vocabulary-parallel head::
+
+        z = hidden.flatten(0, -2) @ full_weight.T / temperature        # full_weight: every rank's rows, in order
+        logp = z.log_softmax(-1).gather(-1, labels.flatten()[:, None])[:, 0]
+        entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+
+    Args:
+        hidden: (..., H), the same on every rank of the group (Megatron gathers a sequence-parallel one first).
+        weight: (V_local, H): this rank's rows of the output layer.
+        labels: hidden.shape[:-1] elements (any shape), global token ids.
+        temperature: a float. reduction: only "none", what verl's Megatron path passes.
+        dist_process_group: the tensor-parallel group, or None for a whole head on one device.
+
+    Returns:
+        (logp, entropy), (N,), fp32 (float64 for float64 inputs). As with verl's kernel, the d(hidden) of each
+        rank is its share of the gradient, which the caller sums over the group (the backward of Megatron's
+        sequence-parallel gather does): grpo_fast's head all-reduces d(hidden), and each rank keeps 1/size of it.
+        Tensor parallelism without sequence parallelism leaves that sum to no one, here as with verl's kernel.
+    """
+    if reduction != "none":
+        raise ValueError(f"megatron_linear_cross_entropy: reduction must be 'none' (what verl's Megatron forward "
+                         f"passes), got {reduction!r}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if flat_labels.shape[0] != flat_hidden.shape[0]:
+        raise ValueError(f"megatron_linear_cross_entropy: labels must hold one id per hidden row, "
+                         f"{flat_hidden.shape[0]}, got {flat_labels.shape[0]} (shape {tuple(labels.shape)})")
+    if dist_process_group is not None:
+        size = torch.distributed.get_world_size(dist_process_group)
+        if size > 1:
+            flat_hidden = _ShareOverGroup.apply(flat_hidden, size)
+        else:
+            dist_process_group = None
+    return token_logprobs(flat_hidden, weight, flat_labels, temperature=float(temperature), return_entropy=True,
+                          process_group=dist_process_group)
+
+
+def _install_megatron() -> bool:
+    """Point verl's Megatron fused forwards at megatron_linear_cross_entropy; False when megatron.core is absent."""
+    try:
+        from verl.models.mcore import model_forward_1f1b_overlap, model_forward_fused
+    except ImportError:
+        return False
+    model_forward_fused.linear_cross_entropy = megatron_linear_cross_entropy
+    model_forward_1f1b_overlap.linear_cross_entropy = megatron_linear_cross_entropy
+    return True
+
+
 def install() -> None:
     """Patch verl (see the module docstring); calling it again changes nothing."""
     global _original_forward_step
+    _install_megatron()
     # both of verl's fused-kernel backends: its triton one's kernels are verl's own, and the head is grpo_fast's
     dense_common.forward_with_torch_backend = forward_with_grpo_fast
     dense_common.forward_with_triton_backend = forward_with_grpo_fast

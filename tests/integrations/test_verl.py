@@ -388,3 +388,72 @@ def test_engine_benchmark_rows_agree(tmp_path):
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
     assert rows[2]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
     assert "| grpo_fast |" in (tmp_path / "verl_engine.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------- Megatron's head
+def full_head_reference(hidden, weight, labels, temperature, dlogp, dentropy):
+    """Float64 log-probs, entropies and the gradients of sum(dlogp * logp + dentropy * entropy) on full logits."""
+    hidden, weight = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.T / temperature
+    log_softmax = logits.log_softmax(-1)
+    logp = log_softmax.gather(-1, labels.reshape(-1, 1))[:, 0]
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    ((logp * dlogp).sum() + (entropy * dentropy).sum()).backward()
+    return logp.detach(), entropy.detach(), hidden.grad, weight.grad
+
+
+def test_megatron_fused_forwards_call_grpo_fast():
+    """With megatron.core installed, both of verl's Megatron fused forwards call grpo_fast's head."""
+    pytest.importorskip("megatron.core")
+    from verl.models.mcore import model_forward_1f1b_overlap, model_forward_fused
+
+    assert model_forward_fused.linear_cross_entropy is gf_verl.megatron_linear_cross_entropy
+    assert model_forward_1f1b_overlap.linear_cross_entropy is gf_verl.megatron_linear_cross_entropy
+
+
+def test_megatron_linear_cross_entropy_on_one_rank():
+    """verl's call as its Megatron forward makes it without tensor parallelism ((S, 1, H) hidden, (1, S) labels,
+    reduction "none", a group of one): flattened fp32 log-probs and entropies and both gradients equal the float64
+    full-logits reference."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(11, 1, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(29, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(29, (1, 11), generator=g)
+    dlogp, dentropy = (torch.randn(11, generator=g, dtype=torch.float64) for _ in range(2))
+    logp, entropy = gf_verl.megatron_linear_cross_entropy(hidden, weight, labels, 0.6, "none", None)
+    ((logp * dlogp).sum() + (entropy * dentropy).sum()).backward()
+    expected = full_head_reference(hidden, weight, labels, 0.6, dlogp, dentropy)
+    assert logp.shape == entropy.shape == (11,)
+    for actual, reference in zip((logp, entropy, hidden.grad, weight.grad), expected):
+        torch.testing.assert_close(actual.double(), reference, rtol=1e-6, atol=1e-6)
+
+
+def test_megatron_linear_cross_entropy_refuses_what_it_does_not_compute():
+    hidden, weight = torch.randn(4, 1, 8), torch.randn(29, 8)
+    with pytest.raises(ValueError, match="reduction must be 'none'.*'mean'"):
+        gf_verl.megatron_linear_cross_entropy(hidden, weight, torch.zeros(1, 4, dtype=torch.long), 1.0, "mean")
+    with pytest.raises(ValueError, match="one id per hidden row, 4, got 5"):
+        gf_verl.megatron_linear_cross_entropy(hidden, weight, torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_megatron_head_on_two_tensor_parallel_ranks():
+    """megatron_head_check.py: megatron.core's parallel_state at tensor-parallel size 2 over gloo, each rank's slice
+    of the sequence through megatron's sequence-parallel gather, then verl's Megatron call on an uneven vocabulary
+    split (20 / 17 rows): every rank gets the full log-probs and entropies, its own rows of d(weight), and after the
+    gather's reduce-scatter backward the full d(hidden) of its slice of the sequence (float64 reference)."""
+    pytest.importorskip("megatron.core")
+    from tests.helpers import torchrun_json
+
+    result = torchrun_json("tests.integrations.megatron_head_check")
+    assert result["world_size"] == 2 and result["patched"] == "grpo_fast.integrations.verl"
+    hidden, weight, labels, dlogp, dentropy = (torch.tensor(value, dtype=None if i == 2 else torch.float64)
+                                               for i, value in enumerate(result["inputs"]))
+    logp, entropy, dhidden, dweight = full_head_reference(hidden, weight, labels, result["temperature"], dlogp,
+                                                          dentropy)
+    for rank, (mine, rows, sequence) in enumerate(zip(result["ranks"], dweight.split(result["split"]),
+                                                      dhidden.chunk(2, dim=0))):
+        assert mine["logp_shape"] == [hidden.shape[0]], rank
+        torch.testing.assert_close(torch.tensor(mine["logp"], dtype=torch.float64), logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(mine["entropy"], dtype=torch.float64), entropy, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(mine["dweight"], dtype=torch.float64), rows, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(mine["dhidden"], dtype=torch.float64), sequence, rtol=1e-5, atol=1e-5)
