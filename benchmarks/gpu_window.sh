@@ -4,8 +4,10 @@
 # (1) the machine (nvidia-smi, versions) into OUT_DIR/environment.txt; (2) installs grpo_fast editable without
 # dependencies, and those wheels of WHEELS_DIR whose package the environment lacks (trl, liger-kernel, datasets,
 # pytest, ...); (3) gpu_check with a budget, under a hard timeout; (4) the kernel tests (gpu_check.KERNEL_TESTS)
-# under a timeout, into OUT_DIR/kernel_tests.txt. gpu_check rewrites gpu_check.json and SUMMARY.md after every
-# phase, and every step appends to OUT_DIR/window.log as it goes, so a crash or a timeout keeps what was measured.
+# under a timeout, into OUT_DIR/kernel_tests.txt; (5) verl's main_ppo for 2 steps (examples/verl_grpo.py) where
+# verl, vLLM and Ray import and time is left (a longer WINDOW_S), into OUT_DIR/verl_grpo.txt. gpu_check rewrites
+# gpu_check.json and SUMMARY.md after every phase, and every step appends to OUT_DIR/window.log as it goes, so a
+# crash or a timeout keeps what was measured.
 # The whole window stays within WINDOW_S seconds (default 420: with the machine's start, about 9 of a
 # 15-minute GPU lease, which leaves room to run a shortened window again).
 #
@@ -16,6 +18,7 @@
 #   GPU_CHECK_ARGS        more gpu_check flags, e.g. "--device cpu --backend torch --quick" (a CPU dry run)
 #   KERNEL_TESTS          the kernel test command (default: gpu_check.KERNEL_TESTS, run verbosely)
 #   KERNEL_TESTS_TIMEOUT  its limit in seconds (default 160, less if the window has less left)
+#   VERL_GRPO_TIMEOUT     the limit of the verl main_ppo run (default 240; skipped when less is left)
 #   SKIP_INSTALL=1        use the environment as it is (a development checkout that is installed already)
 #   INSTALL_DRY_RUN=1     log the install commands instead of running them (to try the script on a dev machine)
 set -u -o pipefail
@@ -122,6 +125,22 @@ else
   TEST_STATUS=$?
   log "kernel tests exit status $TEST_STATUS (0 pass, 1 failures, 124/137 timed out):" \
     "$(tail -n 1 "$OUT/kernel_tests.txt")"
+fi
+
+# (5) verl's main_ppo for 2 GRPO steps with vLLM rollouts and grpo_fast fused (examples/verl_grpo.py), where verl,
+# vLLM and Ray import and VERL_GRPO_TIMEOUT (default 240) seconds are left in the window; else the reason is logged
+VERL_TIMEOUT=${VERL_GRPO_TIMEOUT:-240}
+if ! MISSING_VERL=$("$PY" -c 'import importlib.util as u; import sys; missing = [m for m in ("verl", "vllm", "ray")
+    if not u.find_spec(m)]; print(" ".join(missing)); sys.exit(bool(missing))' 2>&1); then
+  log "verl main_ppo: skipped, not importable: $MISSING_VERL" | tee "$OUT/verl_grpo.txt"
+elif [ "$(left)" -lt "$VERL_TIMEOUT" ]; then
+  log "verl main_ppo: skipped, $(left) s left in the window, $VERL_TIMEOUT s needed" | tee "$OUT/verl_grpo.txt"
+else
+  log "verl main_ppo, 2 steps, timeout $VERL_TIMEOUT s: examples/verl_grpo.py $OUT/verl_grpo"
+  timeout -k 10 "$VERL_TIMEOUT" "$PY" examples/verl_grpo.py "$OUT/verl_grpo" trainer.total_training_steps=2 \
+    >"$OUT/verl_grpo.txt" 2>&1
+  log "verl main_ppo exit status $? (0 pass): $(tail -n 1 "$OUT/verl_grpo.txt")"
+  rm -rf "$OUT/verl_grpo/checkpoints" "$OUT/verl_grpo/model"    # the step's log stays, the weights go
 fi
 
 GPU=$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")' \

@@ -30,7 +30,7 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"environment.txt", "window.log", "gpu_check.log", "gpu_check.json",
-                                                "SUMMARY.md", "kernel_tests.txt"}
+                                                "SUMMARY.md", "kernel_tests.txt", "verl_grpo.txt"}
     log = (out / "window.log").read_text()
     assert "installing wheels: no_such_package_here-1.0-py3-none-any.whl \n" in log, log
     assert "-m pip install -q --no-deps --no-build-isolation -e ." in log, log
@@ -39,6 +39,31 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
     assert "--budget 180" in result["command"]
     assert (out / "kernel_tests.txt").read_text().splitlines()[-1] == "12345"
     assert "gpu_check: 0, kernel tests: 0" in done.stdout and "benchmarks/results/cpu/" in log
+    # verl is not in this environment, or the default window has no time left for it: said, not run
+    assert "verl main_ppo: skipped" in (out / "verl_grpo.txt").read_text()
+
+
+def test_verls_main_ppo_runs_where_verl_vllm_and_ray_import(tmp_path):
+    """With verl, vLLM and Ray importable (an interpreter that says so) and time left in the window, the window
+    runs examples/verl_grpo.py for 2 steps into OUT_DIR/verl_grpo, its output into verl_grpo.txt."""
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/sh
+case "$*" in
+  *find_spec*) echo; exit 0 ;;
+  examples/verl_grpo.py*) echo "main_ppo with: $*"; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(python), "SKIP_INSTALL": "1", "WINDOW_S": "1200",
+           "GPU_CHECK_ARGS": "--device cpu --backend torch --quick --dtype float32 --repeats 1 --shapes 128x32x1000",
+           "KERNEL_TESTS": "python -c print(12345)"}
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (out / "verl_grpo.txt").read_text() == (f"main_ppo with: examples/verl_grpo.py {out}/verl_grpo "
+                                                   "trainer.total_training_steps=2\n")
+    assert "verl main_ppo exit status 0" in (out / "window.log").read_text()
 
 
 def test_a_gpu_check_that_outlives_its_timeout_leaves_its_rows_and_the_kernel_tests_still_run(tmp_path):

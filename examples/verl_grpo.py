@@ -1,0 +1,108 @@
+"""GRPO with verl's own trainer (`python -m verl.trainer.main_ppo`) on one GPU, vLLM rollouts, and grpo_fast's head
+and loss inside verl's FSDP actor; a tiny model, tokenizer and task built here, so nothing is downloaded:
+
+    python examples/verl_grpo.py OUT_DIR [more main_ppo overrides, e.g. trainer.total_training_steps=20]
+
+OUT_DIR receives the model folder (a random-init Qwen2 of 2 layers, hidden 256, and a byte-level BPE tokenizer
+trained on the task), train.parquet / val.parquet in verl's RL format (sums "a+b=" with their answers) and
+verl's checkpoints and logs. The reward is `compute_score` below (verl's custom_reward_function). Needs verl 0.9,
+vLLM and Ray; `--print-overrides` prints the main_ppo command's overrides and starts nothing.
+
+The grpo_fast part is the four `actor_rollout_ref.model` settings of GRPO_FAST (README, "Use with verl"); the rest
+is an ordinary small GRPO job. benchmarks/gpu_window.sh runs it for 2 steps where verl, vLLM and Ray import.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+GRPO_FAST = [
+    "actor_rollout_ref.model.external_lib=grpo_fast.integrations.verl",
+    "actor_rollout_ref.model.use_fused_kernels=True",
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch",
+    "actor_rollout_ref.model.use_remove_padding=True",
+]
+DATA_SOURCE = "grpo_fast/arithmetic"
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """verl's custom reward: 1.0 when the completion, stripped, is the answer, else 0.0."""
+    return float(solution_str.strip() == str(ground_truth).strip())
+
+
+def input_paths(out_dir: str) -> dict:
+    """Where build_inputs writes the model folder and the train / val parquet files."""
+    return {"model": os.path.join(out_dir, "model"), "train": os.path.join(out_dir, "train.parquet"),
+            "val": os.path.join(out_dir, "val.parquet")}
+
+
+def build_inputs(out_dir: str, *, num_train: int = 1024, num_val: int = 64, seed: int = 0) -> dict:
+    """The model folder and the train / val parquet files under out_dir; returns their paths."""
+    import pandas
+
+    from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+    from grpo_fast.train.tasks import arithmetic_task
+
+    samples = arithmetic_task(num_train + num_val, seed=seed, max_operand=20)
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=512)
+    model = tiny_qwen2(len(tokenizer), hidden_size=256, num_heads=4, num_kv_heads=2, seed=seed,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    paths = input_paths(out_dir)
+    model.save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    for split, rows in (("train", samples[:num_train]), ("val", samples[num_train:])):
+        pandas.DataFrame([{
+            "data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": sample["prompt"]}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": sample["solution"]},
+            "extra_info": {"split": split, "index": index},
+        } for index, sample in enumerate(rows)]).to_parquet(paths[split])
+    return paths
+
+
+def overrides(out_dir: str, paths: dict) -> list:
+    """main_ppo's overrides: GRPO (group of 8, k3 KL as a loss term, DAPO's clip-higher) on one GPU."""
+    return [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
+        f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+        "data.train_batch_size=32", "data.max_prompt_length=32", "data.max_response_length=16",
+        "data.filter_overlong_prompts=True", "data.truncation=error",
+        f"actor_rollout_ref.model.path={paths['model']}", *GRPO_FAST,
+        "actor_rollout_ref.actor.optim.lr=5e-4", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64",
+        f"reward.custom_reward_function.path={os.path.abspath(__file__)}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.logger=[console]", "trainer.project_name=grpo_fast", "trainer.experiment_name=verl_grpo_tiny",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.val_before_train=False",
+        "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.total_training_steps=20",
+        f"trainer.default_local_dir={os.path.join(out_dir, 'checkpoints')}",
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--print-overrides", action="store_true", help="print main_ppo's overrides and stop")
+    args, extra = parser.parse_known_args(argv)
+    out_dir = os.path.abspath(args.out_dir)
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(out_dir, input_paths(out_dir)), *extra]
+    if args.print_overrides:
+        print("\n".join(command[3:]))
+        return 0
+    os.makedirs(out_dir, exist_ok=True)
+    build_inputs(out_dir)
+    print(" ".join(command), flush=True)
+    return subprocess.call(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
