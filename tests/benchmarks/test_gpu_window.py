@@ -10,6 +10,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_window.sh"
+# gpu_check in its CPU smoke mode and a stand-in for the kernel tests: a whole window in seconds
+CPU_WINDOW = {"GPU_CHECK_ARGS": "--device cpu --backend torch --quick --dtype float32 --repeats 1 --shapes 128x32x1000",
+              "KERNEL_TESTS": "python -c print(12345)"}
+
+
+def stand_in_python(tmp_path, cases: str):
+    """An interpreter at tmp_path/python: a shell script that answers `cases` (shell lines) itself and hands every
+    other call to this one."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\n{cases}\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    return python
+
+
+def run_window(out, env: dict, *args):
+    return subprocess.run(["bash", str(SCRIPT), str(out), *args], capture_output=True, text=True,
+                          env={**os.environ, **CPU_WINDOW, **env}, timeout=600)
 
 
 def test_the_script_parses():
@@ -23,11 +40,7 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
     for name in ("pytest-8.4.2-py3-none-any.whl", "no_such_package_here-1.0-py3-none-any.whl"):
         (wheels / name).write_bytes(b"")            # the dry run never opens them; pytest is installed here
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "INSTALL_DRY_RUN": "1",
-           "GPU_CHECK_ARGS": "--device cpu --backend torch --quick --dtype float32 --repeats 1 --shapes 128x32x1000",
-           "KERNEL_TESTS": "python -c print(12345)"}
-    done = subprocess.run(["bash", str(SCRIPT), str(out), str(wheels)], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = run_window(out, {"PYTHON": sys.executable, "INSTALL_DRY_RUN": "1"}, str(wheels))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"environment.txt", "window.log", "gpu_check.log", "gpu_check.json",
                                                 "SUMMARY.md", "kernel_tests.txt", "verl_grpo.txt"}
@@ -46,20 +59,12 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
 def test_verls_main_ppo_runs_where_verl_vllm_and_ray_import(tmp_path):
     """With verl, vLLM and Ray importable (an interpreter that says so) and time left in the window, the window
     runs examples/verl_grpo.py for 2 steps into OUT_DIR/verl_grpo, its output into verl_grpo.txt."""
-    python = tmp_path / "python"
-    python.write_text(f"""#!/bin/sh
-case "$*" in
+    python = stand_in_python(tmp_path, """case "$*" in
   *find_spec*) echo; exit 0 ;;
   examples/verl_grpo.py*) echo "main_ppo with: $*"; exit 0 ;;
-esac
-exec {sys.executable} "$@"
-""")
-    python.chmod(0o755)
+esac""")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": str(python), "SKIP_INSTALL": "1", "WINDOW_S": "1200",
-           "GPU_CHECK_ARGS": "--device cpu --backend torch --quick --dtype float32 --repeats 1 --shapes 128x32x1000",
-           "KERNEL_TESTS": "python -c print(12345)"}
-    done = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    done = run_window(out, {"PYTHON": str(python), "SKIP_INSTALL": "1", "WINDOW_S": "1200"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (out / "verl_grpo.txt").read_text() == (f"main_ppo with: examples/verl_grpo.py {out}/verl_grpo "
                                                    "trainer.total_training_steps=2\n")
@@ -69,22 +74,14 @@ exec {sys.executable} "$@"
 def test_a_gpu_check_that_outlives_its_timeout_leaves_its_rows_and_the_kernel_tests_still_run(tmp_path):
     """gpu_check hangs in its correctness phase (an interpreter that makes it sleep there) past a 20-second hard
     limit: killed, yet gpu_check.json holds the rows it finished, and the kernel test phase runs after it."""
-    hang = tmp_path / "python"
-    hang.write_text(f"""#!/bin/sh
-if [ "$1 $2" = "-m grpo_fast.benchmarks.gpu_check" ]; then
+    hang = stand_in_python(tmp_path, f"""if [ "$1 $2" = "-m grpo_fast.benchmarks.gpu_check" ]; then
   shift 2
   exec {sys.executable} -c 'import sys, time; import grpo_fast.benchmarks.gpu_check as g
 g.correctness = lambda *args, **kwargs: time.sleep(600)
 sys.exit(g.main(sys.argv[1:]))' "$@"
-fi
-exec {sys.executable} "$@"
-""")
-    hang.chmod(0o755)
+fi""")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": str(hang), "SKIP_INSTALL": "1", "GPU_CHECK_TIMEOUT": "20",
-           "GPU_CHECK_ARGS": "--device cpu --backend torch --quick --dtype float32 --repeats 1 --shapes 128x32x1000",
-           "KERNEL_TESTS": "python -c print(12345)"}
-    done = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    done = run_window(out, {"PYTHON": str(hang), "SKIP_INSTALL": "1", "GPU_CHECK_TIMEOUT": "20"})
     log = (out / "window.log").read_text()
     assert done.returncode != 0 and "gpu_check exit status 124" in log, log
     assert (out / "kernel_tests.txt").read_text().splitlines()[-1] == "12345"
