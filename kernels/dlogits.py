@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import compiled, load_width, on_device, transform_constants
-from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, tanh
+from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, nan_max, tanh
 from grpo_fast.kernels.tuning import DLOGITS
 
 
@@ -57,7 +57,7 @@ def grad_logits(y, is_target, row, Lse, Entropy, GradLogp, GradEntropy, in_scale
     else:
         u = y * (in_scale * LOG2E) - lse2
         dz_dy = grad_scale
-    u = tl.maximum(u, NEG_BIG)
+    u = nan_max(u, NEG_BIG)
     probs = tl.exp2(u)
     if HAS_GRAD_ENTROPY:
         # g_logp + g_H (z - lse + H), with z - lse = u ln 2: one fused multiply-add per element

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import aligned_rows, compiled, load_width, on_device, transform_constants
-from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, log1p, tanh
+from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, log1p, nan_max, tanh
 from grpo_fast.kernels.tuning import LOGPROB_FORWARD
 
 
@@ -30,9 +30,9 @@ def _pre_exp(y, in_scale, HAS_SOFTCAP: tl.constexpr, NEGATE: tl.constexpr, COMPI
     if HAS_SOFTCAP:
         return tanh(y * in_scale, COMPILED)
     elif NEGATE:
-        return tl.maximum(-y, NEG_BIG)
+        return nan_max(-y, NEG_BIG)
     else:
-        return tl.maximum(y, NEG_BIG)
+        return nan_max(y, NEG_BIG)
 
 
 @triton.jit
@@ -67,11 +67,14 @@ def _load_whole_tile(row_ptr, start, groups: tl.constexpr, GROUP: tl.constexpr, 
 @triton.jit
 def _update(x, group_max, group_sum, group_rest, group_dot, scale2, COMPUTE_ENTROPY: tl.constexpr):
     """Folds a (groups, GROUP) tile of x into each group's running (max, s, s_rest, t); scale2 = dz/dx * log2(e)."""
-    new_max = tl.maximum(group_max, tl.max(x, axis=1))
+    new_max = tl.maximum(group_max, tl.max(x, axis=1))    # maxnum: a NaN in x reaches the sums through e below
     grows = group_max < new_max
     shift = (group_max - new_max) * scale2                     # <= 0; 0 while the max stands
     alpha = tl.exp2(shift)
-    d = x * scale2 - (new_max * scale2)[:, None]
+    # Subtract, then scale: exactly 0 at the max, so its e is exactly 1 under any rounding. As x * scale2 -
+    # new_max * scale2 this contracted to one fma, whose residual, up to ulp(NEG_BIG * scale2) = 8e12 in a group
+    # holding only the NEG_BIG floor, made e = inf (and lse NaN) on a GPU.
+    d = (x - new_max[:, None]) * scale2                        # exact: no fma
     e = tl.exp2(d)
     if COMPUTE_ENTROPY:
         group_dot = alpha * (group_dot + group_sum * shift) + tl.sum(e * d, axis=1)
@@ -134,7 +137,7 @@ def _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_sc
     """Combines the groups' running statistics into the row's lse, target log-prob and entropy, and stores them."""
     # Combine the groups relative to the row max. 1 + s_rest of the row: the rest of the first group holding the
     # max, plus its other elements at the max (ties: then s >= 2 and nothing is lost), plus every other group.
-    row_max = tl.max(group_max, axis=0)
+    row_max = tl.max(group_max, axis=0)                       # maxnum: group maxima are never NaN
     shift = (group_max - row_max) * scale2
     weight = tl.exp2(shift)                                   # groups that saw no column: 2^(NEG_BIG) = 0
     sum_exp = tl.sum(group_sum * weight, axis=0)
@@ -178,7 +181,7 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
     with on_device(logits):
         _logprob_forward_kernel[(num_rows,)](
             logits, targets.contiguous(), lse, logp, entropy,
-            vocab_size, width, width // block * block, logits.stride(0),
+            vocab_size, width, vocab_size // block * block, logits.stride(0),
             in_scale, out_scale,
             BLOCK_V=block,
             GROUP=group,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import on_device
+from grpo_fast.kernels.transform import nan_max, nan_min
 from grpo_fast.kernels.tuning import POLICY_GRAD
 
 CLIP, CISPO, SAPO = 0, 1, 2
@@ -42,7 +43,7 @@ def _policy_grad_kernel(
         log_ratio = logp - tl.load(Old + offs, mask=valid, other=0.0)
         if CLAMP_LOG_RATIO:            # clamp passes the gradient on its closed interval only
             d_ratio_scale = ((log_ratio >= -log_ratio_clamp) & (log_ratio <= log_ratio_clamp)).to(tl.float32)
-            log_ratio = tl.minimum(tl.maximum(log_ratio, -log_ratio_clamp), log_ratio_clamp)
+            log_ratio = nan_min(nan_max(log_ratio, -log_ratio_clamp), log_ratio_clamp)
         ratio = tl.exp(log_ratio)
     else:
         ratio = tl.full([BLOCK], 1.0, tl.float32)            # old = logp.detach(): r = 1, dr/dlogp = 1
@@ -54,10 +55,10 @@ def _policy_grad_kernel(
     if OBJECTIVE == 0:
         # -min(u A, c A), u = min(r, delta), c = clamp(r, 1 - eps_low, 1 + eps_high). clamp passes the gradient
         # on its closed interval; min sends it to the smaller term and splits ties evenly, as torch does.
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+        clipped = nan_min(nan_max(ratio, 1.0 - eps_low), 1.0 + eps_high)
         d_clipped = ((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high)).to(tl.float32)
         if HAS_DELTA:
-            unclipped = tl.minimum(ratio, delta)
+            unclipped = nan_min(ratio, delta)
             d_unclipped = (ratio <= delta).to(tl.float32)
         else:
             unclipped = ratio
@@ -67,7 +68,7 @@ def _policy_grad_kernel(
         d_min = tl.where(a < b, d_unclipped, tl.where(b < a, d_clipped, 0.5 * (d_unclipped + d_clipped)))
         grad = -adv * d_min * d_ratio
     elif OBJECTIVE == 1:
-        grad = -tl.minimum(ratio, eps_high) * adv                # the clamped ratio is detached
+        grad = -nan_min(ratio, eps_high) * adv                # the clamped ratio is detached
     else:
         temperature = tl.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
         gate = tl.sigmoid(temperature * (ratio - 1.0))
@@ -79,13 +80,13 @@ def _policy_grad_kernel(
         d_diff = tl.full([BLOCK], -1.0, tl.float32)              # d(ref - logp)/dlogp
         if CLAMP_LOG_RATIO:
             d_diff = tl.where((diff >= -log_ratio_clamp) & (diff <= log_ratio_clamp), d_diff, 0.0)
-            diff = tl.minimum(tl.maximum(diff, -log_ratio_clamp), log_ratio_clamp)
+            diff = nan_min(nan_max(diff, -log_ratio_clamp), log_ratio_clamp)
         exp_diff = tl.exp(diff)
         kl = exp_diff - diff - 1.0
         d_kl = (exp_diff - 1.0) * d_diff                         # d/dlogp of exp(d) - d - 1
         if CLAMP_KL:
             d_kl = tl.where((kl >= -kl_clamp) & (kl <= kl_clamp), d_kl, 0.0)
-            kl = tl.minimum(tl.maximum(kl, -kl_clamp), kl_clamp)
+            kl = nan_min(nan_max(kl, -kl_clamp), kl_clamp)
         if BIAS_CORRECTION:
             d_kl = d_kl * ratio + kl * d_ratio                   # d/dlogp of kl * r
         grad = grad + beta * d_kl

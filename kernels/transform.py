@@ -14,6 +14,20 @@ NEG_BIG = tl.constexpr(-1e20)
 
 
 @triton.jit
+def nan_max(a, b):
+    """max(a, b), NaN if either is NaN (max.NaN.f32, one instruction on sm_80+). A clamp must pass a NaN on: plain
+    tl.maximum compiles to max.f32 (IEEE maxNum), which returns the other operand, so a NaN logit would turn into a
+    finite one on a GPU while Triton's interpreter and torch give NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_min(a, b):
+    """min(a, b), NaN if either is NaN (min.NaN.f32): see nan_max."""
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def approx_div(a, b, COMPILED: tl.constexpr):
     """a / b within 2 ulp for |b| in [2^-126, 2^126]: a reciprocal and a multiply (div.approx), without the range
     checks of Triton's default division (div.full), which cost three instructions per element. Where nothing is
@@ -31,7 +45,7 @@ def tanh(x, COMPILED: tl.constexpr):
     # 2.5x at the hand-over), so below 0.25 the Taylor series to x^9 takes over (its next term is 1e-8 relative
     # there). Both forms are odd in x as written: no abs and sign restore. e^2x is capped at 2^64, where the ratio
     # is 1 in fp32, so that it never divides inf by inf. One exponential, one division per element.
-    e = tl.exp2(tl.minimum(x * (2.0 * LOG2E), 64.0))
+    e = tl.exp2(nan_min(x * (2.0 * LOG2E), 64.0))
     big = approx_div(e - 1.0, e + 1.0, COMPILED)         # e + 1 in [1, 2^64 + 1]
     x2 = x * x
     small = x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0 - x2 * (62.0 / 2835.0)))))

@@ -1,8 +1,42 @@
-"""Fixtures; the shared helpers (and the switch to Triton's CPU interpreter) are in tests/helpers.py."""
+"""Fixtures and options; the shared helpers (and the switch to Triton's CPU interpreter) are in tests/helpers.py.
+
+--gpu-arithmetic random|up|down   Triton's interpreter computes as compiled GPU code may (tests/gpu_arithmetic.py):
+                                  contracted and approximate fp32 arithmetic, maxNum, approximate exp2 / division.
+                                  Only the tests that run a Triton kernel are collected: those of a module marked
+                                  `triton_path` and every test parametrized with backend "triton".
+--gpu-arithmetic-seed N           the seed of the hash that picks each result's rounding
+"""
 
 import pytest
 
+from tests import gpu_arithmetic
 from tests.helpers import BACKENDS
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-arithmetic", choices=gpu_arithmetic.MODES, default=None,
+                     help="run the Triton-path tests with the GPU's fp32 arithmetic emulated in the interpreter")
+    parser.addoption("--gpu-arithmetic-seed", type=int, default=0, help="seed of --gpu-arithmetic's coin flips")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton_path: every test of the module runs a Triton kernel")
+    arithmetic = config.getoption("--gpu-arithmetic")
+    if arithmetic is not None:
+        gpu_arithmetic.install(arithmetic, config.getoption("--gpu-arithmetic-seed"))
+
+
+def runs_triton(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("backend") == "triton" or item.get_closest_marker("triton_path") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--gpu-arithmetic") is None:
+        return
+    kept = [item for item in items if runs_triton(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not runs_triton(item)])
+    items[:] = kept
 
 
 @pytest.fixture(params=BACKENDS)

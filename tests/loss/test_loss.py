@@ -50,7 +50,7 @@ def split_case(case):
     return batch_kw, use_is_ratio, case
 
 
-def compare(inputs, options, backend, rtol):
+def compare(inputs, options, backend, rtol, grad_atol=1e-7):
     loss, metrics, grads = run(gf.grpo_loss, inputs, dict(options, backend=backend))
     ref_loss, ref_metrics, ref_grads = run(reference.grpo_loss, as_float64(inputs), options)
     assert loss.dtype == torch.float32 and loss.ndim == 0
@@ -61,7 +61,7 @@ def compare(inputs, options, backend, rtol):
         assert_close(metrics[key], ref_metrics[key], rtol, atol=1e-6, name=key)
     for key in ref_grads:
         assert grads[key].dtype == inputs[key].dtype
-        assert_close(grads[key], ref_grads[key], rtol, atol=1e-7, name=f"d{key}")
+        assert_close(grads[key], ref_grads[key], rtol, atol=grad_atol, name=f"d{key}")
     return loss, grads
 
 
@@ -91,8 +91,13 @@ def test_logit_transform_and_bias(transform, bias, backend):
 
 @pytest.mark.parametrize("vocab", [1, 37, 2048 + 45])
 def test_vocab_sizes(vocab, backend):
-    """V of 1, below one block, and not a multiple of the 2048-wide kernel block."""
-    compare(make_batch(vocab=vocab, seed=2), dict(beta=0.04, entropy_coef=0.01), backend, rtol=1e-5)
+    """V of 1, below one block, and not a multiple of the 2048-wide kernel block. At V = 1 every gradient is 0 in
+    exact arithmetic, but in fp32 p = exp(z - lse) is 1 only to the rounding of the stored lse: on a GPU the
+    contracted z log2(e) - lse log2(e) leaves a residual of about ulp(lse) in each 1 - p, which round-to-nearest
+    happens to cancel, and d(weight) sums it over the tokens. Hence an absolute tolerance there (1e-5, against
+    gradients of order 1 at any other V)."""
+    compare(make_batch(vocab=vocab, seed=2), dict(beta=0.04, entropy_coef=0.01), backend, rtol=1e-5,
+            grad_atol=1e-5 if vocab == 1 else 1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
