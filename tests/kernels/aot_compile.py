@@ -2,8 +2,9 @@
 
 python tests/aot_compile.py     prints one JSON line per (kernel, variant, arch): registers, spills, shared memory,
                                 facts read off the PTX (vector widths of global loads and stores, barriers
-                                inside loops, cp.async, special-function instructions) and, where cuobjdump is
-                                found, the SASS instructions per element of the main loop.
+                                inside loops, cp.async, special-function instructions, the source lines of the
+                                NaN-dropping max / min and of the contracted fma instructions) and, where
+                                cuobjdump is found, the SASS instructions per element of the main loop.
 
 Each variant calls the kernel's public launcher on CPU tensors of the real vocabulary size with the launch
 intercepted: the arguments the launcher passes go through Triton's own binder for a CUDA target, so the
@@ -167,6 +168,41 @@ def ptx_facts(ptx: str) -> dict:
     }
 
 
+KERNEL_DIR = os.path.dirname(dlogits.__file__)
+KERNEL_FILES = {name for name in os.listdir(KERNEL_DIR) if name.endswith(".py")}
+
+
+def instruction_sources(ptx: str):
+    """(opcode, "file.py:line") of each PTX instruction, the line being the innermost one of grpo_fast's kernel
+    files in its .loc's inlining chain (`// transform.py:21:25 @[ dlogits.py:60:19 @[ ... ] ]`): a tl.max
+    reduction is Triton's standard.py inlined at the kernel's line, which is the one reported."""
+    chain = None
+    for line in ptx.splitlines():
+        loc = re.match(r"\s*\.loc\s+\d+\s+\d+\s+\d+\s*//\s*(.*)$", line)
+        if loc:
+            chain = re.findall(r"([\w.]+\.py):(\d+):\d+", loc.group(1))
+            continue
+        op = re.match(r"\s*([a-z][\w.:]*)\s", line)
+        if op and chain:
+            source = next((f"{name}:{number}" for name, number in chain if name in KERNEL_FILES), None)
+            if source is not None:
+                yield op.group(1), source
+
+
+def arithmetic_sources(ptx: str) -> dict:
+    """The source lines of the instructions whose GPU semantics differ from the interpreter's: max / min that drop a
+    NaN operand (max.f32 / min.f32, not max.NaN.f32), and fused multiply-adds (contracted a * b + c)."""
+    maxnum, fma, nan_propagating = set(), set(), 0
+    for op, source in instruction_sources(ptx):
+        if op in ("max.f32", "min.f32", "max.ftz.f32", "min.ftz.f32"):
+            maxnum.add(source)
+        elif op in ("max.NaN.f32", "min.NaN.f32"):
+            nan_propagating += 1
+        elif op.startswith("fma.") and op.endswith(".f32"):
+            fma.add(source)
+    return {"maxnum_lines": sorted(maxnum), "fma_lines": sorted(fma), "nan_max_min": nan_propagating}
+
+
 def ptxas_report(ptx: str, arch: int) -> dict:
     # The ptxas Triton itself runs for this arch: Triton 3.9 writes PTX 9.4 for sm_90, which only its bundled
     # CUDA 13 ptxas (`ptxas-blackwell`) reads, where 3.6 uses that one for sm_100 alone.
@@ -237,7 +273,7 @@ def main() -> int:
                       "divisible_by_16": divisible, "num_warps": compiled.metadata.num_warps,
                       "shared_bytes": compiled.metadata.shared, "shared_limit": SHARED_LIMIT[arch],
                       "cubin_bytes": len(compiled.asm["cubin"]), **ptxas_report(compiled.asm["ptx"], arch),
-                      **ptx_facts(compiled.asm["ptx"])}
+                      **ptx_facts(compiled.asm["ptx"]), **arithmetic_sources(compiled.asm["ptx"])}
             counts = sass_instructions(compiled.asm["cubin"])
             elements = per_thread_elements(kernel_name, kwargs)
             # per element: of the main loop where there is one, else of the whole kernel (one tile per program)

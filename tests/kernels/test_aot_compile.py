@@ -1,7 +1,9 @@
 """The Triton kernels compile ahead of time for sm_90 and sm_80 without a GPU, specialized as the JIT does at run
 time, and the PTX shows what keeps them at memory bandwidth: 16-byte vector accesses (V a multiple of 16, or a
 padded row stride), a pipelined stats loop (cp.async) without block-wide reductions, no spills; the SASS, where
-cuobjdump is found (Triton ships it), how many instructions the stats loop issues per element."""
+cuobjdump is found (Triton ships it), how many instructions the stats loop issues per element. And what keeps them
+right on a GPU, which the interpreter cannot show: every NaN-dropping max / min declared, no fma on a line that
+must be exact."""
 
 import json
 import os
@@ -102,3 +104,45 @@ def test_stats_loop_issues_few_instructions_per_element(reports):
     for r in rows:
         bound = 30 if "softcap=True" in r["variant"] else 15
         assert 0 < r["sass_per_element"] <= bound, r
+
+
+def source_line(location: str) -> str:
+    """The text of "file.py:line" in grpo_fast's kernel folder ("" for line 0, the compiler's own)."""
+    from grpo_fast import kernels
+
+    name, number = location.split(":")
+    if int(number) == 0:
+        return ""
+    with open(os.path.join(os.path.dirname(kernels.__file__), name)) as f:
+        return f.read().splitlines()[int(number) - 1]
+
+
+def test_every_nan_dropping_max_is_declared(reports):
+    """A clamp must pass a NaN on (a NaN logit gives NaN out, as the torch backend does): max.f32 / min.f32 drop a
+    NaN operand on a GPU (IEEE maxNum), while Triton's interpreter and torch propagate it. So every such instruction
+    must come from a source line that says why dropping is harmless there (`# maxnum: ...`, e.g. the running max,
+    whose NaN elements reach the sums anyway); every other clamp is nan_max / nan_min (max.NaN.f32). Before the
+    NaN fix 8 lines failed this: the NEG_BIG floors of the stats and gradient passes, the soft-cap's cap, and 5
+    of policy_grad's clamps."""
+    for r in reports:
+        undeclared = [line for line in r["maxnum_lines"] if "# maxnum:" not in source_line(line)]
+        assert not undeclared, (r["kernel"], r["variant"], r["arch"], undeclared)
+        if r["kernel"] in ("logprob_forward", "dlogits", "policy_grad") or "softcap=True" in r["variant"]:
+            assert r["nan_max_min"] > 0, r                     # the clamps compiled to max.NaN / min.NaN
+
+
+def test_no_contraction_on_lines_that_must_be_exact(reports):
+    """A line marked `# exact: no fma` must compile without a fused multiply-add: `(x - m) * s` is 0 at x == m
+    under any rounding, while `x * s - m * s` contracts to fma(x, s, -round(m * s)), whose residual reaches
+    ulp(m * s) (8e12 at the NEG_BIG floor: exp2 = inf, lse NaN). The stats kernel's d had that form before."""
+    marked = 0
+    for r in reports:
+        for line in r["fma_lines"]:
+            assert "# exact: no fma" not in source_line(line), (r["kernel"], r["variant"], r["arch"], line)
+    from grpo_fast import kernels
+
+    for name in os.listdir(os.path.dirname(kernels.__file__)):
+        if name.endswith(".py"):
+            with open(os.path.join(os.path.dirname(kernels.__file__), name)) as f:
+                marked += f.read().count("# exact: no fma")
+    assert marked >= 1
