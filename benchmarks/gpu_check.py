@@ -64,7 +64,9 @@ HEADLINE = Shape(16384, 3584, 151936)                              # Qwen2.5-7B 
 SHAPES = [HEADLINE, Shape(4096, 3584, 151936), Shape(65536, 3584, 151936), Shape(16384, 896, 151936),
           Shape(16384, 2304, 256000)]
 PEERS = ["naive", "trl", "liger"]
-KERNEL_TESTS = "python -m pytest tests/kernels/test_kernels.py tests/loss/test_logprobs.py tests/loss/test_loss.py -q"
+# The regression cases of the GPU-only bugs first: a window that runs out of time cuts the tail.
+KERNEL_TESTS = ("python -m pytest tests/kernels/test_gpu_numerics.py tests/kernels/test_kernels.py "
+                "tests/loss/test_kept.py tests/loss/test_logprobs.py tests/loss/test_loss.py -q")
 SUMMARY_LINES = 30
 FORCED_CHUNKS = 4                  # the headline's multi-chunk row: what the fp32 d(weight) accumulator costs
 CORRECTNESS_SHARE = 0.5            # of the time left when the correctness rows start
@@ -165,7 +167,8 @@ def weight_grad_probe(device, dtype, backend) -> dict:
 def environment(device, dtype, backend) -> dict:
     """Machine, versions, the two ceilings (see `ceilings`) and the d(weight) path (see `weight_grad_probe`).
     Each part is guarded: one that raises leaves its keys out and its error in "errors", and the others run."""
-    env = {"machine": None, "dtype": str(dtype).split(".")[-1], "versions": package_versions(), "errors": []}
+    env = {"machine": None, "dtype": str(dtype).split(".")[-1], "versions": package_versions(), "errors": [],
+           "commit": os.environ.get("GRPO_FAST_COMMIT") or "unknown (set GRPO_FAST_COMMIT)"}
     parts = (("machine", lambda *args: {"machine": machine_name(device)}), ("ceilings", ceilings),
              ("weight_grad_probe", weight_grad_probe))
     for name, part in parts:
@@ -180,7 +183,7 @@ def header_lines(env) -> list:
     """Two lines: machine and versions, then the ceilings and the d(weight) path ('?' for what was not measured)."""
     ceiling = (f"copy {env['copy_gbs']:.0f} GB/s, {env['dtype']} GEMM {env['gemm_tflops']:.1f} TFLOP/s "
                f"({env['gemm_size']}^3)" if "gemm_tflops" in env else "copy ? GB/s, GEMM ? TFLOP/s")
-    return [f"gpu_check on {env.get('machine') or '?'}: " +
+    return [f"gpu_check on {env.get('machine') or '?'} at commit {str(env.get('commit', '?'))[:12]}: " +
             ", ".join(f"{k} {v or '-'}" for k, v in env.get("versions", {}).items()),
             f"ceilings: {ceiling}; d(weight) path of a multi-chunk loss: {env.get('weight_grad_path', '?')}"]
 

@@ -12,6 +12,8 @@
 # 15-minute GPU lease, which leaves room to run a shortened window again).
 #
 # Settings (environment variables):
+#   GRPO_FAST_COMMIT      the commit this tree is (default: git's; a copy of the tree sent to a GPU machine has
+#                         no .git, so pass it: GRPO_FAST_COMMIT=$(git rev-parse HEAD) on the machine that sends it)
 #   PYTHON                the interpreter (default python3)
 #   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 180)
 #   GPU_CHECK_TIMEOUT     hard limit of the gpu_check phase (default 230)
@@ -36,6 +38,13 @@ LOG="$OUT/window.log"
 export PYTHONUNBUFFERED=1                     # every row reaches the log as it is printed
 
 log() { echo "[gpu_window $(date -u +%H:%M:%S) +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
+# Which code ran: results without it cannot be compared with anything. gpu_check records it too (environment).
+if GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null); then
+  CHANGED="$(git status --porcelain 2>/dev/null | wc -l) paths changed"
+else
+  GIT_COMMIT="" CHANGED="no .git here: changes unknown"
+fi
+export GRPO_FAST_COMMIT=${GRPO_FAST_COMMIT:-${GIT_COMMIT:-unknown (no .git here and GRPO_FAST_COMMIT unset)}}
 left() { echo $((WINDOW_S - (SECONDS - START))); }
 install() {                                   # install LIMIT_S ARGS...: pip install, or its dry run
   local limit=$1; shift
@@ -46,8 +55,7 @@ install() {                                   # install LIMIT_S ARGS...: pip ins
 # (1) the machine, before anything can fail
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo '?')," \
-    "$(git status --porcelain 2>/dev/null | wc -l) paths changed"
+  echo "commit: $GRPO_FAST_COMMIT, $CHANGED"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit,temperature.gpu \
@@ -59,7 +67,7 @@ install() {                                   # install LIMIT_S ARGS...: pip ins
     "cuda", torch.version.cuda, "triton", triton.__version__, "gpu", torch.cuda.is_available()
     and torch.cuda.get_device_name())'
 } >"$OUT/environment.txt" 2>&1
-log "environment: $(grep -m1 -E '^python' "$OUT/environment.txt")"
+log "commit $GRPO_FAST_COMMIT; environment: $(grep -m1 -E '^python' "$OUT/environment.txt")"
 
 # (2) install: grpo_fast editable, then only the wheels whose distribution is missing (the image's own pytest,
 # say, stays as it is: replacing it could break its plugins)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.launch import aligned_rows, compiled, load_width, on_device, transform_constants
-from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, log1p, nan_max, tanh
+from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, log1p, nan_max, nan_min, tanh
 from grpo_fast.kernels.tuning import LOGPROB_FORWARD
 
 
@@ -147,7 +147,9 @@ def _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_sc
     sum_rest = tl.sum(tl.where(index == first, group_rest + ties, group_sum * weight), axis=0)
     log_sum = log1p(sum_rest)                                 # ln(sum exp(z - max)), accurate near 0
     tl.store(lse_ptr, row_max * z_scale + log_sum)
-    tl.store(logp_ptr, (x_target - row_max) * z_scale - log_sum)
+    # x_target is the target's x evaluated apart from the loop's copy: min'd with the max, so that logp <= 0 even
+    # if the compiler rounded the two evaluations differently (a NaN passes)
+    tl.store(logp_ptr, (nan_min(x_target, row_max) - row_max) * z_scale - log_sum)
     if COMPUTE_ENTROPY:
         # sum 2^d d relative to the row max; groups of weight 0 left out (their shift times their sum may be huge)
         dot = tl.sum(tl.where(weight > 0.0, weight * (group_dot + group_sum * shift), 0.0), axis=0)

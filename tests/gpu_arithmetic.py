@@ -25,12 +25,14 @@ compiled code does (a kernel run twice agrees with itself), while twin expressio
 product and its uncontracted twin do. Mode "random" is the sharp one; "up" and "down" round every operation the
 same way, which shows drift in long sums but not the residual of `x * s - m * s`.
 `install(mode, seed)` patches the interpreter in this process (before or after the kernels are decorated: the
-interpreter looks its operations up at each call); `reseed(seed)` changes the hash; `active()` says whether it is
-on. tests/conftest.py turns it on with `--gpu-arithmetic MODE`.
+interpreter looks its operations up at each call); `emulating(mode, seed)` does so for a `with` block;
+`reseed(seed)` changes the hash; `active()` says whether it is on. tests/conftest.py turns it on with
+`--gpu-arithmetic MODE`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import zlib
@@ -52,13 +54,24 @@ def reseed(seed: int) -> None:
     _STATE["seed"] = seed
 
 
+@contextlib.contextmanager
+def emulating(arithmetic: str, seed: int = 0):
+    """Within the block the interpreter computes as compiled GPU code may (see install); after it, as before."""
+    previous = {"mode": _STATE["mode"], "seed": _STATE["seed"]}
+    install(arithmetic, seed)
+    try:
+        yield
+    finally:
+        _STATE.update(previous)
+
+
 # ----------------------------------------------------------------------------------------------- rounding
 # The coin of an arithmetic operation is a hash of its operands' bits, its kind, the kernel source position that
-# issued it (file, line and column) and the seed. Like compiled code, the same expression on the same operands
-# gives the same result every time (a kernel run twice agrees with itself bit for bit), while two expressions
-# computing the same value may round differently, as when one product is contracted into an fma and its twin is
-# not (`x * s - m * s` at x == m). Approximate functions (exp2, exp, log, division) are functions of their operands
-# alone, as the hardware units are.
+# issued it (file, line and column; a helper's own lines, whoever calls it) and the seed. Like compiled code, the
+# same expression on the same operands gives the same result every time (a kernel run twice agrees with itself bit
+# for bit), while two expressions computing the same value may round differently, as when one product is
+# contracted into an fma and its twin is not (`x * s - m * s` at x == m). Approximate functions (exp2, exp, log,
+# division) are functions of their operands alone, as the hardware units are.
 _POSITIONS = {}
 
 
@@ -87,7 +100,10 @@ def _mix(h):
 
 
 def operand_hash(kind: int, *operands, site: int = 0) -> np.ndarray:
-    """A uint64 per element of the operands' broadcast shape."""
+    """A uint64 per element of the operands' broadcast shape. Not the element's position: on a GPU the same code
+    gives the same result for the same value wherever it sits (the target's logit, read apart, and its copy in the
+    loop, say). So a value repeated across a block (the NEG_BIG floor) meets one coin per seed and site, and CI
+    runs several seeds."""
     with np.errstate(all="ignore"):
         h = _mix(np.uint64((_STATE["seed"] * 1000003 + kind * 65537 + site) & 0xFFFFFFFFFFFFFFFF))
         for operand in np.broadcast_arrays(*[np.asarray(x, dtype=_F32) for x in operands]):
@@ -220,8 +236,9 @@ def tree_sum(data: np.ndarray, axis, keep_dims: bool, site=0):
 
 
 # ------------------------------------------------------------------------------------------------ patching
-def _float32(*handles) -> bool:
-    return all(h.data.dtype == _F32 for h in handles)
+def _emulated(*handles) -> bool:
+    """Whether the GPU arithmetic applies: on, and every operand fp32 (else the interpreter's own operation runs)."""
+    return _STATE["mode"] is not None and all(h.data.dtype == _F32 for h in handles)
 
 
 def install(arithmetic: str, seed: int = 0) -> None:
@@ -242,14 +259,14 @@ def install(arithmetic: str, seed: int = 0) -> None:
 
     def binary(original, exact_op):
         def op(self, lhs, rhs):
-            if not _float32(lhs, rhs):
+            if not _emulated(lhs, rhs):
                 return original(self, lhs, rhs)
             return handle(exact_op(lhs.data, rhs.data), lhs.dtype.scalar)
         return op
 
     def rounded(original, exact_op):
         def op(self, lhs, rhs):
-            if not _float32(lhs, rhs):
+            if not _emulated(lhs, rhs):
                 return original(self, lhs, rhs)
             with np.errstate(all="ignore"):
                 return handle(exact_op(lhs.data, rhs.data, site=_site()), lhs.dtype.scalar)
@@ -257,7 +274,7 @@ def install(arithmetic: str, seed: int = 0) -> None:
 
     def unary(original, gpu_op):
         def op(self, arg):
-            if not _float32(arg):
+            if not _emulated(arg):
                 return original(self, arg)
             return handle(gpu_op(arg.data), arg.dtype.scalar)
         return op
@@ -283,7 +300,7 @@ def install(arithmetic: str, seed: int = 0) -> None:
     original_fma = builder.create_fma
 
     def create_fma(self, x, y, z):
-        if not _float32(x, y, z):
+        if not _emulated(x, y, z):
             return original_fma(self, x, y, z)
         with np.errstate(all="ignore"):
             return handle(fma(x.data, y.data, z.data, site=_site()), z.dtype.scalar)
@@ -293,14 +310,14 @@ def install(arithmetic: str, seed: int = 0) -> None:
     def create_clampf(self, arg, lo, hi, propagate_nans):
         import triton.language as tl
 
-        if propagate_nans == tl.PropagateNan.ALL or not _float32(arg, lo, hi):
+        if propagate_nans == tl.PropagateNan.ALL or not _emulated(arg, lo, hi):
             return original_clamp(self, arg, lo, hi, propagate_nans)
         return handle(np.fmin(np.fmax(arg.data, lo.data), hi.data), arg.dtype.scalar)
 
     original_sum = reduce_ops.sum
 
     def tree_sum_op(self, input):
-        if input.handle.data.dtype != _F32:
+        if not _emulated(input.handle):
             return original_sum(self, input)
         with np.errstate(all="ignore"):
             return self.to_tensor(tree_sum(input.handle.data, self.axis, self.keep_dims, site=_site()), input.dtype)

@@ -40,8 +40,12 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
     for name in ("pytest-8.4.2-py3-none-any.whl", "no_such_package_here-1.0-py3-none-any.whl"):
         (wheels / name).write_bytes(b"")            # the dry run never opens them; pytest is installed here
     out = tmp_path / "out"
-    done = run_window(out, {"PYTHON": sys.executable, "INSTALL_DRY_RUN": "1"}, str(wheels))
+    done = run_window(out, {"PYTHON": sys.executable, "INSTALL_DRY_RUN": "1", "GRPO_FAST_COMMIT": "0123456789abcdef"},
+                      str(wheels))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the commit handed in (a copy of the tree on a GPU machine has no .git): in the environment and gpu_check's
+    assert "commit: 0123456789abcdef," in (out / "environment.txt").read_text()
+    assert json.loads((out / "gpu_check.json").read_text())["environment"]["commit"] == "0123456789abcdef"
     assert {p.name for p in out.iterdir()} == {"environment.txt", "window.log", "gpu_check.log", "gpu_check.json",
                                                 "SUMMARY.md", "kernel_tests.txt", "verl_grpo.txt"}
     log = (out / "window.log").read_text()

@@ -113,8 +113,10 @@ def test_grpo_loss_over_kept_sets(backend, case):
         assert_close(metrics[name], ref_metrics[name], 1e-5, atol=1e-7, name=name)
     loss.backward()
     ref_loss.backward()
+    # 3e-5 for the gradients: on a GPU the soft-cap's tanh is good to 1.5e-6 relative (approximate exp2 and
+    # division), which the cap over the temperature (4 / 0.9) makes up to 7e-6 absolute in each logit.
     for name in leaves:
-        assert_close(leaves[name].grad, exact_leaves[name].grad, 1e-5, atol=1e-7, name=f"d{name}")
+        assert_close(leaves[name].grad, exact_leaves[name].grad, 3e-5, atol=1e-7, name=f"d{name}")
 
 
 def test_kept_sets_keep_the_gemm_passes():
