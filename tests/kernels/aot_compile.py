@@ -174,13 +174,34 @@ KERNEL_FILES = {name for name in os.listdir(KERNEL_DIR) if name.endswith(".py")}
 
 def instruction_sources(ptx: str):
     """(opcode, "file.py:line") of each PTX instruction, the line being the innermost one of grpo_fast's kernel
-    files in its .loc's inlining chain (`// transform.py:21:25 @[ dlogits.py:60:19 @[ ... ] ]`): a tl.max
-    reduction is Triton's standard.py inlined at the kernel's line, which is the one reported."""
+    files in its .loc's inlining chain: a tl.max reduction is Triton's standard.py inlined at the kernel's line,
+    which is the one reported. Triton 3.6 writes the chain in a comment (`.loc 2 21 25 // transform.py:21:25 @[
+    dlogits.py:60:19 @[ ... ] ]`); 3.9 one level per .loc (`.loc 3 196 12, function_name ..., inlined_at 3 216
+    16`), the parent's own parent on an earlier .loc of that location."""
+    files = {number: os.path.basename(path) for number, path in re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx,
+                                                                            re.M)}
+    parents = {}                                  # (file, line, column) -> where it was inlined (3.9's form)
+    for here, parent in re.findall(r"\.loc\s+(\d+ \d+ \d+), [^\n]*?inlined_at (\d+ \d+ \d+)", ptx):
+        parents.setdefault(tuple(here.split()), tuple(parent.split()))
+
+    def chain_of(loc_line):
+        inlined = re.search(r"\.loc\s+(\d+ \d+ \d+), [^\n]*?inlined_at (\d+ \d+ \d+)", loc_line)
+        if inlined is None:                       # 3.6: the chain in the comment
+            return re.findall(r"([\w.]+\.py):(\d+):\d+", loc_line.split("//", 1)[-1])
+        chain, at, seen = [], tuple(inlined.group(1).split()), set()
+        parent = tuple(inlined.group(2).split())
+        while at is not None and at not in seen:
+            seen.add(at)
+            chain.append((files.get(at[0], "?"), at[1]))
+            at, parent = parent, None
+            if at is not None:
+                parent = parents.get(at)
+        return chain
+
     chain = None
     for line in ptx.splitlines():
-        loc = re.match(r"\s*\.loc\s+\d+\s+\d+\s+\d+\s*//\s*(.*)$", line)
-        if loc:
-            chain = re.findall(r"([\w.]+\.py):(\d+):\d+", loc.group(1))
+        if re.match(r"\s*\.loc\s", line):
+            chain = chain_of(line)
             continue
         op = re.match(r"\s*([a-z][\w.:]*)\s", line)
         if op and chain:

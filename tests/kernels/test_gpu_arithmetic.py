@@ -82,9 +82,10 @@ def test_directed_modes_round_every_operation_the_same_way():
 
 
 def test_maxnum_drops_a_nan_and_nan_max_passes_it():
+    """(Triton 3.6's interpreter propagates the NaN of a plain tl.maximum, 3.9's drops it: either way, here it is
+    dropped, as on a GPU.)"""
     x, m = inputs()
     x[::2] = float("nan")
-    assert torch.isnan(evaluate(2, x, m)[::2]).all()            # numpy's maximum propagates
     with gpu_arithmetic.emulating("random"):
         dropped = evaluate(2, x, m)
         passed = evaluate(3, x, m)
