@@ -34,9 +34,9 @@ def runs_triton(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--gpu-arithmetic") is None:
         return
-    kept = [item for item in items if runs_triton(item)]
-    config.hook.pytest_deselected(items=[item for item in items if not runs_triton(item)])
-    items[:] = kept
+    runs = {item: runs_triton(item) for item in items}
+    config.hook.pytest_deselected(items=[item for item in items if not runs[item]])
+    items[:] = [item for item in items if runs[item]]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -257,53 +257,24 @@ def install(arithmetic: str, seed: int = 0) -> None:
     if getattr(builder, "_gpu_arithmetic", False):
         return
 
-    def binary(original, exact_op):
-        def op(self, lhs, rhs):
-            if not _emulated(lhs, rhs):
-                return original(self, lhs, rhs)
-            return handle(exact_op(lhs.data, rhs.data), lhs.dtype.scalar)
-        return op
-
-    def rounded(original, exact_op):
-        def op(self, lhs, rhs):
-            if not _emulated(lhs, rhs):
-                return original(self, lhs, rhs)
+    def patched(original, gpu_op, by_site):
+        """The builder operation `original`, computing gpu_op on fp32 operands while the mode is on; arithmetic
+        (by_site) also gets the source position that issued it."""
+        def op(self, *args):
+            if not _emulated(*args):
+                return original(self, *args)
             with np.errstate(all="ignore"):
-                return handle(exact_op(lhs.data, rhs.data, site=_site()), lhs.dtype.scalar)
+                data = [arg.data for arg in args]
+                result = gpu_op(*data, site=_site()) if by_site else gpu_op(*data)
+            return handle(result, args[0].dtype.scalar)
         return op
 
-    def unary(original, gpu_op):
-        def op(self, arg):
-            if not _emulated(arg):
-                return original(self, arg)
-            return handle(gpu_op(arg.data), arg.dtype.scalar)
-        return op
-
-    def with_errors_ignored(fn):
-        def run(*args):
-            with np.errstate(all="ignore"):
-                return fn(*args)
-        return run
-
-    for name, fn in {"create_fadd": add, "create_fsub": subtract, "create_fmul": multiply}.items():
-        setattr(builder, name, rounded(getattr(builder, name), fn))
-    exact = {
-        "create_fdiv": divide,
-        "create_maxnumf": np.fmax,
-        "create_minnumf": np.fmin,
-    }
-    for name, fn in exact.items():
-        setattr(builder, name, binary(getattr(builder, name), with_errors_ignored(fn)))
-    for name, fn in {"create_exp2": exp2_ftz, "create_exp": exp, "create_log": log, "create_log2": log2}.items():
-        setattr(builder, name, unary(getattr(builder, name), with_errors_ignored(fn)))
-
-    original_fma = builder.create_fma
-
-    def create_fma(self, x, y, z):
-        if not _emulated(x, y, z):
-            return original_fma(self, x, y, z)
-        with np.errstate(all="ignore"):
-            return handle(fma(x.data, y.data, z.data, site=_site()), z.dtype.scalar)
+    operations = {"create_fadd": (add, True), "create_fsub": (subtract, True), "create_fmul": (multiply, True),
+                  "create_fma": (fma, True), "create_fdiv": (divide, False), "create_maxnumf": (np.fmax, False),
+                  "create_minnumf": (np.fmin, False), "create_exp2": (exp2_ftz, False), "create_exp": (exp, False),
+                  "create_log": (log, False), "create_log2": (log2, False)}
+    for name, (gpu_op, by_site) in operations.items():
+        setattr(builder, name, patched(getattr(builder, name), gpu_op, by_site))
 
     original_clamp = builder.create_clampf
 
@@ -322,5 +293,5 @@ def install(arithmetic: str, seed: int = 0) -> None:
         with np.errstate(all="ignore"):
             return self.to_tensor(tree_sum(input.handle.data, self.axis, self.keep_dims, site=_site()), input.dtype)
 
-    builder.create_fma, builder.create_clampf, reduce_ops.sum = create_fma, create_clampf, tree_sum_op
+    builder.create_clampf, reduce_ops.sum = create_clampf, tree_sum_op
     builder._gpu_arithmetic = True
