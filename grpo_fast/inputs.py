@@ -10,7 +10,10 @@ import torch
 
 from grpo_fast.numerics import LogitTransform, accumulation_dtype
 
+# What the loss computes in (fp64 for gradchecks, on backend="torch"); float8 and the other narrow formats are
+# storage formats with per-tensor scales the loss cannot see, so they are refused rather than silently upcast.
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 
 
 def _shape(t) -> str:
@@ -18,10 +21,13 @@ def _shape(t) -> str:
 
 
 def check_tensor(name: str, value, *, floating: bool = False, integer: bool = False):
+    """`value` itself when it is a tensor (of a dtype the loss computes in when `floating`, of integers when
+    `integer`); else a TypeError naming `name`, the dtypes accepted and the one given."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if floating and value.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+        hint = " (upcast it first, e.g. .to(torch.bfloat16))" if value.dtype.is_floating_point else ""
+        raise TypeError(f"{name} must have dtype {_FLOAT_NAMES}, got {value.dtype}{hint}")
     if integer and (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
         raise TypeError(f"{name} must be an integer tensor (token ids), got dtype {value.dtype}")
     return value

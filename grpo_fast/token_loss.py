@@ -24,7 +24,8 @@ A loss is token-separable when it is a sum over tokens of functions of each toke
 then each chunk's gradient is known while its logits are in the buffer, as grpo_loss's token-level variants use
 it. Normalizers known up front (a token count, a sequence length, verl's dp_size) are constants of those
 functions. A loss that needs every token first (a sequence-level ratio) is not token-separable: compute
-`token_logprobs` and the loss with autograd instead (4 passes).
+`token_logprobs` and the loss with autograd instead (4 passes). `batch_token_loss` compares, after the sweep,
+the gradients its chunks returned with the loss's gradient at the final log-probs, and raises where they differ.
 """
 
 from __future__ import annotations
@@ -56,20 +57,93 @@ class TokenChunk:
     index: torch.Tensor
 
 
+def _loss_grads(value, leaves: list, what: str) -> list:
+    """autograd's d value / d leaf for each leaf (zeros where value does not use it), with a one-line error when
+    value is not a 1-element tensor or depends on none of the leaves (its gradient would silently be zero)."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"{what} must return a 1-element tensor, got {shape}")
+    grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * len(leaves)
+    if all(g is None for g in grads):
+        either, both = ("logp", "logp") if len(leaves) == 1 else ("logp or entropy", "logp and entropy")
+        raise ValueError(f"{what} does not depend on {either}: return a differentiable torch expression of {both} "
+                         f"(no .item(), .detach() or torch.no_grad() on the way; logp.sum() * 0 for a zero loss)")
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+
+
 def autograd_token_loss(fn: Callable) -> Callable:
     """A `token_loss` for `fused_token_loss` from fn(logp, entropy, index) -> 0-dim tensor, the chunk's loss as a
     differentiable torch expression of logp (and entropy): its gradient is taken with torch.autograd.grad. The
-    expression must be a sum over the chunk's tokens (token-separable)."""
+    expression must be a sum over the chunk's tokens (token-separable). A loss of the entropy alone gets zero
+    logp gradients; one that depends on neither (a constant, a detached value) is a ValueError."""
     def token_loss(chunk: TokenChunk):
         with torch.enable_grad():
             logp = chunk.logp.detach().requires_grad_()
             entropy = None if chunk.entropy is None else chunk.entropy.detach().requires_grad_()
             value = fn(logp, entropy, chunk.index)
             inputs = [logp] if entropy is None else [logp, entropy]
-            grads = torch.autograd.grad(value, inputs, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+            grads = _loss_grads(value, inputs, "autograd_token_loss's fn(logp, entropy, index)")
         return value.detach(), grads[0], None if entropy is None else grads[1]
     return token_loss
+
+
+class _BatchTokenLoss:
+    """The token_loss of `batch_token_loss`. It also keeps the gradient each chunk returned, (N,) like logp (O(N)
+    memory, never (N, V)), so that `after_sweep` can compare them with the gradient at the final values."""
+
+    what = "batch_token_loss's loss(logp, entropy)"
+
+    def __init__(self, loss: Callable, logp: torch.Tensor, entropy: Optional[torch.Tensor]):
+        self.loss, self.logp, self.entropy = loss, logp, entropy
+        self.used: Optional[list] = None       # flat d loss / d logp (and entropy) the chunks returned
+        self.seen: Optional[torch.Tensor] = None   # flat bool: the entries some chunk wrote
+
+    def _batch(self) -> list:
+        return [self.logp] if self.entropy is None else [self.logp, self.entropy]
+
+    def __call__(self, chunk: TokenChunk):
+        if self.entropy is not None and chunk.entropy is None:
+            raise ValueError("batch_token_loss was given entropy, but the chunks carry none: call fused_token_loss "
+                             "with with_entropy=True")
+        chunk_values = [chunk.logp, chunk.entropy][:len(self._batch())]
+        with torch.enable_grad():
+            leaves = [v.detach().to(t.dtype).requires_grad_() for v, t in zip(chunk_values, self._batch())]
+            batch = [t.view(-1).index_put((chunk.index,), leaf).view_as(t) for t, leaf in zip(self._batch(), leaves)]
+            grads = _loss_grads(self.loss(*batch, *[None] * (2 - len(batch))), leaves, self.what)
+        if self.used is None:
+            self.used = [torch.zeros(t.numel(), dtype=t.dtype, device=t.device) for t in self._batch()]
+            self.seen = torch.zeros(self.logp.numel(), dtype=torch.bool, device=self.logp.device)
+        for t, leaf, used, grad in zip(self._batch(), leaves, self.used, grads):
+            t.view(-1)[chunk.index] = leaf.detach()
+            used[chunk.index] = grad.detach()
+        self.seen[chunk.index] = True
+        return (chunk.logp.new_zeros(()), grads[0].to(chunk.logp.dtype),
+                grads[1].to(chunk.logp.dtype) if self.entropy is not None else None)
+
+    def after_sweep(self, gradients_used: bool) -> None:
+        """Called by fused_token_loss once its sweep is over. When the chunks' gradients went into d(hidden) and
+        d(weight), each chunk's (taken while later chunks' entries still held their starting values) must equal
+        the loss's gradient at the final values, up to rounding: a ValueError otherwise, since the result would be
+        wrong. One more evaluation of the loss and its gradient over (N,) tensors, and one device sync."""
+        used, seen = self.used, self.seen
+        self.used = self.seen = None
+        if not gradients_used or used is None:
+            return
+        with torch.enable_grad():
+            leaves = [t.detach().clone().requires_grad_() for t in self._batch()]
+            final = _loss_grads(self.loss(*leaves, *[None] * (2 - len(leaves))), leaves, self.what)
+        for name, got, want in zip(("logp", "entropy"), used, final):
+            got, want = got[seen], want.detach().reshape(-1)[seen]
+            # Equal entries (infinities included) count as no difference; a NaN in both is the loss's own.
+            diff = torch.where(got == want, 0.0, (got - want).abs()).max()
+            largest = want.abs().max()
+            if bool(diff > torch.finfo(want.dtype).eps ** 0.5 * largest):
+                raise ValueError(
+                    f"batch_token_loss's loss is not token-separable: the d loss / d {name} its chunks returned "
+                    f"(taken with later tokens at their starting values) differs from the one at the sweep's "
+                    f"final values by up to {float(diff):.3g} (largest entry {float(largest):.3g}), so the "
+                    f"gradients would be wrong; write it as a sum of per-token terms of each token's own {name} "
+                    f"(a token_loss per chunk), or compute token_logprobs and take the loss's gradient by autograd")
 
 
 def batch_token_loss(loss: Callable, logp: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> Callable:
@@ -80,24 +154,13 @@ def batch_token_loss(loss: Callable, logp: torch.Tensor, entropy: Optional[torch
     `targets`, holding starting values (e.g. the old log-probs); each chunk's values are written in as the sweep
     passes, so after it they are the sweep's. A chunk's gradient is d loss / d (its entries) with the other
     entries held at their current values, by autograd: for a token-separable loss it depends on the chunk's own
-    values alone, so it is the final one. Each chunk's value is 0: the loss's value is loss(logp, entropy) after
-    the sweep (one more evaluation). With `entropy` given, the chunks must carry entropies (with_entropy=True);
-    a loss that ignores them gets zero entropy gradients."""
-    def token_loss(chunk: TokenChunk):
-        with torch.enable_grad():
-            leaves = [chunk.logp.detach().to(logp.dtype).requires_grad_()]
-            batch_logp = logp.view(-1).index_put((chunk.index,), leaves[0]).view_as(logp)
-            batch_entropy = None
-            if entropy is not None:
-                leaves.append(chunk.entropy.detach().to(entropy.dtype).requires_grad_())
-                batch_entropy = entropy.view(-1).index_put((chunk.index,), leaves[1]).view_as(entropy)
-            grads = torch.autograd.grad(loss(batch_logp, batch_entropy), leaves, allow_unused=True)
-        logp.view(-1)[chunk.index] = leaves[0].detach()
-        if entropy is not None:
-            entropy.view(-1)[chunk.index] = leaves[1].detach()
-        grads = [(torch.zeros_like(t) if g is None else g).to(chunk.logp.dtype) for t, g in zip(leaves, grads)]
-        return chunk.logp.new_zeros(()), grads[0], grads[1] if entropy is not None else None
-    return token_loss
+    values alone, so it is the final one. After the sweep the loss's gradient at the final values is taken once
+    more and compared: a loss whose chunk gradients were not the final ones (not token-separable, and split
+    across chunks) is a ValueError rather than wrong gradients. Each chunk's value is 0: the loss's value is
+    loss(logp, entropy) after the sweep (one more evaluation). With `entropy` given, the chunks must carry
+    entropies (with_entropy=True); a loss that ignores them gets zero entropy gradients, and one that depends
+    on neither logp nor entropy is a ValueError."""
+    return _BatchTokenLoss(loss, logp, entropy)
 
 
 def _checked_chunk_result(result, chunk: TokenChunk):
@@ -150,11 +213,12 @@ def fused_token_loss(
     weight does not require grad; under torch.no_grad() (or without a trainable input) 1, gradients skipped.
 
     Args:
-        hidden: (B, T, H) or (N, H), fp32 / bf16 / fp16. weight: (V, H) like hidden. bias: optional (V,).
+        hidden: (B, T, H) or (N, H), fp32 / bf16 / fp16 (fp64: backend torch); weight (V, H), optional bias (V,), alike.
         targets: hidden.shape[:-1] token ids, in [0, V) where mask is 1.
         token_loss: token_loss(chunk: TokenChunk) -> (value, g_logp, g_entropy): value a 1-element tensor, g_logp
             (n,) = d(value)/d(chunk.logp), g_entropy (n,) or None (only with with_entropy). Called once per chunk,
-            in order; `autograd_token_loss(fn)` builds one from a torch expression.
+            in order; `autograd_token_loss(fn)` builds one from a torch expression. Its optional method
+            after_sweep(gradients_used: bool) runs after the last chunk (`batch_token_loss` checks there).
         mask: optional hidden.shape[:-1] bool / 0-1: the tokens that count; the others are compacted away before
             any GEMM (padding and prompt tokens cost nothing). Default: every token.
         temperature, logit_scale, logit_softcap, chunk_bytes, backend, process_group, kept_ids, kept_offsets: as
@@ -204,10 +268,13 @@ def fused_token_loss(
         return g_logp, g_entropy
 
     def finish(logp, entropy):
+        gradients_used = bool(values)        # the gradient pass called token_loss chunk by chunk
         if not values:                       # no gradient pass ran: the values of the log-prob pass's chunks
             for start in range(0, logp.shape[0], rows):
                 end = min(start + rows, logp.shape[0])
                 chunk_result(start, end, logp[start:end], None if entropy is None else entropy[start:end])
+        if callable(getattr(token_loss, "after_sweep", None)):
+            token_loss.after_sweep(gradients_used)
         total = torch.stack(values).sum() if values else logp.new_zeros(())
         return total, {}
 

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the argument, before any work is done."""
 
+import re
+
 import pytest
 import torch
 
@@ -19,7 +21,8 @@ def call(**changes):
     (dict(hidden=torch.randn(16)), ValueError, "hidden must be (N, H) or (B, T, H)"),
     (dict(weight=torch.randn(37, 15)), ValueError, "weight must be (V, H) with H"),
     (dict(weight=torch.randn(37, 16, dtype=torch.float64)), TypeError, "hidden and weight must share a dtype"),
-    (dict(hidden=torch.randint(0, 3, (3, 9, 16))), TypeError, "hidden must be a floating-point tensor"),
+    (dict(hidden=torch.randint(0, 3, (3, 9, 16))), TypeError,
+     "hidden must have dtype float16, bfloat16, float32 or float64, got torch.int64"),
     (dict(targets=torch.zeros(3, 9)), TypeError, "targets must be an integer tensor"),
     (dict(targets=torch.zeros(3, 8, dtype=torch.long)), ValueError, "targets must have shape"),
     (dict(mask=torch.ones(3, 8, dtype=torch.bool)), ValueError, "mask must have shape (3, 9)"),
@@ -121,3 +124,34 @@ def test_module_config_or_loss_keywords_not_both():
     with pytest.raises(ValueError, match="got config and beta=0.04"):
         gf.GRPOLoss(beta=0.04, config=config)
     assert gf.GRPOLoss(loss_type="dapo", config=config).config is config
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.int32])
+def test_unsupported_float_dtypes_name_the_accepted_ones(dtype):
+    """float8 is floating point but not a dtype the loss computes in: every entry point and every floating argument
+    names the dtypes it takes and the one it got (with a hint to upcast a narrow float)."""
+    inputs = make_batch(bias=True)
+    del inputs["is_ratio"]
+    hint = " (upcast it first, e.g. .to(torch.bfloat16))" if dtype.is_floating_point else ""
+
+    def expect(name):
+        return re.escape(f"{name} must have dtype float16, bfloat16, float32 or float64, got {dtype}{hint}") + "$"
+
+    entry_points = {
+        "grpo_loss": lambda **kw: gf.grpo_loss(**kw),
+        "reference": lambda **kw: reference.grpo_loss(**kw),
+        "GRPOLoss": lambda **kw: gf.GRPOLoss()(**kw),
+        "token_logprobs": lambda hidden, weight, targets, bias, **_: gf.token_logprobs(hidden, weight, targets,
+                                                                                       bias=bias),
+        "fused_token_loss": lambda hidden, weight, targets, bias, mask, **_: gf.fused_token_loss(
+            hidden, weight, targets, gf.autograd_token_loss(lambda logp, entropy, index: logp.sum()), mask=mask,
+            bias=bias),
+    }
+    for entry, fn in entry_points.items():
+        for name in ("hidden", "weight", "bias"):
+            with pytest.raises(TypeError, match=expect(name)):
+                fn(**{**inputs, name: inputs[name].to(dtype)})
+        if entry in ("grpo_loss", "reference", "GRPOLoss"):
+            for name in ("advantages", "old_logps"):
+                with pytest.raises(TypeError, match=expect(name)):
+                    fn(**{**inputs, name: inputs[name].to(dtype)})

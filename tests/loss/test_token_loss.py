@@ -129,3 +129,117 @@ def test_batch_token_loss_takes_a_whole_batch_loss(backend, with_entropy):
     assert_close(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), 1e-5, atol=1e-8, name="logp")
     for name, g, e in zip(("hidden", "weight", "bias"), grads, torch.autograd.grad(expected, exact)):
         assert_close(g, e, 1e-5, atol=1e-8, name=f"d{name}")
+
+
+def _sequence_batch(dtype):
+    """Inputs of a (3, 9) batch with several chunks, and float64 old log-probs, advantages and token weights."""
+    inputs = make_batch(batch=3, seq=9, vocab=37, seed=6, bias=True)
+    gen = torch.Generator().manual_seed(7)
+    advantages = torch.randn(3, 1, generator=gen, dtype=torch.float64).to(DEVICE)
+    old = (-torch.rand(3, 9, generator=gen, dtype=torch.float64) * 3).to(DEVICE)
+    return inputs, advantages.to(dtype), old.to(dtype), inputs["mask"].to(dtype)
+
+
+def _reference_grads(inputs, batch_loss, old):
+    """d(hidden), d(weight), d(bias) of batch_loss at the float64 reference's log-probs (old where masked)."""
+    exact = [inputs[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
+    logp = reference.token_logprobs(exact[0], exact[1], inputs["targets"], bias=exact[2])
+    logp = torch.where(inputs["mask"], logp, old.double())
+    return torch.autograd.grad(batch_loss(logp, None), exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_token_loss_refuses_a_loss_that_is_not_token_separable(dtype):
+    """A whole-batch loss that mixes tokens nonlinearly gets each chunk's gradient at the other chunks' starting
+    values: with several chunks that is not the final gradient, and the sweep raises instead of returning wrong
+    gradients. With one chunk every gradient is the final one: the result matches the float64 reference. A
+    separable loss passes the check in either dtype."""
+    from grpo_fast.token_loss import batch_token_loss
+
+    inputs, advantages, old, mask_f = _sequence_batch(dtype)
+    lengths = mask_f.sum(-1, keepdim=True).clamp(min=1)
+
+    def squared_sum(logp, entropy):
+        return (((logp - old) * mask_f).sum() - 1.0) ** 2
+
+    def sequence_ratio(logp, entropy):       # GSPO: the ratio of a sequence's mean log-ratio
+        ratio = (((logp - old) * mask_f).sum(-1, keepdim=True) / lengths).exp()
+        return -(ratio * advantages).mean()
+
+    def separable(logp, entropy):
+        return -((logp - old).exp() * advantages * mask_f / lengths).sum()
+
+    def run(batch_loss, chunk_bytes):
+        leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
+        carrier = gf.fused_token_loss(leaves[0], leaves[1], inputs["targets"],
+                                      batch_token_loss(batch_loss, old.clone()), mask=inputs["mask"],
+                                      bias=leaves[2], chunk_bytes=chunk_bytes, backend="torch")
+        return torch.autograd.grad(carrier, leaves)
+
+    several = 37 * 4 * 5
+    for batch_loss in (squared_sum, sequence_ratio):
+        with pytest.raises(ValueError, match=r"^batch_token_loss's loss is not token-separable: the d loss / d logp "
+                                             r"its chunks returned .* differs from the one at the sweep's final "
+                                             r"values .* or compute token_logprobs and take the loss's gradient "
+                                             r"by autograd$"):
+            run(batch_loss, several)
+        for name, g, e in zip(("hidden", "weight", "bias"), run(batch_loss, None),
+                              _reference_grads(inputs, batch_loss, old)):
+            assert_close(g, e, 1e-4 if dtype == torch.float32 else 1e-5, atol=1e-7, name=f"one chunk: d{name}")
+    for name, g, e in zip(("hidden", "weight", "bias"), run(separable, several),
+                          _reference_grads(inputs, separable, old)):
+        assert_close(g, e, 1e-4 if dtype == torch.float32 else 1e-5, atol=1e-7, name=f"separable: d{name}")
+    with torch.no_grad():                    # no gradient is used: nothing to refuse, the values are the sweep's
+        logp = old.clone()
+        gf.fused_token_loss(inputs["hidden"], inputs["weight"], inputs["targets"],
+                            batch_token_loss(squared_sum, logp), mask=inputs["mask"], bias=inputs["bias"],
+                            chunk_bytes=several, backend="torch")
+    expected = reference.token_logprobs(inputs["hidden"].double(), inputs["weight"].double(), inputs["targets"],
+                                        bias=inputs["bias"].double())
+    assert_close(logp[inputs["mask"]], expected[inputs["mask"]], 1e-5, name="no-grad logp")
+
+
+def test_a_loss_of_neither_logp_nor_entropy_is_a_clear_error():
+    """A chunk loss that does not depend on logp (or entropy) would give a zero gradient or torch's own autograd
+    error: a one-line ValueError says so. A loss of the entropy alone is legitimate: zero logp gradient, the
+    float64 reference's gradients."""
+    from grpo_fast.token_loss import batch_token_loss
+
+    inputs = make_batch(batch=2, seq=6, vocab=11, seed=3)
+    hidden = inputs["hidden"].clone().requires_grad_()
+
+    def call(token_loss, **kw):
+        loss = gf.fused_token_loss(hidden, inputs["weight"], inputs["targets"], token_loss, mask=inputs["mask"],
+                                   chunk_bytes=64, backend="torch", **kw)
+        return torch.autograd.grad(loss, hidden)[0]
+
+    neither = r"does not depend on {}: return a differentiable torch expression of {} \(no \.item\(\), " \
+              r"\.detach\(\) or torch\.no_grad\(\) on the way; logp\.sum\(\) \* 0 for a zero loss\)$"
+    autograd_fn = r"^autograd_token_loss's fn\(logp, entropy, index\) "
+    batch_fn = r"^batch_token_loss's loss\(logp, entropy\) "
+    for fn in (lambda logp, entropy, index: torch.tensor(1.0),
+               lambda logp, entropy, index: logp.detach().sum(),
+               lambda logp, entropy, index: torch.zeros((), requires_grad=True) * 2):
+        with pytest.raises(ValueError, match=autograd_fn + neither.format("logp", "logp")):
+            call(gf.autograd_token_loss(fn))
+    with pytest.raises(ValueError, match=autograd_fn + neither.format("logp or entropy", "logp and entropy")):
+        call(gf.autograd_token_loss(lambda logp, entropy, index: torch.tensor(0.0)), with_entropy=True)
+    with pytest.raises(TypeError, match=autograd_fn + r"must return a 1-element tensor, got float$"):
+        call(gf.autograd_token_loss(lambda logp, entropy, index: 1.0))
+    with pytest.raises(ValueError, match=batch_fn + neither.format("logp", "logp")):
+        call(batch_token_loss(lambda logp, entropy: logp.detach().sum(), torch.zeros(2, 6)))
+    with pytest.raises(ValueError, match=batch_fn + neither.format("logp or entropy", "logp and entropy")):
+        call(batch_token_loss(lambda logp, entropy: torch.tensor(2.0), torch.zeros(2, 6), torch.zeros(2, 6)),
+             with_entropy=True)
+    with pytest.raises(ValueError, match=r"^batch_token_loss was given entropy, but the chunks carry none: call "
+                                         r"fused_token_loss with with_entropy=True$"):
+        call(batch_token_loss(lambda logp, entropy: entropy.sum(), torch.zeros(2, 6), torch.zeros(2, 6)))
+
+    exact = inputs["hidden"].double().requires_grad_()
+    _, entropy = reference.token_logprobs(exact, inputs["weight"].double(), inputs["targets"], return_entropy=True)
+    expected = torch.autograd.grad(-entropy[inputs["mask"]].sum(), exact)[0]
+    got = call(gf.autograd_token_loss(lambda logp, entropy, index: -entropy.sum()), with_entropy=True)
+    assert_close(got, expected, 1e-5, atol=1e-8, name="entropy only: dhidden")
+    got = call(batch_token_loss(lambda logp, entropy: -(entropy * inputs["mask"]).sum(), torch.zeros(2, 6),
+                                torch.zeros(2, 6)), with_entropy=True)
+    assert_close(got, expected, 1e-5, atol=1e-8, name="entropy only, batch: dhidden")
