@@ -6,3 +6,20 @@
   verl_cpu, verl's device layer on a CPU host (tests, benchmarks).
 - openrlhf: OpenRLHF 0.11's actor step, its actor and loss calls one fused pass.
 """
+
+
+def peer_import_error(error: ImportError, adapter: str, *, peer: str, package: str, install: str,
+                      dependencies: str) -> ImportError:
+    """The ImportError the adapter module `adapter` raises when importing its peer raised `error`.
+
+    A module missing outside the peer's own package (`error.name`, say 'codetiming' under verl) is one of the peer's
+    dependencies, which installing the peer may not bring (verl and OpenRLHF install without theirs): the message
+    names it and says how to install those (`dependencies`). The peer missing, a module of its own missing (another
+    release) or any other ImportError gives the message to install the peer, `install`. peer: the peer in words;
+    package: its top-level module.
+    """
+    missing = error.name if isinstance(error, ModuleNotFoundError) else None
+    if missing and missing.partition(".")[0] != package:
+        return ImportError(f"{adapter}: {peer} imports {missing!r}, which is not installed: a dependency of {peer} "
+                           f"is missing ({dependencies})")
+    return ImportError(install)

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.integrations import peer_import_error
 from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
 from grpo_fast.token_loss import batch_token_loss, fused_token_loss
 
@@ -38,9 +39,13 @@ try:
     from openrlhf.models.utils import compute_approx_kl
     from openrlhf.trainer.ray import ppo_actor
     from openrlhf.utils.loss_utils import get_loss_batch_info
-except ImportError as error:  # pragma: no cover - exercised only without openrlhf
-    raise ImportError("grpo_fast.integrations.openrlhf needs openrlhf (pip install --no-deps 'openrlhf==0.11.2', see "
-                      "the README's 'Use with OpenRLHF')") from error
+except ImportError as error:
+    raise peer_import_error(
+        error, __name__, peer="OpenRLHF", package="openrlhf",
+        install="grpo_fast.integrations.openrlhf needs openrlhf (pip install --no-deps 'openrlhf==0.11.2', see the "
+                "README's 'Use with OpenRLHF')",
+        dependencies="pip install -r requirements-openrlhf.txt installs those OpenRLHF 0.11.2 needs, as tested; see "
+                     "the README's 'Use with OpenRLHF'") from error
 
 TESTED_OPENRLHF = ("0.11.",)
 OPENRLHF_VERSION = getattr(openrlhf, "__version__", None) or importlib.metadata.version("openrlhf")

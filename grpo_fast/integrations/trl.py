@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from grpo_fast import attention
+from grpo_fast.integrations import peer_import_error
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
 from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
@@ -34,8 +35,15 @@ from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, importance_ra
 try:
     from trl import GRPOTrainer
     from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
-except ImportError as error:  # pragma: no cover - exercised only without trl
-    raise ImportError("grpo_fast.integrations.trl needs trl (pip install 'trl==1.16.0')") from error
+except (ImportError, RuntimeError) as error:
+    # trl loads GRPOTrainer lazily and reports an ImportError there as a RuntimeError raised from it
+    cause = error if isinstance(error, ImportError) else error.__cause__
+    if not isinstance(cause, ImportError):
+        raise
+    raise peer_import_error(
+        cause, __name__, peer="trl", package="trl",
+        install="grpo_fast.integrations.trl needs trl (pip install 'trl==1.16.0')",
+        dependencies="pip install 'trl==1.16.0' installs those trl declares") from error
 
 # Decoders whose only token mixing is causal self-attention (RoPE, so a shifted position changes nothing), the ones
 # whose training forward may pack each group's prompt once (grpo_fast.attention.SharedPrompts); a model that

@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.integrations import peer_import_error
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.token_loss import batch_token_loss, fused_token_loss
 
@@ -50,9 +51,13 @@ try:
     from verl.workers.engine.fsdp import transformer_impl
     from verl.workers.utils import losses
     from verl.workers.utils.padding import no_padding_2_padding
-except ImportError as error:  # pragma: no cover - exercised only without verl
-    raise ImportError("grpo_fast.integrations.verl needs verl (pip install --no-deps 'verl==0.9.1', see the README's "
-                      "'Use with verl')") from error
+except ImportError as error:
+    raise peer_import_error(
+        error, __name__, peer="verl", package="verl",
+        install="grpo_fast.integrations.verl needs verl (pip install --no-deps 'verl==0.9.1', see the README's "
+                "'Use with verl')",
+        dependencies="pip install -r requirements-verl.txt installs those verl 0.9.1 needs, as tested; see the "
+                     "README's 'Use with verl'") from error
 
 TESTED_VERL = ("0.9.",)
 if not str(getattr(verl, "__version__", "")).startswith(TESTED_VERL):

@@ -70,9 +70,30 @@ def test_matches_liger(name):
     assert len(metrics) == len(ref_metrics)
     if len(metrics) == 2:                                       # kl_mean
         torch.testing.assert_close(metrics[0], ref_metrics[0], rtol=1e-5, atol=1e-6)
-    if CASES[name].get("importance_sampling_level") != "sequence":
-        # clip_ratio; at sequence level Liger weighs sequences by their tokens, TRL (and grpo_fast) do not.
-        torch.testing.assert_close(metrics[-1].float(), ref_metrics[-1].float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics[-1].float(), ref_metrics[-1].float(), rtol=1e-5, atol=1e-6)   # clip_ratio
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
+def test_sequence_level_clip_ratio_is_ligers_token_share(loss_type):
+    """At importance_sampling_level="sequence" Liger counts a sequence's clip flag once per token of it, over the
+    batch's tokens; TRL's per-sequence mean differs where sequences of different lengths differ in their flags.
+    Here rows 0 and 2 (8 and 3 tokens) clip, row 1 (5 tokens) does not: Liger's 11 / 16, TRL's 2 / 3."""
+    data = inputs()
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for row, length in enumerate((8, 5, 3)):
+        mask[row, :length] = 1
+    logits = (data["_input"] @ data["lin_weight"].T + data["bias"])
+    current = logits.log_softmax(-1).gather(-1, data["selected_token_ids"][..., None])[..., 0]
+    # sequence ratios e^0.5 (A > 0: high clip), e^0.05 (inside the region), e^-0.5 (A < 0: low clip)
+    old = current - torch.tensor([0.5, 0.05, -0.5])[:, None]
+    old = torch.where(mask.bool(), old, torch.full_like(old, -30.0))      # padding, far off: must not count
+    call = {**{k: v for k, v in data.items() if k != "ref_input"}, "attention_mask": mask,
+            "old_per_token_logps": old, "advantages": torch.tensor([1.0, 0.5, -1.0])}
+    options = dict(loss_type=loss_type, importance_sampling_level="sequence", beta=0.0, compiled=False)
+    (clip_ratio,) = FusedLinearGRPOLoss(**options)(**call)[1]
+    (liger_clip_ratio,) = liger.LigerFusedLinearGRPOLoss(**options)(**call)[1]
+    torch.testing.assert_close(liger_clip_ratio.float(), torch.tensor(11 / 16), rtol=1e-6, atol=0)
+    torch.testing.assert_close(clip_ratio.float(), liger_clip_ratio.float(), rtol=1e-6, atol=0)
 
 
 # VESPO's gamma weights: pos / neg parameters apart from each other and from the defaults, so a swapped or dropped
@@ -170,3 +191,22 @@ def test_rejects_what_it_does_not_support():
         FusedLinearGRPOLoss(loss_type="vespo", vespo_lambda_neg=0.0)
     with pytest.raises(TypeError, match="unexpected keyword"):
         FusedLinearGRPOLoss(epsilon=0.2)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_reference_model_without_reference_inputs_is_refused_as_liger_refuses_it(beta):
+    """use_ref_model=True with neither ref_per_token_logps nor ref_input: Liger's forward refuses it whatever beta
+    (an AssertionError); the drop-in refuses the same call with a ValueError naming the arguments."""
+    call = {k: v for k, v in inputs().items() if k != "ref_input"}
+    call["ref_per_token_logps"] = None
+    with pytest.raises(AssertionError, match="If use_ref_model is True, ref_per_token_logps or ref_input must be "
+                                             "provided"):
+        liger.LigerFusedLinearGRPOLoss(beta=beta, use_ref_model=True, compiled=False)(**call)
+    with pytest.raises(ValueError, match=r"^use_ref_model=True needs ref_per_token_logps or ref_input, got neither "
+                                         r"\(use_ref_model=False runs without a reference model\)$"):
+        FusedLinearGRPOLoss(beta=beta, use_ref_model=True)(**call)
+    # without a reference model both run, with a KL of 0 where beta != 0
+    loss, metrics = FusedLinearGRPOLoss(beta=beta, use_ref_model=False)(**call)
+    ref_loss, ref_metrics = liger.LigerFusedLinearGRPOLoss(beta=beta, use_ref_model=False, compiled=False)(**call)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert len(metrics) == len(ref_metrics) == (2 if beta else 1)
