@@ -35,8 +35,10 @@ class LMHead:
                     temperature=temperature)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / FSDP / torch.compile / PEFT wrappers."""
+def wrapper_chain(model: nn.Module) -> list:
+    """[model, the module it wraps, ..., the transformers model]: the DDP / FSDP / torch.compile / PEFT wrappers
+    from the outside in, the model itself last (a list of one when `model` is not wrapped)."""
+    chain = [model]
     while True:
         if hasattr(model, "get_base_model") and callable(model.get_base_model):   # PEFT
             model = model.get_base_model()
@@ -45,7 +47,13 @@ def unwrap(model: nn.Module) -> nn.Module:
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):             # torch.compile
             model = model._orig_mod
         else:
-            return model
+            return chain
+        chain.append(model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / FSDP / torch.compile / PEFT wrappers."""
+    return wrapper_chain(model)[-1]
 
 
 def _text_config(config):

@@ -18,12 +18,12 @@ submitted to a rollout process, so generation overlaps the update, each rollout 
 from __future__ import annotations
 
 from grpo_fast.models import unwrap
-from grpo_fast.train.rollout.engines import engine_model_folder, make_engine
+from grpo_fast.train.rollout.engines import engine_model_folder, log_ignored_generation_settings, make_engine
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError, Generation
 from grpo_fast.train.rollout.process import RolloutProcess, refuse_unguarded_main
 
-__all__ = ["AheadRollouts", "EngineError", "EngineStartError", "Generation", "Rollouts", "rollout_seed",
-           "start_rollouts"]
+__all__ = ["AheadRollouts", "EngineError", "EngineStartError", "Generation", "Rollouts",
+           "log_ignored_generation_settings", "rollout_seed", "start_rollouts"]
 
 
 def rollout_seed(step: int, first_row: int, config) -> int:

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from grpo_fast import attention
-from grpo_fast.models import unwrap
+from grpo_fast.models import unwrap, wrapper_chain
 from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError, Generation, pack
@@ -66,7 +66,7 @@ class HFEngine:
         if self.sharded_root is not None:
             self.sharded_root.unshard()
         try:
-            with attention.sdpa_while_generating(self.model):
+            with attention.sdpa_while_generating(self.model), trainer_sampling_only(self.model):
                 output = self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
                     temperature=None, top_p=None, top_k=None, max_new_tokens=config.max_completion_length,
@@ -113,6 +113,53 @@ class HFEngine:
             raise ValueError(f"the pushed weights do not match the engine's model: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
         self.model.load_state_dict(weights, strict=False)
+
+
+# Generation-config keys that name tokens or the file, not how tokens are drawn (the stop token is the
+# tokenizer's eos_token_id, as the trainer's completion mask assumes).
+_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
+                 "_from_model_config", "cache_implementation", "use_cache"}
+
+
+def ignored_generation_settings(model) -> dict:
+    """{key: value} of what `model`'s generation config (its folder's generation_config.json) sets beyond
+    transformers' defaults that would change the sampled tokens: repetition_penalty, no_repeat_ngram_size,
+    bad_words_ids, suppress_tokens, temperature, top_p, min_length, ... Both engines ignore them (the HF engine
+    under trainer_sampling_only, vLLM with generation_config="vllm"): rollouts are drawn from the distribution the
+    trainer's config describes (temperature, top_p, top_k), the one its log-probs, kept sets and importance
+    correction assume. For the log, once."""
+    generation_config = getattr(unwrap(model), "generation_config", None)
+    if generation_config is None:
+        return {}
+    return {key: value for key, value in generation_config.to_diff_dict().items() if key not in _NOT_SAMPLING}
+
+
+def log_ignored_generation_settings(model, log) -> None:
+    """One line through `log` naming ignored_generation_settings(model), when there are any."""
+    ignored = ignored_generation_settings(model)
+    if ignored:
+        settings = ", ".join(f"{key}={value!r}" for key, value in ignored.items())
+        log(f"ignored from the model's generation_config.json: {settings} (rollouts sample with this run's "
+            f"temperature, top_p and top_k only)")
+
+
+@contextlib.contextmanager
+def trainer_sampling_only(model):
+    """Inside the block `model.generate` sees a generation config with nothing set (transformers' defaults), on
+    the model and on every wrapper that carries one (PEFT copies its own onto the base model at each call):
+    transformers would otherwise merge the folder's generation_config.json into the call and run its logits
+    processors (repetition penalty, n-gram bans, suppressed tokens, ...) before the sampler. Put back after."""
+    from transformers import GenerationConfig
+
+    saved = [(layer, layer.generation_config) for layer in wrapper_chain(model)
+             if getattr(layer, "generation_config", None) is not None]
+    try:
+        for layer, _ in saved:
+            layer.generation_config = GenerationConfig()
+        yield
+    finally:
+        for layer, generation_config in saved:
+            layer.generation_config = generation_config
 
 
 def kept_only(logits: torch.Tensor, kept_steps: list) -> torch.Tensor:
@@ -212,6 +259,7 @@ class VLLMEngine:
             self.kept_source = "sampling_mask" if HAS_TRITON else "logprobs"
         options = dict(model=model_dir, dtype=vllm_dtype(config.vllm_dtype, device), seed=config.seed,
                        max_model_len=max_model_len, enforce_eager=device.type == "cpu",
+                       generation_config="vllm",     # the folder's sampling defaults stay out, as in HFEngine
                        gpu_memory_utilization=config.vllm_gpu_memory_utilization, logprobs_mode="processed_logprobs",
                        max_num_seqs=256, max_logprobs=max(20, config.top_k),
                        # a prompt prefilled in pieces has its sampled token discarded and its seeded generator

@@ -24,7 +24,7 @@ import torch
 from grpo_fast.train import distributed, tasks
 from grpo_fast.train.config import load_config
 from grpo_fast.train.model import load_model
-from grpo_fast.train.rollout.engines import make_engine
+from grpo_fast.train.rollout.engines import log_ignored_generation_settings, make_engine
 from grpo_fast.train.run import checkpoint, export
 from grpo_fast.train.run.errors import RunError
 from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
@@ -195,6 +195,7 @@ def main(target: str, overrides: dict, log=print) -> dict:
         longest = tasks.longest_prompt(held_out, tokenizer, config)
         tasks.check_context(longest, config.max_completion_length, model.config)
         model.to(device).eval()
+        log_ignored_generation_settings(model, lambda line: print(line, file=sys.stderr))
         engine = make_engine(config, model, tokenizer, longest, model_dir=model_dir)
         with torch.no_grad():
             record = evaluate(engine, held_out, tokenizer, config, device=device)

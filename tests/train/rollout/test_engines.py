@@ -65,6 +65,7 @@ def test_vllm_engine_for_real(tmp_path):
     assert result["rows"] == 12 and result["prompts_match"]
     assert result["gap_before"] < 1e-4, result                      # engine log-probs = trainer log-probs
     assert result["same_seed_same_samples"] and result["threads_kept"]
+    assert result["folder_sampling_ignored"], result     # the folder's generation_config.json changes nothing
     assert result["policy_moved"] > 0.1, result                      # the perturbation matters ...
     assert result["gap_after_push"] < 1e-4, result                   # ... and the engine follows it
     assert result["lora_moved"] > 0.1 and result["gap_after_lora_push"] < 1e-4, result     # merged adapters too
@@ -163,3 +164,52 @@ def test_kept_set_ratio_is_one_on_unchanged_weights_for_both_engines():
         assert row["kept_set"]["max_abs_log_ratio"] < 1e-4, row
         assert abs(row["kept_set"]["mean_ratio"] - 1) < 1e-4, row
         assert row["vocabulary"]["mean_ratio"] < 0.99, row
+
+
+# What a model folder's generation_config.json may set that changes the sampled tokens (Qwen2.5-Instruct's sets a
+# repetition penalty, top_p, top_k and temperature).
+FOLDER_SAMPLING = dict(repetition_penalty=5.0, no_repeat_ngram_size=1, temperature=0.3, top_p=0.5, top_k=3,
+                       do_sample=True, min_new_tokens=4, suppress_tokens=[20, 21], bad_words_ids=[[22]])
+FAVOURED = [20, 21, 22, 23, 24]            # made likely, so that completions repeat them and the folder's bans bite
+
+
+@pytest.mark.parametrize("wrapped", ["plain", "lora"])
+def test_hf_engine_samples_what_the_config_says_whatever_the_folder_sets(tmp_path, wrapped):
+    """A model loaded from a folder whose generation_config.json sets a repetition penalty, n-gram bans, suppressed
+    tokens, its own temperature / top-p / top-k: same seed, same completions as from a clean folder (with PEFT's
+    adapters too, which copy their own generation config onto the model at each call); the folder's settings are
+    left as they were, and named once as ignored."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from grpo_fast.train import lora
+    from grpo_fast.train.rollout.engines import ignored_generation_settings, log_ignored_generation_settings
+
+    model, tokenizer, samples = arithmetic_policy(32)
+    prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
+    config = TrainConfig(group_size=4, max_completion_length=10, temperature=1.0)
+    folders = {}
+    for name, settings in (("clean", {}), ("folder", FOLDER_SAMPLING)):
+        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                                   pad_token_id=tokenizer.pad_token_id, **settings)
+        model.save_pretrained(tmp_path / name)
+        folders[name] = AutoModelForCausalLM.from_pretrained(tmp_path / name).float()
+        folders[name].lm_head.register_forward_hook(lambda module, inputs, logits: logits.index_add(
+            -1, torch.tensor(FAVOURED), torch.full((*logits.shape[:-1], len(FAVOURED)), 4.0)))
+        if wrapped == "lora":
+            folders[name] = lora.add_adapters(folders[name], TrainConfig(lora_rank=4))
+    assert folders["folder"].generation_config.repetition_penalty == 5.0
+    completions = {name: HFEngine(policy, tokenizer, config).generate(prompts, seed=3).completion_ids
+                   for name, policy in folders.items()}
+    assert torch.equal(completions["folder"], completions["clean"])
+    repeats = [len(set(row)) < len(row) for row in completions["clean"].tolist()]
+    assert sum(repeats) >= 12                     # the penalty and the n-gram ban would have removed these
+    assert any(token in completions["clean"].tolist()[row] for row in range(16) for token in (20, 21, 22))
+    assert folders["folder"].generation_config.repetition_penalty == 5.0     # the folder's settings, put back
+    ignored = ignored_generation_settings(folders["folder"])
+    assert ignored == {key: value for key, value in FOLDER_SAMPLING.items()}
+    assert ignored_generation_settings(folders["clean"]) == {}
+    lines = []
+    log_ignored_generation_settings(folders["folder"], lines.append)
+    assert len(lines) == 1 and "repetition_penalty=5.0" in lines[0] and "ignored" in lines[0]
+    log_ignored_generation_settings(folders["clean"], lines.append)
+    assert len(lines) == 1

@@ -58,6 +58,18 @@ def main(output_dir: str) -> None:
                                zip(first.completion_ids.tolist(), first.completion_mask.sum(1))]
     again = engine.generate(prompts, seed=11)
     result["same_seed_same_samples"] = torch.equal(again.completion_ids, first.completion_ids)
+    # a folder whose generation_config.json sets its own sampling: same seed, same completions
+    from transformers import GenerationConfig
+
+    folder_settings = GenerationConfig(repetition_penalty=5.0, no_repeat_ngram_size=1, temperature=0.3, top_p=0.5,
+                                       top_k=3, do_sample=True, min_new_tokens=4, suppress_tokens=[20, 21],
+                                       presence_penalty=1.5, frequency_penalty=1.0, min_p=0.2, max_new_tokens=2,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    dirty = output_dir + "/folder_sampling"
+    model.save_pretrained(dirty)
+    folder_settings.save_pretrained(dirty)
+    tokenizer.save_pretrained(dirty)
+    # (its engine starts last: a second vLLM in this process stops the earlier one's generation)
 
     with torch.no_grad():                                   # a different policy: every weight moves
         generator = torch.Generator().manual_seed(1)
@@ -113,6 +125,10 @@ def main(output_dir: str) -> None:
     result["async_is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
     with open(output_dir + "/async/eval.jsonl") as f:
         result["async_evals"] = [[r["step"], r["problems"]] for r in map(json.loads, f)]
+    folder_engine = VLLMEngine(dirty, config, max(map(len, prompts)) + config.max_completion_length,
+                               torch.device("cpu"))
+    result["folder_sampling_ignored"] = torch.equal(folder_engine.generate(prompts, seed=11).completion_ids,
+                                                    first.completion_ids)
     print("RESULT " + json.dumps(result))
 
 
