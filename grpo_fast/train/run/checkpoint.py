@@ -18,7 +18,8 @@ import shutil
 import torch
 
 from grpo_fast.train import distributed, lora
-from grpo_fast.train.run.atomic import atomic_folder
+from grpo_fast.train.run import signals
+from grpo_fast.train.run.atomic import PREVIOUS, atomic_folder, complete_version
 
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
 # dtype, its adapters, its warm start), the optimizer's state, the prompts each step draws and how rewards are
@@ -40,14 +41,36 @@ def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> 
         raise RuntimeError(f"not saving checkpoint-{step}: {len(bad)} weight tensors are not finite (first: "
                            f"{bad[0]}); the last good checkpoint in {output_dir} is kept")
     final = os.path.join(output_dir, f"checkpoint-{step}")
-    with atomic_folder(final, replace=True) as temporary:
-        torch.save({"step": step, **state}, os.path.join(temporary, "state.pt"))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(temporary)
-    for name in os.listdir(output_dir):                       # keep only the newest complete checkpoint
-        if name.startswith("checkpoint-") and not name.endswith(".tmp") and name != os.path.basename(final):
-            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    try:
+        with atomic_folder(final, replace=True) as temporary:
+            # a file of ours, not a path: torch's own writer reports a full disk as two chained errors that never
+            # say so, Python's file as OSError ENOSPC
+            with open(os.path.join(temporary, "state.pt"), "wb") as file:
+                torch.save({"step": step, **state}, file)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(temporary)
+    except OSError as error:
+        kept = latest_checkpoint(output_dir)
+        raise OSError(error.errno, f"checkpoint-{step} could not be written in {output_dir!r} "
+                      f"({error.strerror or error}; {shutil.disk_usage(output_dir).free / 2**30:.2f} GiB free); "
+                      + (f"the last good checkpoint, {kept}, is kept" if kept else "no checkpoint was kept")) \
+            from error
+    with signals.interrupts_deferred():                       # keep only the newest complete checkpoint
+        for name in os.listdir(output_dir):
+            if checkpoint_step(name) is not None and name != os.path.basename(final):
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     return final
+
+
+def checkpoint_step(name: str):
+    """The step of a checkpoint folder's name: checkpoint-N, or checkpoint-N.old (the previous version of step N's
+    checkpoint, which a replace cut between its two renames left complete; grpo_fast.train.run.atomic); None for
+    any other name (a .tmp folder is never complete)."""
+    if not name.startswith("checkpoint-"):
+        return None
+    number = name[len("checkpoint-"):]
+    number = number[:-len(PREVIOUS)] if number.endswith(PREVIOUS) else number
+    return int(number) if number.isdigit() else None
 
 
 def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, config=None, data=None) -> dict:
@@ -74,10 +97,11 @@ def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, confi
 
 
 def latest_checkpoint(output_dir: str):
-    """The newest complete checkpoint folder in output_dir, or None."""
-    steps = [int(name.split("-")[1]) for name in os.listdir(output_dir) if name.startswith("checkpoint-")
-             and not name.endswith(".tmp")] if os.path.isdir(output_dir) else []
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+    """The newest complete checkpoint folder in output_dir (checkpoint-N, or the complete previous version a cut
+    replace left as checkpoint-N.old), or None."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = [step for step in map(checkpoint_step, names) if step is not None]
+    return complete_version(os.path.join(output_dir, f"checkpoint-{max(steps)}")) if steps else None
 
 
 def load_latest(output_dir: str):

@@ -114,3 +114,42 @@ def test_a_stop_inside_any_stage_resumes_bit_for_bit(tmp_path, monkeypatch, stra
     for name in ("metrics.jsonl", "eval.jsonl", "completions.jsonl"):
         assert lines(tmp_path / name) == lines(straight / name), name
     assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_a_second_stop_inside_the_interrupt_save_keeps_a_checkpoint_that_resumes_bit_for_bit(tmp_path, monkeypatch,
+                                                                                            straight):
+    """Ctrl-C right after the periodic checkpoint of step 2, then a second Ctrl-C inside the save the first one
+    starts (a re-write of checkpoint-2), as the copy it replaces loses its state.pt: the run still holds a complete
+    checkpoint-2, and --resume continues from it bit for bit."""
+    original_save, unlink, saves, sent_at_state_pt = checkpoint.save_checkpoint, os.unlink, [], []
+
+    def save_checkpoint(*args, **kwargs):
+        saves.append(args[1])
+        if len(saves) == 1:                  # the periodic save: the first Ctrl-C lands right after it
+            path = original_save(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGINT)
+            return path
+        sent = sent_at_state_pt
+
+        def unlink_with_a_second_stop(*unlink_args, **unlink_kwargs):
+            unlink(*unlink_args, **unlink_kwargs)
+            if not sent and os.path.basename(str(unlink_args[0])) == "state.pt":
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "unlink", unlink_with_a_second_stop)
+            return original_save(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path)
+    assert saves == [2, 2] and sent_at_state_pt
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    run(tmp_path, resume=True)
+    weights, optimizer = final_weights(tmp_path)
+    expected_weights, expected_optimizer = final_weights(straight)
+    for key in expected_weights:
+        torch.testing.assert_close(weights[key], expected_weights[key], rtol=0, atol=0, msg=key)
+    assert lines(tmp_path / "metrics.jsonl") == lines(straight / "metrics.jsonl")
