@@ -19,6 +19,16 @@ sequence only ever attends to itself. Two implementations avoid it, chosen by `c
 The decoder hands its keyword arguments down to the attention function (transformers 5's Llama / Qwen2 layers pass
 **kwargs through to `attention_interface(...)`), so the micro-batch's cu_seq_lens_* and max_length_* reach it.
 
+Attention that sdpa cannot compute (Gemma 2's tanh soft-capping of the attention scores, `softcap`; GPT-OSS's
+per-head attention sinks, `s_aux`) runs the model's own eager attention (its modeling file's
+eager_attention_forward) within each packed sequence under the equivalent additive causal mask, so a packed row
+computes what eager computes for each sequence alone; such a model also generates with eager
+(sdpa_while_generating), never with flash-attention 2 where it has sinks (flash-attention 2 has none). Eager
+holds each batch of similar-length sequences' (g, heads, L, L) scores: memory quadratic in the longest sequence
+of the batch, still not in the packed row's N tokens.
+`use_attention` is the trainer's `attention` key: "auto" (this module) or a transformers implementation kept as
+is ("eager", "sdpa").
+
 Limits: causal decoders only (a model that adds its own mask functions, such as bidirectional image spans, must
 keep sdpa); a sliding window is a (L, L) band mask shared by each batch of similar-length sequences.
 """
@@ -28,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -41,6 +52,12 @@ HALF_PRECISIONS = ("bf16-autocast", "bf16", "fp16", torch.bfloat16, torch.float1
 # sequences of similar length share one causal sdpa call, right-padded, while the padding stays within this share
 # of their tokens: PyTorch's CPU kernel runs many small calls at about half the speed of one batched call
 PADDING_SLACK = 0.25
+# keyword arguments transformers' attention layers pass that its sdpa drops and the model's own eager attention
+# applies: Gemma 2's attention-score soft-capping and GPT-OSS's attention sinks
+EAGER_ONLY = ("softcap", "s_aux")
+SINKS = "attention sinks"
+# the trainer's `attention` key: "auto" (use_varlen_attention) or a transformers implementation kept as is
+CHOICES = ("auto", "eager", "sdpa")
 
 
 def segments(cu_seq_lens: torch.Tensor, length: int, name: str = "cu_seq_lens_q") -> list:
@@ -83,17 +100,24 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     None) as transformers' attention functions do. With a mask, a batch of several rows or a KV cache (keys longer
     than queries) it is transformers' sdpa_attention_forward exactly. sliding_window: a query attends to the
     sliding_window latest keys of its own sequence (transformers' convention). shared_prompts: the row holds each
-    group's prompt once and its completions after it (SharedPrompts), which shared_prompt_attention computes."""
+    group's prompt once and its completions after it (SharedPrompts), which shared_prompt_attention computes.
+    Soft-capping or sinks in kwargs (EAGER_ONLY): the model's own eager attention in place of sdpa, the same way
+    (per sequence, or on the whole padded or cached batch under the additive form of its mask)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, _, length, _ = query.shape
+    extra = eager_only(kwargs)
     packed_row = attention_mask is None and batch == 1 and key.shape[2] == length
     if not packed_row:
+        if extra:
+            mask = additive_mask(attention_mask, query, key)
+            return eager_attention(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                           **extra)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, position_ids=position_ids, **kwargs)
     if shared_prompts is not None:
         return shared_prompt_attention(module, query, key, value, shared_prompts, sliding_window, dropout,
-                                       scaling), None
+                                       scaling, extra), None
     if cu_seq_lens_q is not None:
         if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
                 cu_seq_lens_k.to(cu_seq_lens_q.device), cu_seq_lens_q):
@@ -105,9 +129,63 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     else:
         spans = [(0, length)]
     if len(spans) == 1:
-        mask = window_mask(length, sliding_window, query.device)
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0], None
-    return _grouped(module, query, key, value, spans, sliding_window, dropout, scaling), None
+        return _causal(module, query, key, value, sliding_window, dropout, scaling, extra), None
+    return _grouped(module, query, key, value, spans, sliding_window, dropout, scaling, extra), None
+
+
+def eager_only(kwargs: dict) -> dict:
+    """{name: value} of the EAGER_ONLY keyword arguments an attention layer passed (those not None)."""
+    return {name: kwargs[name] for name in EAGER_ONLY if kwargs.get(name) is not None}
+
+
+def eager_attention(module: torch.nn.Module):
+    """The eager_attention_forward of the modeling file that defines `module`'s class: the model's own attention,
+    soft-capping and sinks included. Raises ValueError naming the class where there is none."""
+    function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if function is None:
+        raise ValueError(f"{type(module).__name__} applies attention soft-capping or sinks, which grpo_fast's packed "
+                         f"attention computes with the model's eager_attention_forward, but "
+                         f"{type(module).__module__} defines none; set the trainer's attention: eager")
+    return function
+
+
+def _causal(module, query, key, value, sliding_window: Optional[int], dropout: float, scaling,
+            extra: dict) -> torch.Tensor:
+    """(g, L, heads, D): causal attention (within the sliding window, when one is given) of each of g sequences
+    (query (g, heads, L, D), key / value (g, kv_heads, L, D)): transformers' sdpa, or with soft-capping or sinks
+    (extra: eager_only's) the model's own eager attention under the same mask, additive."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    length = query.shape[2]
+    if extra:
+        mask = _additive_window_mask(length, sliding_window, str(query.device), query.dtype)
+        return eager_attention(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                       **extra)[0]
+    mask = window_mask(length, sliding_window, query.device)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]
+
+
+def additive_mask(attention_mask: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The eager form (0 where a query attends, the dtype's lowest value elsewhere; as transformers' eager_mask) of
+    the mask sdpa would get: a bool (b, 1, q, k) mask, a float one (returned as is), or None, which sdpa reads as
+    causal with the queries last (a KV cache's new tokens)."""
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return attention_mask
+    if attention_mask is None:
+        queries, keys = query.shape[2], key.shape[2]
+        steps = torch.arange(keys, device=query.device)
+        attention_mask = (steps[None, :] <= steps[-queries:, None])[None, None]
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    return torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+
+
+@functools.lru_cache(maxsize=8)
+def _additive_window_mask(size: int, sliding_window: Optional[int], device: str, dtype) -> torch.Tensor:
+    """(1, 1, size, size) additive form of window_mask (causal without a window); kept for the next layers."""
+    steps = torch.arange(size, device=device)
+    behind = steps[:, None] - steps[None, :]                      # query index - key index
+    visible = (behind >= 0) & (behind < (sliding_window or size))
+    return torch.where(visible, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[None, None]
 
 
 def window_mask(size: int, sliding_window: Optional[int], device) -> Optional[torch.Tensor]:
@@ -140,12 +218,12 @@ def length_groups(sizes: list, slack: float = PADDING_SLACK) -> list:
 
 
 def _grouped(module, query, key, value, spans: list, sliding_window: Optional[int], dropout: float,
-             scaling) -> torch.Tensor:
+             scaling, extra: dict) -> torch.Tensor:
     """(1, N, heads, D): each group of similar-length sequences as one right-padded batch under a causal sdpa (a
     real query never reaches the padding after its sequence), the padded rows dropped; no mask is built but a
-    sliding window's."""
+    sliding window's (or, with extra, the (L, L) causal one eager attention adds)."""
     outputs, positions = _causal_spans(module, _token_rows(query, key, value), query, key, spans, sliding_window,
-                                       dropout, scaling)
+                                       dropout, scaling, extra)
     return _in_row_order(outputs, positions, query.shape[2])
 
 
@@ -165,13 +243,11 @@ def _gather(rows: list, query, key, query_index: torch.Tensor, key_index: torch.
 
 
 def _causal_spans(module, rows: list, query, key, spans: list, sliding_window: Optional[int], dropout: float,
-                  scaling) -> tuple:
+                  scaling, extra: dict) -> tuple:
     """([(tokens, heads, D)], [(tokens,) positions]): causal attention within each span [(start, end)] (and within
     the sliding window, when one is given: every span starts at its batch row's first index, so one window mask
     serves the batch), spans of similar length batched into one right-padded sdpa call (the padding repeats a
-    span's last token, which causality hides)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    span's last token, which causality hides). extra: eager_only's keyword arguments (_causal)."""
     device = query.device
     sizes = [end - start for start, end in spans]
     outputs, positions = [], []
@@ -181,8 +257,7 @@ def _causal_spans(module, rows: list, query, key, spans: list, sliding_window: O
         steps = torch.arange(sizes[group[0]], device=device)
         index = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)          # (g, L_max)
         q, k, v = _gather(rows, query, key, index, index)
-        mask = window_mask(index.shape[1], sliding_window, device)
-        out = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+        out = _causal(module, q, k, v, sliding_window, dropout, scaling, extra)
         real = (steps[None] < lengths[:, None]).reshape(-1).nonzero().reshape(-1)
         outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))         # (tokens, heads, D)
         positions.append(index.reshape(-1)[real])
@@ -245,23 +320,22 @@ class SharedPrompts:
 
 
 def shared_prompt_attention(module, query, key, value, layout: SharedPrompts, sliding_window: Optional[int],
-                            dropout: float, scaling) -> torch.Tensor:
+                            dropout: float, scaling, extra: Optional[dict] = None) -> torch.Tensor:
     """(1, N, heads, D): attention over a SharedPrompts row, equal to the attention of each prompt + completion
     sequence on its own: the prompts causal among themselves (as varlen_attention_forward's sequences; a group of
     one is such a sequence whole, computed exactly as without sharing), each completion of a larger group over its
     prompt and its own earlier tokens. A completion's queries run in the causal sequence [its prompt, itself],
     gathered from the row (the prompt's rows are projected once; only their attention scores are recomputed, and
     their outputs there are dropped), so one unmasked causal sdpa call serves each group of similar-length
-    sequences: no (C, P + C) mask, which sent sdpa to its slow path at long completions."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    sequences: no (C, P + C) mask, which sent sdpa to its slow path at long completions. extra: eager_only's
+    keyword arguments (soft-capping, sinks: the model's eager attention, with the causal mask it adds)."""
+    extra = extra or {}
     rows = _token_rows(query, key, value)
     outputs, positions = _causal_spans(module, rows, query, key, layout.causal_spans(), sliding_window, dropout,
-                                       scaling)
+                                       scaling, extra)
     for index, real in layout.completion_sequences(query.device):
         q, k, v = _gather(rows, query, key, index, index)
-        mask = window_mask(index.shape[1], sliding_window, query.device)
-        out = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+        out = _causal(module, q, k, v, sliding_window, dropout, scaling, extra)
         outputs.append(out.reshape(-1, *out.shape[2:]).index_select(0, real))
         positions.append(index.reshape(-1)[real])
     return _in_row_order(outputs, positions, query.shape[2])
@@ -366,14 +440,20 @@ def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
     checkpointing on or off) to `choose_attention(device, dtype)` and returns its name, for the log.
 
     dtype: the run's compute dtype (a grpo_fast.train.update.precision name such as "bf16-autocast", or a torch dtype);
-    None: the model's parameter dtype. Generation with the same model (left padding, KV cache) is unchanged."""
-    base = unwrap(model)
-    if not hasattr(base, "set_attn_implementation"):
-        raise TypeError(f"model must be a transformers PreTrainedModel (with set_attn_implementation), got "
-                        f"{type(base).__name__}")
+    None: the model's parameter dtype. Generation with the same model (left padding, KV cache) is unchanged.
+    A model with attention sinks never gets flash-attention 2, which has none (transformers would drop them);
+    one whose soft-capping or sinks (sdpa_drops) its modeling file has no eager attention for is refused."""
+    base = _transformers_model(model)
+    drops = sdpa_drops(base)
+    if drops and getattr(sys.modules.get(type(base).__module__), "eager_attention_forward", None) is None:
+        raise ValueError(f"model_type {base.config.model_type!r} has {drops}, which grpo_fast's packed attention "
+                         f"computes with the model's eager_attention_forward, but {type(base).__module__} defines "
+                         "none; set the trainer's attention: eager (and packing: false)")
     if dtype is None:
         dtype = next(base.parameters()).dtype
     name = choose_attention(device, dtype)
+    if name == FLASH and drops == SINKS:
+        name = NAME
     if name == FLASH:
         try:
             base.set_attn_implementation(FLASH)
@@ -385,6 +465,53 @@ def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
     return name
 
 
+def use_attention(model: torch.nn.Module, choice: str, device, dtype=None) -> str:
+    """The trainer's `attention` key (CHOICES): "auto" is use_varlen_attention(model, device, dtype); "eager" or
+    "sdpa" sets that transformers implementation, kept for training and generation alike (it does not keep a
+    packed row's sequences apart in every model, so the trainer refuses packing with it). Returns the name, for
+    the log. Raises ValueError (one line) for sdpa on a model whose soft-capping or sinks it would drop
+    (sdpa_drops), and for an implementation transformers refuses for the model."""
+    if choice not in CHOICES:
+        raise ValueError(f"attention must be one of {CHOICES}, got {choice!r}")
+    if choice == "auto":
+        return use_varlen_attention(model, device, dtype)
+    base = _transformers_model(model)
+    drops = sdpa_drops(base)
+    if choice == "sdpa" and drops:
+        raise ValueError(f"attention='sdpa' would drop the {drops} of model_type {base.config.model_type!r}, which "
+                         "its eager attention and vLLM apply; use attention: auto or eager")
+    try:
+        base.set_attn_implementation(choice)
+    except (ImportError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"attention={choice!r} is not available for model_type {base.config.model_type!r} "
+                         f"({reason}); use attention: auto or eager") from None
+    return choice
+
+
+def sdpa_drops(model: torch.nn.Module) -> Optional[str]:
+    """What of `model`'s attention transformers' sdpa does not compute, in words: its attention logit soft-capping
+    (config.attn_logit_softcapping, Gemma 2) or its attention sinks (a `sinks` parameter per attention layer,
+    GPT-OSS); None when sdpa computes all of it."""
+    base = unwrap(model)
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"attention logit soft-capping (attn_logit_softcapping={softcap})"
+    if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in base.named_parameters()):
+        return SINKS
+    return None
+
+
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """unwrap(model), which must be a transformers PreTrainedModel; else TypeError naming its type."""
+    base = unwrap(model)
+    if not hasattr(base, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers PreTrainedModel (with set_attn_implementation), got "
+                        f"{type(base).__name__}")
+    return base
+
+
 def attention_name(model: torch.nn.Module) -> str:
     """The attention implementation `model` runs (its config's _attn_implementation)."""
     return getattr(unwrap(model).config, "_attn_implementation", None) or "eager"
@@ -392,16 +519,17 @@ def attention_name(model: torch.nn.Module) -> str:
 
 @contextlib.contextmanager
 def sdpa_while_generating(model: torch.nn.Module):
-    """Inside the block `model` runs transformers' own sdpa where it runs grpo_fast_varlen, and its attention is put
-    back after. For generation: its calls are padded or cached, where varlen_attention_forward hands over to sdpa
-    anyway, but the model-level path then costs more (SmolLM2, 8 rows x 256 sampled tokens on a 2-core CPU:
-    about 7% slower). Not for a forward whose backward runs after the block (gradient checkpointing recomputes
-    with the attention of the moment)."""
+    """Inside the block `model` runs transformers' own sdpa where it runs grpo_fast_varlen (eager where sdpa would
+    drop its soft-capping or sinks: sdpa_drops), and its attention is put back after. For generation: its calls
+    are padded or cached, where varlen_attention_forward hands over to sdpa (or eager) anyway, but the
+    model-level path then costs more (SmolLM2, 8 rows x 256 sampled tokens on a 2-core CPU: about 7% slower).
+    Not for a forward whose backward runs after the block (gradient checkpointing recomputes with the attention
+    of the moment)."""
     base = unwrap(model)
     if attention_name(base) != NAME:
         yield
         return
-    base.set_attn_implementation("sdpa")
+    base.set_attn_implementation("eager" if sdpa_drops(base) else "sdpa")
     try:
         yield
     finally:
