@@ -141,7 +141,10 @@ def _train(arguments: list) -> int:
             if evals:
                 line += (f", held-out accuracy {evals[0]['accuracy']:.3f} (step {evals[0]['step']}) -> "
                          f"{evals[-1]['accuracy']:.3f} (step {evals[-1]['step']})")
-        print(f"{line}; {config.output_dir}/metrics.jsonl, eval.jsonl, curves.png, model/")
+        written = [name for name in ("metrics.jsonl", "eval.jsonl", "curves.png", "model")
+                   if os.path.exists(os.path.join(config.output_dir, name))]
+        print(f"{line}; {config.output_dir}/" + ", ".join(name + "/" if name == "model" else name
+                                                          for name in written))
     return 0
 
 

@@ -315,3 +315,10 @@ def rollout_killing_reward(completions, solution, **kwargs):
             if child.name == "grpo-fast-rollouts":
                 os.kill(child.pid, signal.SIGKILL)
     return [float(c.strip() == s) for c, s in zip(completions, solution)]
+
+
+def send_sigint_ignored(connection) -> None:
+    """A spawned process's target: sends whether SIGINT is ignored in it (its disposition from start-up on)."""
+    import signal
+
+    connection.send(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)

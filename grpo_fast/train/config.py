@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
+from grpo_fast.attention import CHOICES as ATTENTIONS
 from grpo_fast.train.run import tracking
 from grpo_fast.train.tasks import dataset_files
 from grpo_fast.train.update.advantages import ESTIMATORS, SCALES
@@ -147,6 +148,11 @@ class TrainConfig:
     share_prompts: bool = _optimization(True, "packed micro-batches hold a group's prompt once, each completion "
                                               "attending to it (exact; only with grpo_fast's own attention, so off "
                                               "under flash-attention and padded micro-batches)")
+    attention: str = _optimization("auto", '"auto": a variable-length attention for packed rows (flash-attention 2 '
+                                           "on CUDA with flash_attn and bf16 / fp16 compute, else grpo_fast_varlen; "
+                                           "soft-capping and attention sinks by the model's eager attention); "
+                                           '"eager" or "sdpa": keep that transformers attention (needs packing: '
+                                           "false)")
     offload_activations: bool = _optimization(False, "keep the tensors saved for backward in CPU memory (GPU runs)")
     gradient_checkpointing: bool = _optimization(True, "recompute activations in backward to save memory")
     dtype: str = _memory("auto", "weights and compute: fp32, bf16-autocast (fp32 weights, bf16 compute), bf16 "
@@ -186,6 +192,9 @@ class TrainConfig:
     overwrite_output_dir: bool = _run(False, "train into a folder that already holds a run (else refused unless "
                                              "resuming)")
     save_every: int = _run(20, "steps between checkpoints")
+    accept_changed_data: bool = _run(False, "--resume with training data that differs from the checkpoint's (a "
+                                     "label fix, rows added): accepted and named in the log (else refused); the "
+                                     "held-out problems must stay the same")
     log_completions: int = _run(4, "prompts per step whose first completion goes to completions.jsonl")
     report_to: list[str] = _run([], "experiment trackers for the metrics: tensorboard, wandb, trackio "
                                     "(comma-separated; none by default)")
@@ -253,12 +262,22 @@ class TrainConfig:
             raise ValueError(f"loss_type 'vespo' takes the rollout correction per token into its sequence weight; "
                              f"importance_sampling={self.importance_sampling!r} is per sequence: use token_truncate, "
                              "token_mask or none")
+        if self.top_k == 1:
+            # the kept set is the sampled token alone: its log-prob over the set is 0 under any weights
+            raise ValueError("top_k=1 samples the most likely token: over its kept set of one token every log-prob "
+                             "is 0, so the loss's gradient is exactly zero; set top_k >= 2 (or 0: every token)")
         if self.engine == "vllm" and self.top_p < 1 and self.top_k == 0:
             # vLLM hands over kept sets only under a top_k bound; without them the trainer's log-probs would be over
             # the whole vocabulary and the engine's over the nucleus, off by the kept mass on every token
             raise ValueError(f"top_p={self.top_p} with engine 'vllm' needs top_k > 0, got top_k=0: vLLM returns the "
                              "kept set of each token (which the trainer's log-probs must be over, so that the rollout "
                              "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
+        if self.attention != "auto" and self.packing:
+            # transformers' own masks keep a packed row's sequences apart only in models that pass their position
+            # ids to the mask (Llama, Qwen2, Gemma 2 do; GPT-OSS does not and would attend across sequences)
+            raise ValueError(f"packing=True needs attention 'auto' (transformers' {self.attention} does not keep a "
+                             f"packed row's sequences apart in every model), got attention={self.attention!r}; set "
+                             "packing: false to keep it")
         check_optimizer(self.dtype, self.optimizer, self.lora_rank)
         if self.lora_rank:
             if not self.lora_target_modules or not all(isinstance(n, str) and n.strip()
@@ -298,7 +317,7 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16")
 CHOICES = {"prompt_format": ("plain", "chat"), "engine": ("hf", "vllm"), "importance_sampling": IS_MODES,
            "vllm_dtype": VLLM_DTYPES, "loss_implementation": ("grpo_fast", "naive"), "distributed": ("ddp", "fsdp2"),
            "scale_rewards": SCALES, "advantage_estimator": ESTIMATORS, "lr_schedule": ("cosine", "linear", "constant"),
-           "grad_accum_dtype": ("fp32", "bf16")}
+           "grad_accum_dtype": ("fp32", "bf16"), "attention": ATTENTIONS}
 
 
 def _rule(text: str, test):

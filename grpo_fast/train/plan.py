@@ -222,6 +222,8 @@ class Job:
     packing: bool = True
     attention: str = "auto"
     max_staleness: int = 0
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self):
         for name, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("loss", LOSSES),
@@ -243,6 +245,16 @@ class Job:
         _require("beta", self.beta, 0 <= self.beta < math.inf, "a finite number >= 0")
         _require("gpu_memory_utilization", self.gpu_memory_utilization, 0 < self.gpu_memory_utilization < 1,
                  "in (0, 1)")
+        _require("top_k", self.top_k, self.top_k >= 0, ">= 0 (0: every token)")
+        _require("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")
+
+    def kept_ids_per_token(self, vocab_size: int) -> int:
+        """The most ids a sampled token's kept set can hold: top_k (at most the vocabulary), the whole vocabulary
+        under top-p alone (on an untrained policy top-p 0.95 keeps most of it), 0 without truncation (no kept
+        sets)."""
+        if self.top_k > 0:
+            return min(self.top_k, vocab_size)
+        return vocab_size if self.top_p < 1 else 0
 
     @property
     def attention_implementation(self) -> str:
@@ -357,6 +369,9 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     # dtype (no autocast): the KV cache of group_size sequences at full length and one decode step's logits.
     kv_cache = hf_kv_cache(shape, job)
     step_logits = job.group_size * shape.vocab_size * (param_bytes + GENERATE_LOGIT_BYTES)
+    # top-k / top-p: each sampled position's kept set (int64 ids and an offset) lives through the whole step
+    kept_ids = job.kept_ids_per_token(shape.vocab_size)
+    kept_sets = job.prompts_per_step * job.group_size * job.completion_length * (kept_ids + 1) * 8 if kept_ids else 0
     components = {
         "weights": weights,
         "gradients": trainable * trainable_bytes,
@@ -370,6 +385,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
         "no_grad_pass": 0 if training else no_grad,
         "kv_cache": 0,
         "generation_logits": 0,
+        "kept_sets": kept_sets,
         "runtime": runtime,
     }
     training_peak = sum(components.values())
@@ -378,7 +394,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     # one, the components are those it holds.
     generation_peak = 0
     if job.engine == "hf" and not job.max_staleness:
-        held = ("weights", "optimizer", "reference_model", "runtime")
+        held = ("weights", "optimizer", "reference_model", "kept_sets", "runtime")
         generation_peak = sum(components[name] for name in held) + kv_cache + step_logits
         if generation_peak > training_peak:
             components = {name: value if name in held else 0 for name, value in components.items()}
@@ -609,7 +625,8 @@ def training_job(config, prompt_length: int, device: str) -> Job:
                gradient_checkpointing=config.gradient_checkpointing,
                loss="naive" if config.loss_implementation == "naive" else "grpo_fast", beta=config.beta,
                engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device,
-               packing=config.packing, max_staleness=config.max_staleness)
+               packing=config.packing, max_staleness=config.max_staleness, top_k=config.top_k,
+               top_p=config.top_p)
 
 
 def summary(estimate: dict, largest: int = 3) -> str:
@@ -623,8 +640,13 @@ def summary(estimate: dict, largest: int = 3) -> str:
 
 
 def log_run_plan(config, samples: list, device, log) -> None:
-    """The planner's peak for this run , and on CUDA whether it fits the card, before any
-    model is loaded. The longest prompt is bounded by its bytes (+64 for a chat template): tokens <= bytes."""
+    """The planner's peak for this run and, on CUDA, whether it fits the card, before any
+    model is loaded. The longest prompt is bounded by its bytes (+64 for a chat template): tokens <= bytes. Warns
+    when top-p runs without a top_k bound (kept sets of up to the whole vocabulary a token)."""
+    if config.top_p < 1 and config.top_k == 0:
+        log(f"warning: top_p={config.top_p} without top_k: each sampled token's kept set (int64 ids, stored for "
+            f"the loss) is bounded only by the vocabulary (an untrained policy keeps most of it: about 9 GB per 8k "
+            f"tokens at 152k); set top_k (e.g. 512) to bound it")
     try:
         shape = training_shape(config)
     except ValueError:                            # a hub id that matches no preset: nothing to plan from
@@ -668,6 +690,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attention", choices=ATTENTIONS, default="auto",
                         help="auto: the trainer's (flash_attention_2 on CUDA with flash_attn, else "
                         "grpo_fast_varlen); sdpa: transformers' default, a dense mask over a packed micro-batch")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="0: every token; with top-k or top-p each "
+                        "sampled token's kept set is stored for the loss")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+                        help="< 1 without --top-k: kept sets of up to the whole vocabulary")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
 
 
@@ -690,7 +716,8 @@ def main(args) -> int:
                   gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
                   loss=args.loss, beta=args.beta, engine=args.engine,
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-                  packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness)
+                  packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness,
+                  top_k=args.top_k, top_p=args.top_p)
     except JobValueError as error:       # named by the option the user typed
         option = "--" + error.field.replace("_", "-")
         print(f"grpo-fast plan: {option} must be {error.expected}, got {error.value!r}", file=sys.stderr)

@@ -199,6 +199,14 @@ def test_top_p_with_vllm_needs_a_top_k_bound():
         load_config(None, {"top_k": "-1"})
 
 
+def test_top_k_1_is_refused_its_gradient_would_be_zero():
+    """top_k 1: each kept set is the sampled token alone, whose log-prob over it is 0 under any weights."""
+    with pytest.raises(ValueError, match=r"top_k=1 samples the most likely token: .* gradient is exactly zero; set "
+                                         r"top_k >= 2 \(or 0: every token\)"):
+        load_config(None, {"top_k": "1"})
+    assert TrainConfig(top_k=2).truncates_sampling
+
+
 def test_the_rollout_correction_bounds():
     assert TrainConfig(importance_sampling_min=0.5).importance_sampling_min == 0.5
     with pytest.raises(ValueError, match=r"importance_sampling_min \(3.0\) must be below importance_sampling_cap"):

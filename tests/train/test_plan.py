@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from grpo_fast.train.plan import CARDS, GIB, PRESETS, Job, ModelShape, load_shape, plan, summary
 
@@ -161,3 +162,30 @@ def test_attention_mask_is_counted_where_it_is_built():
     assert plan(shape, Job(device="cpu", dtype="fp32")).attention == "grpo_fast_varlen"
     with pytest.raises(ValueError, match="attention must be one of"):
         Job(attention="eager")
+
+
+def test_kept_sets_are_counted_bounded_by_top_k_or_the_vocabulary():
+    """Top-k / top-p: every sampled position's kept set (int64 ids and an offset) is in both peaks, at most top_k
+    ids a token, the whole vocabulary under top-p alone (and the run's log warns about that); nothing without."""
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.train.plan import Job, load_shape, log_run_plan, plan
+
+    shape = load_shape("qwen2.5-0.5b")
+    base = dict(prompt_length=256, completion_length=1024, group_size=8, prompts_per_step=8, engine="hf")
+    positions = 8 * 8 * 1024
+    none = plan(shape, Job(**base))
+    top_k = plan(shape, Job(**base, top_k=512, top_p=0.95))
+    top_p = plan(shape, Job(**base, top_p=0.95))
+    assert none["kept_sets"] == 0
+    assert top_k["kept_sets"] == positions * 513 * 8
+    assert top_p["kept_sets"] == positions * (shape.vocab_size + 1) * 8
+    assert top_p["total"] - none["total"] >= top_p["kept_sets"]
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        Job(**base, top_k=-1)
+    lines = []
+    log_run_plan(TrainConfig(top_p=0.95), [{"prompt": "1+1=", "solution": "2"}], torch.device("cpu"), lines.append)
+    assert any("top_p=0.95 without top_k" in line and "set top_k" in line for line in lines), lines
+    lines.clear()
+    log_run_plan(TrainConfig(top_p=0.95, top_k=64), [{"prompt": "1+1=", "solution": "2"}], torch.device("cpu"),
+                 lines.append)
+    assert not any("without top_k" in line for line in lines), lines

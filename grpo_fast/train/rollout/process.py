@@ -150,6 +150,22 @@ def serve(requests, results, spec: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the trainer's side
+def start_without_ctrl_c(process) -> None:
+    """process.start() with SIGINT ignored while it runs. A spawned Python keeps an inherited SIG_IGN (it installs
+    its KeyboardInterrupt handler only over the default), so a Ctrl-C that reaches the process group while the
+    child imports torch and builds its engine (seconds, before `serve` ignores it itself) does not stop the child
+    with a traceback of its own; the trainer saves, then stops it. The trainer's handler is back as soon as the
+    child exists: only a Ctrl-C within start()'s own milliseconds goes unseen (press it again)."""
+    if threading.current_thread() is not threading.main_thread():
+        process.start()                                # no handlers to change outside the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _main_module_call_unguarded() -> Optional[str]:
     """The path of the main script when the running code was called from one of its top-level statements outside
     `if __name__ == "__main__":`, else None. A spawned process imports the main module again, so such a call
@@ -228,7 +244,7 @@ class RolloutProcess:
                 "started_by_main_thread": threading.current_thread() is threading.main_thread()}
         self.process = context.Process(target=serve, args=(request_reader, result_writer, spec), daemon=True,
                                        name="grpo-fast-rollouts")
-        self.process.start()
+        start_without_ctrl_c(self.process)
         request_reader.close()                 # the process's ends: a dead process then reads as end of file
         result_writer.close()
         self.results, self._request_pipe = result_reader, request_writer

@@ -158,19 +158,25 @@ def data_identity(samples: list, held_out: list) -> dict:
             "held_out_sha256": _hash_of(_sample_hash(sample) for sample in held_out)}
 
 
-def check_data_identity(saved: dict | None, current: dict, source: str) -> None:
+def check_data_identity(saved: dict | None, current: dict, source: str, accept_change: bool = False):
     """Raises ValueError when the data a run resumes with (current, data_identity) is not the data its checkpoint
     trained on (saved): rows added or removed, rows changed, their order changed (each step draws its prompts by
     position), or other held-out problems (a held-out problem would become a training prompt). The error names
-    `source` (the dataset) and what changed. saved None (a checkpoint without it) is not checked."""
+    `source` (the dataset) and what changed. saved None (a checkpoint without it) is not checked.
+
+    accept_change (the config's accept_changed_data): a deliberate change (a label fix, rows added) is accepted
+    and returned in words, for the log; other held-out problems are refused all the same. Returns None when
+    nothing changed."""
     if saved is None or saved == current:
-        return
+        return None
     before, after = set(saved["held_out"]), set(current["held_out"])
     if before != after:
         trained = len(before - after)
-        change = (f"the held-out problems changed ({len(saved['held_out'])} -> {len(current['held_out'])}; "
-                  f"{trained} held out before would now be trained on)")
-    elif saved["samples"] != current["samples"]:
+        raise ValueError(f"--resume: the data of {source!r} is not what the checkpoint trained on: the held-out "
+                         f"problems changed ({len(saved['held_out'])} -> {len(current['held_out'])}; {trained} "
+                         f"held out before would now be trained on); restore the file the run started with, or "
+                         f"start a new run in a new output_dir")
+    if saved["samples"] != current["samples"]:
         verb = "added" if current["samples"] > saved["samples"] else "removed"
         change = (f"training rows {verb} ({saved['samples']} -> {current['samples']} samples)")
     elif saved["rows_sha256"] != current["rows_sha256"]:
@@ -181,8 +187,11 @@ def check_data_identity(saved: dict | None, current: dict, source: str) -> None:
         change = "the order of the held-out problems changed"
     else:
         change = "the held-out problems' solutions changed"
+    if accept_change:
+        return f"the data of {source!r} changed since the checkpoint: {change}; accepted (accept_changed_data)"
     raise ValueError(f"--resume: the data of {source!r} is not what the checkpoint trained on: {change}; restore "
-                     "the file the run started with, or start a new run in a new output_dir")
+                     "the file the run started with, pass --accept-changed-data true if the change is meant (a "
+                     "label fix, rows added), or start a new run in a new output_dir")
 
 
 def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:

@@ -148,3 +148,25 @@ def test_a_dead_rollout_process_names_the_step_and_resume_finishes(tmp_path):
     T.train(TrainConfig(**options, output_dir=str(tmp_path)), resume=True, log=lambda *_: None)
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_ctrl_c_while_the_rollout_process_starts_leaves_it_quiet(capfd):
+    """A Ctrl-C reaches the whole process group, the rollout process too, while it still imports torch and the
+    engine: it ignores it from its first instruction (no KeyboardInterrupt traceback of its own; the trainer saves
+    and stops it), and the trainer's own handler is back once it is started."""
+    import torch.multiprocessing as mp
+
+    from grpo_fast.train.rollout.process import start_without_ctrl_c
+
+    context = mp.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=helpers.send_sigint_ignored, args=(writer,), daemon=True)
+    handler = signal.getsignal(signal.SIGINT)
+    start_without_ctrl_c(process)
+    assert signal.getsignal(signal.SIGINT) is handler
+    os.kill(process.pid, signal.SIGINT)                   # during the child's imports
+    writer.close()
+    assert reader.recv() is True
+    process.join(60)
+    assert process.exitcode == 0
+    assert "KeyboardInterrupt" not in capfd.readouterr().err

@@ -255,4 +255,57 @@ def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, capsys):
     assert cli([*arguments, "--max-steps", "2"]) == 0
     capsys.readouterr()
     assert cli([*arguments, "--max-steps", "3", "--resume"]) == 0
-    assert "done: 3 steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "done: 3 steps" in out
+    # --eval-every 0 writes no eval.jsonl: the line lists what is there
+    assert out.strip().endswith(f"{tmp_path / 'run'}/metrics.jsonl, curves.png, model/"), out
+
+
+def test_a_deliberate_data_change_resumes_with_accept_changed_data_and_is_named(tmp_path):
+    """A label fix is refused by --resume, names the key that accepts it, and with accept_changed_data resumes,
+    saying what changed; other held-out problems stay refused with the key."""
+    rows = [{"prompt": f"{a}+{b}=", "solution": str(a + b)} for a in range(6) for b in range(6)]
+    data = tmp_path / "sums.jsonl"
+    write = lambda rows: data.write_text("".join(json.dumps(row) + "\n" for row in rows))  # noqa: E731
+    write(rows)
+    run(tmp_path, task=str(data), max_steps=1, save_every=1, sft_steps=0)
+    write([{**row, "solution": str(int(row["solution"]) + 1)} if row["prompt"] == "5+5=" else row for row in rows])
+    with pytest.raises(ValueError, match="--accept-changed-data true"):
+        run(tmp_path, task=str(data), max_steps=2, save_every=1, sft_steps=0, resume=True)
+    logged = []
+    history = T.train(TrainConfig(**{**FAST, "task": str(data), "max_steps": 2, "save_every": 1, "sft_steps": 0,
+                                     "accept_changed_data": True}, output_dir=str(tmp_path / "run")),
+                      resume=True, log=logged.append)
+    assert [r["step"] for r in history] == [2]
+    assert [line for line in logged if "changed since the checkpoint" in line and "accepted" in line], logged
+    write(rows[:-6])                                       # fewer problems: other held-out ones
+    with pytest.raises(ValueError, match="the held-out problems changed"):
+        run(tmp_path, task=str(data), max_steps=3, save_every=1, sft_steps=0, resume=True, accept_changed_data=True)
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_good_one(tmp_path, monkeypatch, capsys):
+    """state.pt written to /dev/full (every write: no space left on device) from step 2's checkpoint on: the CLI
+    says so on one line, naming the step, the free space and the checkpoint kept, which resumes."""
+    import builtins
+
+    saves = []
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        if str(path).endswith("state.pt") and "w" in mode:
+            saves.append(path)
+            if len(saves) >= 2:
+                return builtins.open("/dev/full", mode)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "open", open_on_a_full_disk, raising=False)
+    folder = tmp_path / "run"
+    assert cli(["train", "--output-dir", str(folder), "--sft-steps", "0", "--eval-every", "0", "--max-steps", "3",
+                "--save-every", "1", "--group-size", "2", "--prompts-per-step", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "checkpoint-2 could not be written" in err and "No space left on device" in err and "GiB free" in err
+    assert f"the last good checkpoint, {folder / 'checkpoint-1'}, is kept" in err, err
+    monkeypatch.undo()
+    assert sorted(name for name in os.listdir(folder) if name.startswith("checkpoint")) == ["checkpoint-1"]
+    assert [r["step"] for r in run(tmp_path, max_steps=2, sft_steps=0, resume=True, group_size=2,
+                                   prompts_per_step=2)] == [2]
