@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     base = TrainConfig(model=args.model, group_size=args.group_size, max_completion_length=args.tokens,
                        temperature=args.temperature, vllm_dtype=args.vllm_dtype, eval_every=0,
                        output_dir=run_dir, **overrides)
-    data = load_data(dataclasses.replace(base, engine="hf"), None)
+    data = load_data(dataclasses.replace(base, engine="hf"), None, log=lambda *a: None)
     model, tokenizer, longest, _ = load_policy(base, data, None, None, torch.device("cpu"), base.dtype,
                                                log=lambda *a: None)
     model.eval()
