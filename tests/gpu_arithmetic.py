@@ -76,7 +76,8 @@ _POSITIONS = {}
 
 
 def _site() -> int:
-    """The kernel source position (file, line, column) of the operation being interpreted, as an integer."""
+    """The kernel source position (file name, line, column) of the operation being interpreted, as an integer: the
+    file's name alone, not its path, so that a run's rounding is the same wherever the repository is checked out."""
     frame = sys._getframe(2)
     while frame is not None and (frame.f_code.co_filename.startswith(_STATE["triton"]) or
                                  frame.f_code.co_filename == __file__):
@@ -87,7 +88,7 @@ def _site() -> int:
     positions = _POSITIONS.get(code)
     if positions is None:
         positions = _POSITIONS[code] = list(code.co_positions())
-    return zlib.crc32(f"{code.co_filename}:{positions[frame.f_lasti // 2]}".encode())
+    return zlib.crc32(f"{os.path.basename(code.co_filename)}:{positions[frame.f_lasti // 2]}".encode())
 
 
 def _mix(h):
