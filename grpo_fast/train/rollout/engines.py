@@ -115,10 +115,17 @@ class HFEngine:
         self.model.load_state_dict(weights, strict=False)
 
 
-# Generation-config keys that name tokens or the file, not how tokens are drawn (the stop token is the
-# tokenizer's eos_token_id, as the trainer's completion mask assumes).
-_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
-                 "_from_model_config", "cache_implementation", "use_cache"}
+# Generation-config keys that change which tokens are drawn or when a completion may end (transformers' logits
+# processors, warpers, stopping criteria and decoding mode, and the penalties vLLM reads from the same file); the
+# stop token is the tokenizer's eos_token_id, as the trainer's completion mask assumes.
+SAMPLING_KEYS = frozenset({
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "encoder_repetition_penalty", "presence_penalty", "frequency_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "min_length", "min_new_tokens",
+    "max_length", "max_new_tokens", "exponential_decay_length_penalty", "guidance_scale", "renormalize_logits",
+    "remove_invalid_values", "num_beams", "num_beam_groups", "diversity_penalty", "length_penalty",
+    "penalty_alpha", "watermarking_config", "stop_strings", "num_assistant_tokens", "prompt_lookup_num_tokens"})
 
 
 def ignored_generation_settings(model) -> dict:
@@ -131,7 +138,7 @@ def ignored_generation_settings(model) -> dict:
     generation_config = getattr(unwrap(model), "generation_config", None)
     if generation_config is None:
         return {}
-    return {key: value for key, value in generation_config.to_diff_dict().items() if key not in _NOT_SAMPLING}
+    return {key: value for key, value in generation_config.to_diff_dict().items() if key in SAMPLING_KEYS}
 
 
 def log_ignored_generation_settings(model, log) -> None:

@@ -185,6 +185,9 @@ def test_hf_engine_samples_what_the_config_says_whatever_the_folder_sets(tmp_pat
     from grpo_fast.train.rollout.engines import ignored_generation_settings, log_ignored_generation_settings
 
     model, tokenizer, samples = arithmetic_policy(32)
+    # a model built in code carries output and cache flags in its generation config: nothing that samples
+    assert model.generation_config.to_diff_dict().get("output_attentions") is False
+    assert ignored_generation_settings(model) == {}
     prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
     config = TrainConfig(group_size=4, max_completion_length=10, temperature=1.0)
     folders = {}
