@@ -27,15 +27,16 @@ SEED_ENV = "GRPO_FAST_VLLM_SEED_BY_PROMPT"
 def register() -> None:
     """vLLM's plugin hook: on a CPU platform, swaps vLLM's CPU linear dispatch for plain F.linear when ENV is "1",
     and seeds unseeded requests by prompt when SEED_ENV holds a seed."""
-    if os.environ.get(ENV) != "1" and not os.environ.get(SEED_ENV):
+    plain_linear, seed = os.environ.get(ENV) == "1", os.environ.get(SEED_ENV)
+    if not (plain_linear or seed):
         return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
-    if os.environ.get(SEED_ENV):
-        _seed_by_prompt(int(os.environ[SEED_ENV]))
-    if os.environ.get(ENV) == "1":
+    if seed:
+        _seed_by_prompt(int(seed))
+    if plain_linear:
         _plain_linear()
 
 
