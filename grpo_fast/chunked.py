@@ -40,6 +40,7 @@ class PassResult:
     grad_hidden: Optional[torch.Tensor]      # (N, H) in hidden's dtype
     grad_weight: Optional[torch.Tensor]      # (V, H) in weight's dtype
     grad_bias: Optional[torch.Tensor]        # (V,) in bias's dtype
+    sum_pi_squared: Optional[torch.Tensor] = None   # (N,) like logp: sum_v p_v^2, or None
 
 
 def default_chunk_bytes(device: torch.device) -> int:
@@ -236,13 +237,15 @@ def chunked_pass(
     grad_weight: bool = True,
     grad_bias: bool = True,
     kept: Optional[KeptSet] = None,
+    need_sum_pi_squared: bool = False,
 ) -> PassResult:
     """One sweep over the tokens of hidden (N, H) against weight (V, H).
 
     token_grads(start, end, logp, entropy) -> (g_logp, g_entropy or None), all (end - start,) fp32, is called
     once per chunk; without it only log-probs (and entropies) are computed: one GEMM pass. kept: each token's
     kept set (grpo_fast.kept), over which log-probs, entropies and gradients are then taken; the logits are
-    computed whole either way, so the GEMM passes do not change.
+    computed whole either way, so the GEMM passes do not change. need_sum_pi_squared: also each token's
+    sum_v p_v^2 (over its kept set with one), from the same read of the chunk.
     """
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
@@ -250,6 +253,7 @@ def chunked_pass(
     stat_dtype = accumulation_dtype(hidden.dtype)
     logp = torch.empty(num_tokens, dtype=stat_dtype, device=device)
     entropy = torch.empty(num_tokens, dtype=stat_dtype, device=device) if need_entropy else None
+    sum_pi_squared = torch.empty(num_tokens, dtype=stat_dtype, device=device) if need_sum_pi_squared else None
     want_grads = token_grads is not None
     d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if want_grads and grad_hidden else None
     rows = min(rows, max(num_tokens, 1))
@@ -277,10 +281,13 @@ def chunked_pass(
         else:
             torch.addmm(bias, h, weight_t, out=y)
         chunk_kept = None if kept is None else kept.chunk(start, end)
-        state = ops.stats_(y, targets[start:end], transform, need_entropy, kept=chunk_kept)
+        state = ops.stats_(y, targets[start:end], transform, need_entropy, kept=chunk_kept,
+                           need_sum_pi_squared=need_sum_pi_squared)
         logp[start:end] = state.logp
         if need_entropy:
             entropy[start:end] = state.entropy
+        if need_sum_pi_squared:
+            sum_pi_squared[start:end] = state.sum_pi_squared
         if not want_grads:
             del state                                           # frees the backend's chunk temporaries
             continue
@@ -301,4 +308,5 @@ def chunked_pass(
         grad_hidden=d_hidden,
         grad_weight=None if d_weight is None else d_weight.result(),
         grad_bias=None if d_bias is None else d_bias.to(bias.dtype),
+        sum_pi_squared=sum_pi_squared,
     )

@@ -28,9 +28,10 @@ def logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, logit
 
 
 def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None,
-                   return_entropy=False, kept_ids=None, kept_offsets=None):
+                   return_entropy=False, kept_ids=None, kept_offsets=None, return_sum_pi_squared=False):
     """Full-logits log_softmax(z).gather(targets); targets outside [0, V) give 0 (callers mask them). With a
-    CSR kept set, z is -inf off each token's kept ids (tokens with an empty set get the full vocabulary)."""
+    CSR kept set, z is -inf off each token's kept ids (tokens with an empty set get the full vocabulary).
+    Returns logp, then entropy (return_entropy), then softmax(z).square().sum(-1) (return_sum_pi_squared)."""
     z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
     keep = None
     if kept_ids is not None:
@@ -41,11 +42,13 @@ def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit
     valid = (targets >= 0) & (targets < weight.shape[0])
     logp = logp_all.gather(-1, torch.where(valid, targets, 0).long()[..., None])[..., 0]
     logp = torch.where(valid, logp, torch.zeros_like(logp))
-    if not return_entropy:
-        return logp
-    # off the kept set p = 0 and log p = -inf: their terms are 0 (masked before the product, so no 0 * inf)
-    entropy = -(logp_all.exp() * (logp_all if keep is None else logp_all.masked_fill(~keep, 0.0))).sum(-1)
-    return logp, entropy
+    outputs = (logp,)
+    if return_entropy:
+        # off the kept set p = 0 and log p = -inf: their terms are 0 (masked before the product, so no 0 * inf)
+        outputs += (-(logp_all.exp() * (logp_all if keep is None else logp_all.masked_fill(~keep, 0.0))).sum(-1),)
+    if return_sum_pi_squared:
+        outputs += (logp_all.exp().square().sum(-1),)
+    return outputs if len(outputs) > 1 else logp
 
 
 def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,

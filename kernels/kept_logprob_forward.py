@@ -4,6 +4,7 @@ Reference (what it computes), for y (C, V), targets (C,) and the CSR kept set (k
 rows, S_r = kept_ids[kept_offsets[r]:kept_offsets[r + 1]] holding targets[r]:
     z = transform(y.float());  z_S = z[r, S_r]
     lse = z_S.logsumexp(-1);  logp = z[r, targets[r]] - lse;  entropy = -(z_S.log_softmax(-1).exp() * ...).sum()
+    sum_pi_squared = z_S.softmax(-1).square().sum()         # only when asked for
 Only the K_r kept logits of a row are read (a gather from the chunk's logits buffer), so the cost is O(K), not
 O(V). The running statistics are logprob_forward's (`_update` with one group), so peaked rows keep the same
 relative accuracy.
@@ -23,7 +24,7 @@ from grpo_fast.kernels.tuning import KEPT
 
 @triton.jit
 def _kept_logprob_forward_kernel(
-    Logits, Targets, KeptIds, KeptOffsets, Lse, Logp, Entropy,
+    Logits, Targets, KeptIds, KeptOffsets, Lse, Logp, Entropy, SumSq,
     stride_row,
     in_scale, out_scale,
     # Meta-parameters
@@ -31,6 +32,7 @@ def _kept_logprob_forward_kernel(
     HAS_SOFTCAP: tl.constexpr,
     NEGATE: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr,
+    COMPUTE_SUM_SQ: tl.constexpr,
     COMPILED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -45,27 +47,30 @@ def _kept_logprob_forward_kernel(
     group_sum = tl.zeros([1], tl.float32)
     group_rest = tl.zeros([1], tl.float32)
     group_dot = tl.zeros([1], tl.float32)
+    group_sq = tl.zeros([1], tl.float32)
     for start in range(first, last, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         in_set = k < last
         ids = tl.load(KeptIds + k, mask=in_set, other=0)
         y = tl.load(row_ptr + ids, mask=in_set, other=0.0).to(tl.float32)
         x = tl.where(in_set, _pre_exp(y, in_scale, HAS_SOFTCAP, NEGATE, COMPILED), NEG_BIG)
-        group_max, group_sum, group_rest, group_dot = _update(tl.reshape(x, [1, BLOCK_K]), group_max, group_sum,
-                                                              group_rest, group_dot, scale2, COMPUTE_ENTROPY)
+        group_max, group_sum, group_rest, group_dot, group_sq = _update(
+            tl.reshape(x, [1, BLOCK_K]), group_max, group_sum, group_rest, group_dot, group_sq, scale2,
+            COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
     x_target = _pre_exp(y_target, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
-    _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_scale, scale2, Lse + row, Logp + row,
-                     Entropy + row, 1, COMPUTE_ENTROPY)
+    _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, Lse + row,
+                     Logp + row, Entropy + row, SumSq + row, 1, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
 
 
 def kept_logprob_forward(logits, targets, kept_ids, kept_offsets, *, scale=1.0, temperature=1.0, softcap=None,
-                         compute_entropy=True):
-    """(lse, logp, entropy) of each row of logits over its kept set, as in the module docstring.
+                         compute_entropy=True, compute_sum_pi_squared=False):
+    """(lse, logp, entropy) of each row of logits over its kept set, as in the module docstring; with
+    compute_sum_pi_squared, (lse, logp, entropy, sum_pi_squared).
 
     logits: (C, V) fp32 / bf16 / fp16 with unit column stride (any row stride). targets: (C,) integer ids, each in
     its row's kept set. kept_ids (K,) int64 in [0, V), no id twice in a row; kept_offsets (C + 1,) int64 from 0,
     non-decreasing, every row K >= 1 (the caller checks: grpo_fast.kept.check_kept_set).
-    Returns (lse, logp, entropy or None), each (C,) fp32.
+    Returns (lse, logp, entropy or None[, sum_pi_squared]), each (C,) fp32.
     """
     assert logits.ndim == 2 and logits.stride(1) == 1, "logits must be (C, V) with contiguous rows"
     assert targets.shape == logits.shape[:1] and kept_offsets.shape == (logits.shape[0] + 1,)
@@ -73,19 +78,22 @@ def kept_logprob_forward(logits, targets, kept_ids, kept_offsets, *, scale=1.0, 
     lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     logp = torch.empty_like(lse)
     entropy = torch.empty_like(lse) if compute_entropy else lse  # unused pointer when not computed
+    sum_sq = torch.empty_like(lse) if compute_sum_pi_squared else lse
+    result = (lse, logp, (entropy if compute_entropy else None)) + ((sum_sq,) if compute_sum_pi_squared else ())
     if num_rows == 0:
-        return lse, logp, (entropy if compute_entropy else None)
+        return result
     in_scale, out_scale, _ = transform_constants(float(scale), float(temperature), softcap)
     with on_device(logits):
         _kept_logprob_forward_kernel[(num_rows,)](
-            logits, targets.contiguous(), kept_ids.contiguous(), kept_offsets.contiguous(), lse, logp, entropy,
+            logits, targets.contiguous(), kept_ids.contiguous(), kept_offsets.contiguous(), lse, logp, entropy, sum_sq,
             logits.stride(0),
             in_scale, out_scale,
             BLOCK_K=KEPT["BLOCK_K"],
             HAS_SOFTCAP=softcap is not None,
             NEGATE=softcap is None and in_scale < 0,
             COMPUTE_ENTROPY=compute_entropy,
+            COMPUTE_SUM_SQ=compute_sum_pi_squared,
             COMPILED=compiled(_kept_logprob_forward_kernel),
             num_warps=KEPT["num_warps"],
         )
-    return lse, logp, (entropy if compute_entropy else None)
+    return result

@@ -1,8 +1,9 @@
-"""Row statistics of a logits buffer in one read: log-sum-exp, the target's log-prob and the entropy.
+"""Row statistics of a logits buffer in one read: log-sum-exp, the target's log-prob, the entropy and sum_v p_v^2.
 
 Reference (what it computes), for y (C, V) and targets (C,):
     z = transform(y.float());  lse = z.logsumexp(-1);  logp = z.gather(1, targets[:, None])[:, 0] - lse
     entropy = -(z.log_softmax(-1).exp() * z.log_softmax(-1)).sum(-1)
+    sum_pi_squared = z.softmax(-1).square().sum(-1)        # only when asked for (verl's optimal token baseline)
 Logits below -1e20 (a -inf bias on banned tokens) count as -1e20: probability 0, every output finite.
 
 One program per row walks the vocabulary in BLOCK_V tiles. Each thread owns groups of GROUP contiguous columns
@@ -12,7 +13,7 @@ The work is in base 2 (log2(e) folded into the scale), with the statistics taken
     s = sum 2^d,  s_rest = the same sum without the max itself,  t = sum 2^d * d,   d = (z - max) * log2(e) <= 0
 so that lse = max + ln(1 + s_rest) and entropy = ln(1 + s_rest) - ln(2) t / s keep their relative accuracy when
 the distribution is peaked (tested down to an entropy of 1e-8; lse - E[z] loses all relative accuracy below about
-1e-6 |max z| in fp32).
+1e-6 |max z| in fp32). sum_v p_v^2 = q / s^2 with q = sum 4^d, one more running sum (compiled out unless asked).
 """
 
 import torch
@@ -65,8 +66,10 @@ def _load_whole_tile(row_ptr, start, groups: tl.constexpr, GROUP: tl.constexpr, 
 
 
 @triton.jit
-def _update(x, group_max, group_sum, group_rest, group_dot, scale2, COMPUTE_ENTROPY: tl.constexpr):
-    """Folds a (groups, GROUP) tile of x into each group's running (max, s, s_rest, t); scale2 = dz/dx * log2(e)."""
+def _update(x, group_max, group_sum, group_rest, group_dot, group_sq, scale2, COMPUTE_ENTROPY: tl.constexpr,
+            COMPUTE_SUM_SQ: tl.constexpr):
+    """Folds a (groups, GROUP) tile of x into each group's running (max, s, s_rest, t, q); scale2 = dz/dx *
+    log2(e)."""
     new_max = tl.maximum(group_max, tl.max(x, axis=1))    # maxnum: a NaN in x reaches the sums through e below
     grows = group_max < new_max
     shift = (group_max - new_max) * scale2                     # <= 0; 0 while the max stands
@@ -82,12 +85,15 @@ def _update(x, group_max, group_sum, group_rest, group_dot, scale2, COMPUTE_ENTR
     # peaked row. When the max grows, the whole old sum lies below the new one.
     group_rest = tl.where(grows, group_sum, group_rest) * alpha + tl.sum(tl.where(d < 0.0, e, 0.0), axis=1)
     group_sum = group_sum * alpha + tl.sum(e, axis=1)
-    return new_max, group_sum, group_rest, group_dot
+    if COMPUTE_SUM_SQ:
+        # alpha^2 may flush to 0: the old terms are then below 2^-126 of the new max's own 1
+        group_sq = group_sq * (alpha * alpha) + tl.sum(e * e, axis=1)
+    return new_max, group_sum, group_rest, group_dot, group_sq
 
 
 @triton.jit
 def _logprob_forward_kernel(
-    Logits, Targets, Lse, Logp, Entropy,
+    Logits, Targets, Lse, Logp, Entropy, SumSq,
     V, V_LOAD, V_FULL, stride_row,
     in_scale, out_scale,
     # Meta-parameters
@@ -96,6 +102,7 @@ def _logprob_forward_kernel(
     HAS_SOFTCAP: tl.constexpr,
     NEGATE: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr,
+    COMPUTE_SUM_SQ: tl.constexpr,
     BF16_PAIRS: tl.constexpr,
     COMPILED: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -111,30 +118,33 @@ def _logprob_forward_kernel(
     group_sum = tl.zeros([groups], tl.float32)
     group_rest = tl.zeros([groups], tl.float32)
     group_dot = tl.zeros([groups], tl.float32)
+    group_sq = tl.zeros([groups], tl.float32)
     # Whole tiles first, without masks; NUM_STAGES > 1 software-pipelines the loop (the next tiles are copied to
     # shared memory with cp.async while this one is used).
     for start in tl.range(0, V_FULL, BLOCK_V, num_stages=NUM_STAGES):
         y = _load_whole_tile(row_ptr, start, groups, GROUP, BF16_PAIRS)
         x = _pre_exp(y, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
-        group_max, group_sum, group_rest, group_dot = _update(x, group_max, group_sum, group_rest, group_dot,
-                                                              scale2, COMPUTE_ENTROPY)
+        group_max, group_sum, group_rest, group_dot, group_sq = _update(
+            x, group_max, group_sum, group_rest, group_dot, group_sq, scale2, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
     # The last, partial tile: V_LOAD >= V columns are readable (the padded row width when the caller owns the
     # padding, a multiple of 16: the loads stay 16-byte vectors); columns past V hold stale bits and are dropped.
     if V_FULL < V:
         cols = V_FULL + tl.arange(0, groups)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         y = tl.load(row_ptr + cols, mask=cols < V_LOAD, other=0.0).to(tl.float32)
         x = tl.where(cols < V, _pre_exp(y, in_scale, HAS_SOFTCAP, NEGATE, COMPILED), NEG_BIG)
-        group_max, group_sum, group_rest, group_dot = _update(x, group_max, group_sum, group_rest, group_dot,
-                                                              scale2, COMPUTE_ENTROPY)
+        group_max, group_sum, group_rest, group_dot, group_sq = _update(
+            x, group_max, group_sum, group_rest, group_dot, group_sq, scale2, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
     x_target = _pre_exp(y_target, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
-    _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_scale, scale2, Lse + row, Logp + row,
-                     Entropy + row, groups, COMPUTE_ENTROPY)
+    _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, Lse + row,
+                     Logp + row, Entropy + row, SumSq + row, groups, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
 
 
 @triton.jit
-def _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_scale, scale2, lse_ptr, logp_ptr,
-                     entropy_ptr, groups: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
-    """Combines the groups' running statistics into the row's lse, target log-prob and entropy, and stores them."""
+def _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, lse_ptr,
+                     logp_ptr, entropy_ptr, sum_sq_ptr, groups: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+                     COMPUTE_SUM_SQ: tl.constexpr):
+    """Combines the groups' running statistics into the row's lse, target log-prob, entropy and sum p^2, and stores
+    them."""
     # Combine the groups relative to the row max. 1 + s_rest of the row: the rest of the first group holding the
     # max, plus its other elements at the max (ties: then s >= 2 and nothing is lost), plus every other group.
     row_max = tl.max(group_max, axis=0)                       # maxnum: group maxima are never NaN
@@ -154,17 +164,22 @@ def _store_row_stats(group_max, group_sum, group_rest, group_dot, x_target, z_sc
         # sum 2^d d relative to the row max; groups of weight 0 left out (their shift times their sum may be huge)
         dot = tl.sum(tl.where(weight > 0.0, weight * (group_dot + group_sum * shift), 0.0), axis=0)
         tl.store(entropy_ptr, log_sum - LN2 * dot / sum_exp)
+    if COMPUTE_SUM_SQ:
+        # q / s^2: both sums relative to the row max, over the same terms
+        sum_sq = tl.sum(group_sq * (weight * weight), axis=0)
+        tl.store(sum_sq_ptr, sum_sq / (sum_exp * sum_exp))
 
 
 def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None, compute_entropy=True,
-                    padded=False):
-    """(lse, logp, entropy) of each row of logits, as in the module docstring.
+                    padded=False, compute_sum_pi_squared=False):
+    """(lse, logp, entropy) of each row of logits, as in the module docstring; with compute_sum_pi_squared,
+    (lse, logp, entropy, sum_pi_squared).
 
     logits: (C, V) fp32 / bf16 / fp16 with unit column stride (any row stride).
     targets: (C,) integer ids in [0, V), any stride.
     padded: the columns between V and the row's padded width (V rounded up to 16) are scratch the kernel may
         read: rows stay 16-byte aligned and loads vectorized when V is not a multiple of 16.
-    Returns (lse, logp, entropy or None), each (C,) fp32.
+    Returns (lse, logp, entropy or None[, sum_pi_squared]), each (C,) fp32.
     """
     assert logits.ndim == 2 and logits.stride(1) == 1, "logits must be (C, V) with contiguous rows"
     assert targets.shape == logits.shape[:1] and targets.device == logits.device
@@ -172,8 +187,10 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
     lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     logp = torch.empty_like(lse)
     entropy = torch.empty_like(lse) if compute_entropy else lse  # unused pointer when not computed
+    sum_sq = torch.empty_like(lse) if compute_sum_pi_squared else lse
+    result = (lse, logp, (entropy if compute_entropy else None)) + ((sum_sq,) if compute_sum_pi_squared else ())
     if num_rows == 0:
-        return lse, logp, (entropy if compute_entropy else None)
+        return result
     in_scale, out_scale, _ = transform_constants(float(scale), float(temperature), softcap)
     block = LOGPROB_FORWARD["BLOCK_V"]
     width = load_width(logits, padded)
@@ -182,7 +199,7 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
     group = 16 // logits.element_size() if aligned_rows(logits) else 1
     with on_device(logits):
         _logprob_forward_kernel[(num_rows,)](
-            logits, targets.contiguous(), lse, logp, entropy,
+            logits, targets.contiguous(), lse, logp, entropy, sum_sq,
             vocab_size, width, vocab_size // block * block, logits.stride(0),
             in_scale, out_scale,
             BLOCK_V=block,
@@ -192,7 +209,8 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
             BF16_PAIRS=group > 1 and logits.dtype == torch.bfloat16,
             COMPILED=compiled(_logprob_forward_kernel),
             COMPUTE_ENTROPY=compute_entropy,
+            COMPUTE_SUM_SQ=compute_sum_pi_squared,
             NUM_STAGES=LOGPROB_FORWARD["num_stages"],
             num_warps=LOGPROB_FORWARD["num_warps"],
         )
-    return lse, logp, (entropy if compute_entropy else None)
+    return result

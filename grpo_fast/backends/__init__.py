@@ -6,8 +6,9 @@ loop (`grpo_fast.chunked`) uses:
     bytes_per_logit(dtype)      working-set bytes per logit, which sizes the chunks
     chunk_vocab(vocab_rows)     the vocabulary size chunks are sized by (the head's rows; the largest slice when
                                 the head is split, so that every rank takes the same steps)
-    stats_(buffer, targets, transform, need_entropy, kept=None) -> state with .logp, .entropy (and its own
-                                fields); with kept (a grpo_fast.kept.KeptChunk) over each row's kept set only
+    stats_(buffer, targets, transform, need_entropy, kept=None, need_sum_pi_squared=False) -> state with
+                                .logp, .entropy, .sum_pi_squared (None unless asked for; and its own fields);
+                                with kept (a grpo_fast.kept.KeptChunk) over each row's kept set only
     policy_grad(logp, terms)    d(loss)/d(logp) of token-level variants, see `grpo_fast.variants.TokenTerms`
     dlogits_(buffer, state, targets, g_logp, g_entropy, transform)    buffer <- d(loss)/d(logits)
     all_reduce_grad_hidden(grad_hidden)   sums d(hidden) over the devices that share the head (single device:

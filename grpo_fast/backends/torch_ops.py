@@ -21,6 +21,7 @@ class ChunkState:
     lse: torch.Tensor                # (C,) fp32
     logp: torch.Tensor               # (C,) fp32
     entropy: Optional[torch.Tensor]  # (C,) fp32
+    sum_pi_squared: Optional[torch.Tensor] = None  # (C,) fp32: sum_v p_v^2, when asked for
 
 
 def bytes_per_logit(dtype: torch.dtype) -> int:
@@ -49,11 +50,12 @@ def transformed_(buffer, transform) -> torch.Tensor:
     return z.clamp_(min=NEG_BIG)
 
 
-def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
+def stats_(buffer, targets, transform, need_entropy, need_sum_pi_squared=False) -> ChunkState:
     """lse, logp and entropy relative to the row max m, with s = sum exp(z - m) and s - 1 summed without the
     max's own 1 (adding it would absorb a peaked row's small terms): lse = m + log1p(s - 1), logp = (z_t - m) -
     log1p(s - 1), H = log1p(s - 1) - sum p (z - m), each accurate to its own size (tested down to H = 1e-8;
-    lse - sum p z loses all relative accuracy below about 1e-6 |m| in fp32)."""
+    lse - sum p z loses all relative accuracy below about 1e-6 |m| in fp32). need_sum_pi_squared: also
+    sum_v p_v^2 (the collision probability, in [1/V, 1])."""
     z = transformed_(buffer, transform)
     row_max, argmax = z.max(dim=-1, keepdim=True)
     shifted = torch.sub(z, row_max)                        # z - m <= 0
@@ -67,7 +69,8 @@ def stats_(buffer, targets, transform, need_entropy) -> ChunkState:
     logp = (z.gather(1, targets[:, None]) - row_max - log_sum).squeeze(1)
     entropy = (log_sum.squeeze(1) - shifted.mul_(probs).sum(-1)) if need_entropy else None
     del shifted
-    return ChunkState(z, probs, lse, logp, entropy)
+    sum_pi_squared = torch.linalg.vecdot(probs, probs) if need_sum_pi_squared else None
+    return ChunkState(z, probs, lse, logp, entropy, sum_pi_squared)
 
 
 def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, onehot=None) -> None:
@@ -102,12 +105,14 @@ class KeptState:
     lse: torch.Tensor                # (C,) log-sum-exp over the kept set
     logp: torch.Tensor               # (C,)
     entropy: Optional[torch.Tensor]  # (C,) entropy of the kept-set distribution
+    sum_pi_squared: Optional[torch.Tensor] = None  # (C,) sum_{j in S} (p^S_j)^2, when asked for
 
 
-def kept_stats_(buffer, targets, transform, need_entropy, kept) -> KeptState:
+def kept_stats_(buffer, targets, transform, need_entropy, kept, need_sum_pi_squared=False) -> KeptState:
     """stats_ over each row's kept set S (a grpo_fast.kept.KeptChunk; every row holds K >= 1 ids, its target
     among them): lse_S = logsumexp_{j in S} z_j, logp = z_target - lse_S, H_S = lse_S - sum_{j in S} p^S_j z_j,
-    with the same split of the largest term as stats_ (peaked rows keep their relative accuracy)."""
+    with the same split of the largest term as stats_ (peaked rows keep their relative accuracy); and, with
+    need_sum_pi_squared, sum_{j in S} (p^S_j)^2."""
     rows, cols = kept.rows(), kept.ids
     num_rows, num_kept = buffer.shape[0], cols.numel()
     z = transformed_(buffer[rows, cols], transform)        # a (K,) copy: the buffer keeps its logits
@@ -124,7 +129,8 @@ def kept_stats_(buffer, targets, transform, need_entropy, kept) -> KeptState:
     is_target = cols == targets.index_select(0, rows)
     logp = stat.clone().index_add_(0, rows, torch.where(is_target, shifted, 0.0)) - log_sum
     entropy = (log_sum - stat.clone().index_add_(0, rows, probs * shifted)) if need_entropy else None
-    return KeptState(rows, cols, is_target, z, probs, row_max + log_sum, logp, entropy)
+    sum_pi_squared = stat.clone().index_add_(0, rows, probs * probs) if need_sum_pi_squared else None
+    return KeptState(rows, cols, is_target, z, probs, row_max + log_sum, logp, entropy, sum_pi_squared)
 
 
 def kept_dlogits_(buffer, state: KeptState, g_logp, g_entropy, transform) -> None:
@@ -157,10 +163,10 @@ class TorchOps(ChunkOps):
     policy_grad = staticmethod(policy_grad)
 
     @staticmethod
-    def stats_(buffer, targets, transform, need_entropy, kept=None):
+    def stats_(buffer, targets, transform, need_entropy, kept=None, need_sum_pi_squared=False):
         if kept is not None:
-            return kept_stats_(buffer, targets, transform, need_entropy, kept)
-        return stats_(buffer, targets, transform, need_entropy)
+            return kept_stats_(buffer, targets, transform, need_entropy, kept, need_sum_pi_squared)
+        return stats_(buffer, targets, transform, need_entropy, need_sum_pi_squared)
 
     @staticmethod
     def dlogits_(buffer, state, targets, g_logp, g_entropy, transform) -> None:

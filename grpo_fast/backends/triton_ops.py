@@ -20,6 +20,7 @@ class ChunkState:
     logp: torch.Tensor
     entropy: Optional[torch.Tensor]
     kept: Optional[object] = None            # the chunk's grpo_fast.kept.KeptChunk: statistics over it
+    sum_pi_squared: Optional[torch.Tensor] = None
 
 
 def bytes_per_logit(dtype: torch.dtype) -> int:
@@ -28,20 +29,21 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
 
 # chunked_pass pads the row stride of its buffer to 16 elements and those columns are scratch (see backends):
 # `has_padding` tells the kernels they may read and write them, so that their loads and stores stay vectors.
-def stats_(buffer, targets, transform, need_entropy, kept=None) -> ChunkState:
+def stats_(buffer, targets, transform, need_entropy, kept=None, need_sum_pi_squared=False) -> ChunkState:
     if buffer.dtype == torch.float64:
         raise TypeError("backend='triton' takes fp32, bf16 or fp16 inputs, got float64 (use backend='torch')")
     if kept is not None:
-        lse, logp, entropy = kept_logprob_forward(
+        stats = kept_logprob_forward(
             buffer, targets, kept.ids, kept.offsets, scale=transform.scale, temperature=transform.temperature,
-            softcap=transform.softcap, compute_entropy=need_entropy,
+            softcap=transform.softcap, compute_entropy=need_entropy, compute_sum_pi_squared=need_sum_pi_squared,
         )
-        return ChunkState(lse, logp, entropy, kept)
-    lse, logp, entropy = logprob_forward(
-        buffer, targets, scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
-        compute_entropy=need_entropy, padded=has_padding(buffer),
-    )
-    return ChunkState(lse, logp, entropy)
+    else:
+        stats = logprob_forward(
+            buffer, targets, scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap,
+            compute_entropy=need_entropy, padded=has_padding(buffer), compute_sum_pi_squared=need_sum_pi_squared,
+        )
+    lse, logp, entropy = stats[:3]
+    return ChunkState(lse, logp, entropy, kept, stats[3] if need_sum_pi_squared else None)
 
 
 def policy_grad(logp, terms):

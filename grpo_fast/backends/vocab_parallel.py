@@ -2,9 +2,10 @@
 parallelism): each rank holds rows [start, start + V_local) of the weight and never sees the others.
 
 Per chunk of tokens, each rank reduces its own slice to four numbers per token (max logit, sum of exp, sum of
-exp * logit, and the target's logit when the target is in its slice); one all-reduce of the max and one of the
-sums give every rank the full log-softmax statistics. The gradient pass then runs on each slice alone, and
-d(hidden), a sum over the vocabulary, is all-reduced once at the end of the pass. No rank gathers the weight or
+exp * logit, and the target's logit when the target is in its slice; a fifth, the sum of exp^2, when sum_v p_v^2
+is asked for); one all-reduce of the max and one of the sums give every rank the full log-softmax statistics.
+The gradient pass then runs on each slice alone, and d(hidden), a sum over the vocabulary, is all-reduced once at
+the end of the pass. No rank gathers the weight or
 another rank's logits. The math is the PyTorch backend's (`torch_ops`), restricted to a slice.
 """
 
@@ -57,9 +58,9 @@ class VocabParallelOps(ChunkOps):
         owned = (local >= 0) & (local < self.shard.size)
         return torch.where(owned, local, 0), owned
 
-    def stats_(self, buffer, targets, transform, need_entropy, kept=None):
+    def stats_(self, buffer, targets, transform, need_entropy, kept=None, need_sum_pi_squared=False):
         if kept is not None:
-            return self._kept_stats(buffer, targets, transform, need_entropy, kept)
+            return self._kept_stats(buffer, targets, transform, need_entropy, kept, need_sum_pi_squared)
         group = self.shard.group
         z = torch_ops.transformed_(buffer, transform)
         row_max = z.amax(dim=-1)
@@ -70,15 +71,17 @@ class VocabParallelOps(ChunkOps):
             probs.sum(-1),
             (probs * z).sum(-1) if need_entropy else torch.zeros_like(row_max),
             torch.where(owned, z.gather(1, local[:, None]).squeeze(1), 0.0),
+            torch.linalg.vecdot(probs, probs) if need_sum_pi_squared else torch.zeros_like(row_max),
         ])
         dist.all_reduce(sums, group=group)
-        sum_exp, sum_exp_z, target_logit = sums
+        sum_exp, sum_exp_z, target_logit, sum_exp_squared = sums
         lse = row_max + sum_exp.log()
         probs.div_(sum_exp[:, None])
         entropy = lse - sum_exp_z / sum_exp if need_entropy else None          # H = lse - sum p z
-        return ChunkState(z, probs, lse, target_logit - lse, entropy)
+        sum_pi_squared = sum_exp_squared / sum_exp.square() if need_sum_pi_squared else None
+        return ChunkState(z, probs, lse, target_logit - lse, entropy, sum_pi_squared)
 
-    def _kept_stats(self, buffer, targets, transform, need_entropy, kept) -> KeptState:
+    def _kept_stats(self, buffer, targets, transform, need_entropy, kept, need_sum_pi_squared) -> KeptState:
         """stats_ over each row's kept set: this rank reads the kept ids in its slice, and the same collectives
         as the full pass give every rank the kept-set statistics."""
         group = self.shard.group
@@ -91,17 +94,20 @@ class VocabParallelOps(ChunkOps):
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         probs = (z - row_max.index_select(0, rows)).exp_()
         is_target = ids == targets.index_select(0, rows)
-        sums = z.new_zeros(3, num_rows)
+        sums = z.new_zeros(4, num_rows)
         sums[0].index_add_(0, rows, probs)
         if need_entropy:
             sums[1].index_add_(0, rows, probs * z)
         sums[2].index_add_(0, rows, torch.where(is_target, z, 0.0))
+        if need_sum_pi_squared:
+            sums[3].index_add_(0, rows, probs * probs)
         dist.all_reduce(sums, group=group)
-        sum_exp, sum_exp_z, target_logit = sums
+        sum_exp, sum_exp_z, target_logit, sum_exp_squared = sums
         lse = row_max + sum_exp.log()
         probs.div_(sum_exp.index_select(0, rows))
         entropy = lse - sum_exp_z / sum_exp if need_entropy else None
-        return KeptState(rows, cols, is_target, z, probs, lse, target_logit - lse, entropy)
+        sum_pi_squared = sum_exp_squared / sum_exp.square() if need_sum_pi_squared else None
+        return KeptState(rows, cols, is_target, z, probs, lse, target_logit - lse, entropy, sum_pi_squared)
 
     def dlogits_(self, buffer, state, targets, g_logp, g_entropy, transform) -> None:
         if isinstance(state, KeptState):          # the one-hot term is where is_target holds: the owner's

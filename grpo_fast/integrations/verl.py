@@ -13,6 +13,10 @@ Importing this module patches verl 0.9 in place (`install()`; idempotent):
   computes its log-probs and entropies with `grpo_fast.token_logprobs`, run as the `lm_head` module's forward:
   FSDP2 gathers an untied head around the call, where verl's own reads `lm_head.weight` outside the module and
   fails under FSDP2 ("mixed torch.Tensor and DTensor"). Old and reference log-probs cost 1 GEMM pass.
+- The same forward also returns each token's sum_v p_v^2 when the micro-batch asks for `calculate_sum_pi_squared`
+  (verl's optimal token baseline, `actor.calculate_sum_pi_squared=True`), from the same read of each chunk; the
+  engine's `prepare_model_inputs` / `prepare_model_outputs` pass the request in and the values out, where verl's
+  own refuses the combination with fused kernels ("fused kernels do not materialize the full logits").
 - `FSDPEngineWithLMHead.forward_step`, when its loss is verl's `ppo_loss` with a token-separable policy loss
   (`FUSED_LOSS_MODES`): the micro-batch's whole actor loss runs inside the sweep, 3 GEMM passes instead of 4 and
   no (tokens, vocab) logits (`fused_ppo_loss`). Every other case runs verl's own loss on grpo_fast's log-probs
@@ -36,7 +40,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -91,17 +96,29 @@ def as_head_forward(head: torch.nn.Module, fn, *args):
             del head.forward
 
 
-def _head_logprobs(head, hidden, labels, temperature):
-    return token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature, return_entropy=True)
+@dataclass
+class OutputForPPOWithSumPiSquared(dense_common.CausalLMOutputForPPO):
+    """verl's fused-forward output with each position's sum_v p_v^2 (None unless asked for)."""
+
+    sum_pi_squared: Optional[torch.FloatTensor] = None
+
+
+def _head_logprobs(head, hidden, labels, temperature, with_sum_pi_squared=False):
+    """(logp, entropy, sum_pi_squared or None) of the head's next-token distribution."""
+    out = token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature, return_entropy=True,
+                         return_sum_pi_squared=with_sum_pi_squared)
+    return out if with_sum_pi_squared else (*out, None)
 
 
 def forward_with_grpo_fast(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                            inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
                            output_hidden_states=None, return_dict=None, cache_position=None, logits_to_keep=0,
-                           temperature: float = 1.0, shift_labels=None, grpo_fast_loss=None, **loss_kwargs):
+                           temperature: float = 1.0, shift_labels=None, grpo_fast_loss=None,
+                           grpo_fast_sum_pi_squared: bool = False, **loss_kwargs):
     """verl's `forward_with_torch_backend` contract (CausalLMOutputForPPO with log_probs and entropy of the next
     token at every position, (B, T) fp32) with grpo_fast's head; `grpo_fast_loss` (set by the patched
-    forward_step) makes the head compute a fused loss instead, returned as the output's `loss`."""
+    forward_step) makes the head compute a fused loss instead, returned as the output's `loss`;
+    `grpo_fast_sum_pi_squared` (set by the patched prepare_model_inputs) adds each position's sum_v p_v^2."""
     outputs = dense_common.forward_base_model(
         self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -117,14 +134,15 @@ def forward_with_grpo_fast(self, input_ids=None, attention_mask=None, position_i
         rolled = torch.roll(input_ids, shifts=-1, dims=-1)
     else:
         raise ValueError("forward_with_grpo_fast needs labels, shift_labels or input_ids, got none of them")
-    loss = None
+    loss = sum_pi_squared = None
     if grpo_fast_loss is None:
-        log_probs, entropy = as_head_forward(self.lm_head, _head_logprobs, hidden, rolled, temperature)
+        log_probs, entropy, sum_pi_squared = as_head_forward(self.lm_head, _head_logprobs, hidden, rolled,
+                                                             temperature, grpo_fast_sum_pi_squared)
     else:
         loss, log_probs, entropy = as_head_forward(self.lm_head, grpo_fast_loss, hidden, rolled, temperature)
-    return dense_common.CausalLMOutputForPPO(loss=loss, log_probs=log_probs, entropy=entropy,
-                                             past_key_values=outputs.past_key_values,
-                                             hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return OutputForPPOWithSumPiSquared(loss=loss, log_probs=log_probs, entropy=entropy,
+                                        past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                                        attentions=outputs.attentions, sum_pi_squared=sum_pi_squared)
 
 
 def fusable(loss_function) -> Optional[str]:
@@ -260,6 +278,55 @@ def _unfusable_reason(self, micro_batch, loss_function, forward_only) -> Optiona
 
 
 _original_forward_step = None
+_original_prepare_inputs = None
+_original_prepare_outputs = None
+
+
+def _wants_fused_sum_pi_squared(self, micro_batch) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return (bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False))
+            and bool(tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False))
+            and getattr(type(self.module), "forward", None) is forward_with_grpo_fast)
+
+
+def prepare_model_inputs(self, micro_batch):
+    """verl's, plus the request for sum_v p_v^2 to grpo_fast's forward (see `prepare_model_outputs`)."""
+    model_inputs, output_args = _original_prepare_inputs(self, micro_batch)
+    if _wants_fused_sum_pi_squared(self, micro_batch):
+        model_inputs["grpo_fast_sum_pi_squared"] = True
+    return model_inputs, output_args
+
+
+@contextmanager
+def _without_sum_pi_squared(micro_batch):
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=False)
+    try:
+        yield
+    finally:
+        tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=True)
+
+
+def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+    """verl's, and where fused kernels ran grpo_fast's forward with sum_v p_v^2 asked for, that output laid out as
+    verl lays out the log-probs (verl's own refuses fused kernels with calculate_sum_pi_squared)."""
+    from verl.utils import tensordict_utils as tu
+
+    sum_pi_squared = getattr(output, "sum_pi_squared", None)
+    if sum_pi_squared is None or not _wants_fused_sum_pi_squared(self, micro_batch):
+        return _original_prepare_outputs(self, output, output_args, micro_batch, logits_processor_func)
+    with _without_sum_pi_squared(micro_batch):
+        model_output = _original_prepare_outputs(self, output, output_args, micro_batch, logits_processor_func)
+    offsets = micro_batch["input_ids"].offsets()
+    if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+        values = self._gather_and_unpad_packed(sum_pi_squared.squeeze(0), output_args["pad_size"])
+    else:                                    # (B, T) rows: each sequence's first length entries, as verl's log-probs
+        lengths = offsets.diff()
+        values = sum_pi_squared[torch.arange(sum_pi_squared.shape[1], device=lengths.device) < lengths[:, None]]
+    model_output["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(values, offsets)
+    return model_output
 
 
 def forward_step(self, micro_batch, loss_function, forward_only):
@@ -339,7 +406,7 @@ def _install_megatron() -> bool:
 
 def install() -> None:
     """Patch verl (see the module docstring); calling it again changes nothing."""
-    global _original_forward_step
+    global _original_forward_step, _original_prepare_inputs, _original_prepare_outputs
     _install_megatron()
     # both of verl's fused-kernel backends: its triton one's kernels are verl's own, and the head is grpo_fast's
     dense_common.forward_with_torch_backend = forward_with_grpo_fast
@@ -348,6 +415,12 @@ def install() -> None:
     if engine.forward_step is not forward_step:
         _original_forward_step = engine.forward_step
         engine.forward_step = forward_step
+    if engine.prepare_model_inputs is not prepare_model_inputs:
+        _original_prepare_inputs = engine.prepare_model_inputs
+        engine.prepare_model_inputs = prepare_model_inputs
+    if engine.prepare_model_outputs is not prepare_model_outputs:
+        _original_prepare_outputs = engine.prepare_model_outputs
+        engine.prepare_model_outputs = prepare_model_outputs
 
 
 install()

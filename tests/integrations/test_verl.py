@@ -268,10 +268,9 @@ def test_fused_loss_gemm_passes(frozen_head):
     assert counter.flops / (2 * counted * hidden_size * vocab) == (2.0 if frozen_head else 3.0)
 
 
-def engine_step(model, micro_batch, config, use_fused_kernels, calculate_entropy=True):
-    """verl's FSDPEngineWithLMHead.forward_step (as patched, or verl's own where not fusable) on one micro-batch,
-    then the backward, on a CPU engine holding `model` unsharded (the engine's own methods, without FSDP's
-    wrapping, which a single CPU process cannot build): the loss, verl's metrics and the parameters' gradients."""
+def cpu_engine(model):
+    """verl's FSDPEngineWithLMHead holding `model` unsharded on the CPU: the engine's own methods, without FSDP's
+    wrapping, which a single CPU process cannot build."""
     from types import SimpleNamespace
 
     from verl.utils import torch_functional as verl_F
@@ -285,6 +284,14 @@ def engine_step(model, micro_batch, config, use_fused_kernels, calculate_entropy
                            compute_entropy_from_logits=verl_F.entropy_from_logits,
                            engine_config=SimpleNamespace(entropy_checkpointing=False,
                                                          entropy_from_logits_with_chunking=False))
+    return engine
+
+
+def engine_step(model, micro_batch, config, use_fused_kernels, calculate_entropy=True):
+    """verl's FSDPEngineWithLMHead.forward_step (as patched, or verl's own where not fusable) on one micro-batch,
+    then the backward, on a CPU engine holding `model` unsharded (`cpu_engine`): the loss, verl's metrics and the
+    parameters' gradients."""
+    engine = cpu_engine(model)
     micro_batch = micro_batch.clone()
     tu.assign_non_tensor(micro_batch, use_remove_padding=True, use_fused_kernels=use_fused_kernels,
                          calculate_entropy=calculate_entropy, temperature=0.8)
@@ -327,6 +334,72 @@ def test_engine_forward_step_fused_and_two_phase_equal_the_logits_path(loss_mode
         scale = grad.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(actual[2][name], grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
+
+
+def old_log_prob_outputs(model, micro_batch, use_fused_kernels, use_remove_padding=True):
+    """verl's compute_log_prob forward (forward_step, forward only) with calculate_sum_pi_squared, as verl's
+    trainer asks for it under the optimal token baseline: log-probs, entropies and sum p^2, (B, response) each."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    micro_batch = micro_batch.clone()
+    tu.assign_non_tensor(micro_batch, use_remove_padding=use_remove_padding, use_fused_kernels=use_fused_kernels,
+                         calculate_entropy=True, calculate_sum_pi_squared=True, temperature=0.8, compute_loss=False)
+    with torch.no_grad():
+        _, output = cpu_engine(model).forward_step(micro_batch, loss_function=None, forward_only=True)
+    return {key: no_padding_2_padding(output["model_output"][key], micro_batch).double()
+            for key in ("log_probs", "entropy", "sum_pi_squared")}
+
+
+@pytest.mark.parametrize("use_remove_padding", [True, False], ids=["packed", "padded"])
+def test_optimal_token_baseline_runs_with_fused_kernels_and_equals_verls_logits_path(use_remove_padding):
+    """verl's optimal token baseline (OTB) needs each token's sum_v p_v^2 from the old-log-prob forward; verl's own
+    fused kernels refuse it ("do not materialize the full logits"). grpo_fast's forward returns it from the same
+    sweep: old log-probs, entropies and sum p^2 equal verl's logits path (use_fused_kernels off), and so do the
+    OTB advantages verl's `compute_optimal_token_baseline_advantage` builds from them, on a fixed batch of two
+    prompt groups. verl's logits path works in fp32 even for an fp64 model: equal to 1e-6."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+
+    vocab, responses = 53, [6, 1, 4, 5, 3, 6]
+    data = micro_batch([3, 5, 2, 4, 3, 2], responses, vocab, far=False, seed=4)
+    model = tiny_model(vocab_size=vocab).double()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)             # from near-uniform rows to peaked ones: sum p^2 spreads out
+    original_forward = type(model).forward
+    expected = old_log_prob_outputs(model, data, use_fused_kernels=False, use_remove_padding=use_remove_padding)
+    try:
+        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        assert type(model).forward is gf_verl.forward_with_grpo_fast
+        with counting_calls(gf_verl, "token_logprobs") as head:
+            actual = old_log_prob_outputs(model, data, use_fused_kernels=True, use_remove_padding=use_remove_padding)
+    finally:
+        type(model).forward = original_forward
+    assert head["calls"] == 1
+    response_mask = torch.zeros_like(expected["log_probs"])
+    for row, length in enumerate(responses):
+        response_mask[row, :length] = 1
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key] * response_mask, value * response_mask, rtol=1e-6, atol=1e-7,
+                                   msg=key)
+    sums = expected["sum_pi_squared"][response_mask.bool()]
+    assert sums.max() > 3 * sums.min()
+
+    rewards = torch.zeros_like(response_mask)
+    last = response_mask.sum(1).long() - 1
+    rewards[torch.arange(len(last)), last] = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.2], dtype=rewards.dtype)
+    index = ["a", "a", "a", "b", "b", "b"]
+
+    def otb(outputs, sum_pi_squared=None):
+        return compute_optimal_token_baseline_advantage(
+            rewards, response_mask, index, outputs["log_probs"],
+            outputs["sum_pi_squared"] if sum_pi_squared is None else sum_pi_squared)
+
+    (want, returns), (got, _) = otb(expected), otb(actual)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    baseline = (returns - want) * response_mask
+    assert baseline.abs().max() > 0.05                                    # a baseline, not the returns alone
+    # the baseline depends on sum p^2: without it (as if fused kernels surfaced none) it differs
+    assert (otb(expected, torch.zeros_like(response_mask))[0] - want).abs().max() > 1e-3
 
 
 def test_fsdp2_engine_on_two_ranks():

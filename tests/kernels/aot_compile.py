@@ -92,6 +92,16 @@ def variants():
 
                 yield "logprob_forward", label, logprob_forward._logprob_forward_kernel, stats
                 yield "dlogits", label, dlogits._dlogits_kernel, grad
+                if padded or vocab != 151936:
+                    continue
+
+                def stats_with_sum_pi_squared(vocab=vocab, softcap=softcap, targets=targets, dtype=dtype):
+                    logprob_forward.logprob_forward(_buffer(4, vocab, dtype, False), targets, softcap=softcap,
+                                                    temperature=0.7, compute_sum_pi_squared=True)
+
+                # the optional fifth running sum (verl's optimal token baseline): its own variant of the kernel
+                yield ("logprob_forward", f"sum_pi_squared/{label}", logprob_forward._logprob_forward_kernel,
+                       stats_with_sum_pi_squared)
     for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for vocab, padded in ((151936, False), (50257, True)):
             for softcap in (None, 30.0):

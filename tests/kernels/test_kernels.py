@@ -50,6 +50,39 @@ def test_kernels_match_torch_passes(dtype, rtol, vocab, transform):
     assert torch.equal(logp_only, logp)
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(1.2, 3.0, 0.7)])
+def test_sum_pi_squared_over_tiles_and_kept_sets(dtype, rtol, transform):
+    """sum_v p_v^2 of both stats kernels against float64, on rows whose max grows from tile to tile (the running
+    sum is rescaled by alpha^2) and kept sets longer than one BLOCK_K tile; asking for it leaves the other outputs
+    bit for bit as they were."""
+    from grpo_fast.kernels import kept_logprob_forward
+
+    gen = torch.Generator().manual_seed(7)
+    rows, vocab = 4, 3 * 4096 + 77
+    ramp = torch.linspace(0.0, 6.0, vocab)                         # the max moves into every later tile
+    logits = (torch.randn(rows, vocab, generator=gen) + ramp * torch.tensor([0.0, 1.0, 2.0, 4.0])[:, None])
+    logits = logits.to(DEVICE, dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=gen).to(DEVICE)
+    z = logits.double() * transform.scale
+    if transform.softcap is not None:
+        z = transform.softcap * torch.tanh(z / transform.softcap)
+    probs = torch.softmax(z / transform.temperature, -1)
+    kw = dict(scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap)
+    plain = logprob_forward(logits, targets, **kw)
+    *stats, sum_pi_squared = logprob_forward(logits, targets, compute_sum_pi_squared=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(stats, plain))
+    assert_close(sum_pi_squared, probs.square().sum(-1), rtol, name="sum_pi_squared")
+
+    kept = torch.rand(rows, vocab, generator=gen) < 0.1            # about 1200 ids a row: 5 tiles of 256
+    kept[torch.arange(rows), targets.cpu()] = True
+    ids = kept.nonzero()[:, 1].to(DEVICE)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), kept.sum(1).cumsum(0)]).to(DEVICE)
+    *_, kept_sum = kept_logprob_forward(logits, targets, ids, offsets, compute_sum_pi_squared=True, **kw)
+    kept_probs = torch.softmax((z / transform.temperature).masked_fill(~kept.to(DEVICE), float("-inf")), -1)
+    assert_close(kept_sum, kept_probs.square().sum(-1), rtol, name="kept sum_pi_squared")
+
+
 def test_dlogits_without_entropy_gradient():
     logits = torch.randn(3, 100).to(DEVICE)
     targets = torch.tensor([0, 50, 99]).to(DEVICE)

@@ -76,6 +76,11 @@ def run_logprobs(sizes, rank, group):
     with torch.no_grad():                                        # the one-pass form under no_grad
         torch.testing.assert_close(gf.token_logprobs(hidden, weight[start:start + size], targets,
                                                      process_group=group), logp.detach())
+        # sum_v p_v^2 of the slices' distribution equals the unsharded one's
+        _, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, return_sum_pi_squared=True)
+        _, sum_pi_squared_s = gf.token_logprobs(hidden, weight[start:start + size], targets, chunk_bytes=512,
+                                                return_sum_pi_squared=True, process_group=group)
+        torch.testing.assert_close(sum_pi_squared_s, sum_pi_squared, rtol=1e-10, atol=1e-12)
 
 
 def kept_sets(targets, vocab, mask=None, seed=2):
@@ -106,6 +111,12 @@ def run_kept(sizes, rank, group):
                                           process_group=group)
     torch.testing.assert_close(logp_s, logp, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(entropy_s, entropy, rtol=1e-10, atol=1e-12)
+    _, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, kept_ids=full_ids, kept_offsets=full_offsets,
+                                          return_sum_pi_squared=True)
+    _, sum_pi_squared_s = gf.token_logprobs(hidden, weight[start:start + size], targets, kept_ids=full_ids,
+                                            kept_offsets=full_offsets, chunk_bytes=512, return_sum_pi_squared=True,
+                                            process_group=group)
+    torch.testing.assert_close(sum_pi_squared_s, sum_pi_squared, rtol=1e-10, atol=1e-12)
 
     # a caller's own token-separable loss, inside the sweep of each slice
     token_loss = gf.autograd_token_loss(lambda logp, entropy, index: (logp * advantages.repeat_interleave(8)[index]
