@@ -5,8 +5,8 @@ Per chunk of tokens, each rank reduces its own slice to four numbers per token (
 exp * logit, and the target's logit when the target is in its slice; a fifth, the sum of exp^2, when sum_v p_v^2
 is asked for); one all-reduce of the max and one of the sums give every rank the full log-softmax statistics.
 The gradient pass then runs on each slice alone, and d(hidden), a sum over the vocabulary, is all-reduced once at
-the end of the pass. No rank gathers the weight or
-another rank's logits. The math is the PyTorch backend's (`torch_ops`), restricted to a slice.
+the end of the pass. No rank gathers the weight or another rank's logits. The math is the PyTorch backend's
+(`torch_ops`), restricted to a slice.
 """
 
 from __future__ import annotations
@@ -67,18 +67,20 @@ class VocabParallelOps(ChunkOps):
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         probs = torch.sub(z, row_max[:, None]).exp_()
         local, owned = self._local(targets)
-        sums = torch.stack([
+        sums = [
             probs.sum(-1),
             (probs * z).sum(-1) if need_entropy else torch.zeros_like(row_max),
             torch.where(owned, z.gather(1, local[:, None]).squeeze(1), 0.0),
-            torch.linalg.vecdot(probs, probs) if need_sum_pi_squared else torch.zeros_like(row_max),
-        ])
+        ]
+        if need_sum_pi_squared:
+            sums.append(torch.linalg.vecdot(probs, probs))
+        sums = torch.stack(sums)
         dist.all_reduce(sums, group=group)
-        sum_exp, sum_exp_z, target_logit, sum_exp_squared = sums
+        sum_exp, sum_exp_z, target_logit = sums[:3]
         lse = row_max + sum_exp.log()
         probs.div_(sum_exp[:, None])
         entropy = lse - sum_exp_z / sum_exp if need_entropy else None          # H = lse - sum p z
-        sum_pi_squared = sum_exp_squared / sum_exp.square() if need_sum_pi_squared else None
+        sum_pi_squared = sums[3] / sum_exp.square() if need_sum_pi_squared else None
         return ChunkState(z, probs, lse, target_logit - lse, entropy, sum_pi_squared)
 
     def _kept_stats(self, buffer, targets, transform, need_entropy, kept, need_sum_pi_squared) -> KeptState:
@@ -94,7 +96,7 @@ class VocabParallelOps(ChunkOps):
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         probs = (z - row_max.index_select(0, rows)).exp_()
         is_target = ids == targets.index_select(0, rows)
-        sums = z.new_zeros(4, num_rows)
+        sums = z.new_zeros(4 if need_sum_pi_squared else 3, num_rows)
         sums[0].index_add_(0, rows, probs)
         if need_entropy:
             sums[1].index_add_(0, rows, probs * z)
@@ -102,11 +104,11 @@ class VocabParallelOps(ChunkOps):
         if need_sum_pi_squared:
             sums[3].index_add_(0, rows, probs * probs)
         dist.all_reduce(sums, group=group)
-        sum_exp, sum_exp_z, target_logit, sum_exp_squared = sums
+        sum_exp, sum_exp_z, target_logit = sums[:3]
         lse = row_max + sum_exp.log()
         probs.div_(sum_exp.index_select(0, rows))
         entropy = lse - sum_exp_z / sum_exp if need_entropy else None
-        sum_pi_squared = sum_exp_squared / sum_exp.square() if need_sum_pi_squared else None
+        sum_pi_squared = sums[3] / sum_exp.square() if need_sum_pi_squared else None
         return KeptState(rows, cols, is_target, z, probs, lse, target_logit - lse, entropy, sum_pi_squared)
 
     def dlogits_(self, buffer, state, targets, g_logp, g_entropy, transform) -> None:
