@@ -12,6 +12,7 @@
 - fit_table: by the planner, the memory option that makes a 16k-token job of each preset fit each card.
 - bench_engines: rollout-engine throughput (Hugging Face generate and vLLM).
 - real_model: SmolLM2-135M-Instruct's rollout and update throughput (engines; one forward per group's prompt).
+- profiling: GEMM FLOP counting, peak memory and the machine's name (the benchmarks' and the tests').
 - trl_real_model: SmolLM2-135M-Instruct against TRL's GRPOTrainer: whole-step steps/hour of grpo_fast's trainer,
   and FastGRPOTrainer's time and peak RSS per completion length.
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from grpo_fast.profiling import machine_name
+from grpo_fast.benchmarks.profiling import machine_name
 
 JOBS = {
     "default": [],

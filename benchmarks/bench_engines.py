@@ -15,10 +15,10 @@ import time
 import torch
 
 from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
-from grpo_fast.profiling import machine_name
+from grpo_fast.benchmarks.profiling import machine_name
 from grpo_fast.train import tasks
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
 from grpo_fast.train.rollout.engines import make_engine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,8 +47,8 @@ def run(tokens: int, num_prompts: int, group_size: int, repeats: int, engines=("
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name in engines:
-            config = TrainConfig(engine=name, group_size=group_size, max_completion_length=tokens,
-                                 output_dir=folder, device=DEVICE)
+            config = TrainConfig.from_keys(engine=name, group_size=group_size, max_completion_length=tokens,
+                                           output_dir=folder, device=DEVICE)
             try:
                 engine = make_engine(config, model, tokenizer, max(map(len, prompts)))
                 rows.append({"engine": name, **measure(engine, prompts, repeats)})

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from grpo_fast.benchmarks.harness import Shape, measure_row, positive_int
-from grpo_fast.profiling import machine_name
+from grpo_fast.benchmarks.profiling import machine_name
 
 LABELS = {"naive": "reference"}
 

@@ -1,5 +1,5 @@
-"""Which memory option makes a 16k-token GRPO job fit a card, by the planner: the README's "Fitting a job on your
-GPU" table.
+"""Which memory option makes a 16k-token GRPO job fit a card, by the planner: the "Fitting a job on your GPU" table
+of docs/long-context-and-planner.md.
 
     python -m grpo_fast.benchmarks.fit_table [--completion-length 16384] [--margin 0.05]
 
@@ -11,7 +11,7 @@ is not called a fit.
 
 import argparse
 
-from grpo_fast.train.plan import CARDS, GIB, PRESETS, Job, fits_in, plan
+from grpo_fast.train.plan.memory import CARDS, GIB, PRESETS, Job, fits_in, plan
 
 # (dtype, optimizer, grad_accum_dtype, lora_rank, label), most exact first
 OPTIONS = (("bf16-autocast", "adamw", "fp32", 0, "default (fp32 weights, bf16 autocast, AdamW)"),

@@ -37,8 +37,10 @@ import grpo_fast as gf
 from grpo_fast import backends, chunked, reference
 from grpo_fast.benchmarks.harness import Shape, relative_error, shape_argument
 from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, LOSS, Batch, grpo_fast_fused, kept_set
+from grpo_fast.benchmarks.profiling import machine_name
+from grpo_fast.kept import KeptSet
 from grpo_fast.numerics import LogitTransform
-from grpo_fast.profiling import machine_name
+from grpo_fast.options import Execution
 from grpo_fast.variants import LossConfig, TokenTerms
 
 CONFIGS = {
@@ -159,8 +161,10 @@ def weight_grad_probe(device, dtype, backend) -> dict:
     batch = device_batch(Shape(64, 64, 1000), dtype, device, seed=9)
     chunked.reset_weight_grad_paths()
     gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask, old_logps=batch.old_logps,
-                 ref_logps=batch.ref_logps, backend=backend, **LOSS,
-                 chunk_bytes=chunk_bytes_for(32, 1000, dtype, backends.resolve(backend, torch.device(device))))
+                 ref_logps=batch.ref_logps, config=LossConfig(**LOSS),
+                 execution=Execution(chunk_bytes=chunk_bytes_for(32, 1000, dtype,
+                                                                 backends.resolve(backend, torch.device(device))),
+                                     backend=backend))
     return {"weight_grad_path": weight_grad_paths()}
 
 
@@ -214,20 +218,44 @@ def kept_keywords(name, inputs, vocab) -> dict:
     return {"kept_ids": ids, "kept_offsets": offsets}
 
 
+TRANSFORM_OPTIONS = {"temperature": "temperature", "logit_scale": "scale", "logit_softcap": "softcap"}
+
+
+def grpo_fast_options(options: dict, fused: dict, loss: bool) -> dict:
+    """grpo_fast's option groups for a case's flat options (the full-logits reference's keywords: logit transform,
+    kept_ids / kept_offsets and, with `loss`, the loss options) and `fused`'s chunk_bytes / backend."""
+    transform = {TRANSFORM_OPTIONS[k]: v for k, v in options.items() if k in TRANSFORM_OPTIONS}
+    if options.get("kept_ids") is not None:
+        transform["kept"] = KeptSet(options["kept_ids"], options["kept_offsets"])
+    grouped = {"transform": LogitTransform(**transform), "execution": Execution(**fused)}
+    if loss:
+        grouped["config"] = LossConfig(**{k: v for k, v in options.items()
+                                          if k not in TRANSFORM_OPTIONS and k not in ("kept_ids", "kept_offsets")})
+    return grouped
+
+
 def case_outputs(name, inputs, hidden, weight, old=None, ref=None, fused=None) -> dict:
-    """The outputs of one case and the gradients of hidden and weight: grpo_fast with `fused` options, else the
-    full-logits reference (float64 for float64 hidden and weight)."""
+    """The outputs of one case and the gradients of hidden and weight: grpo_fast with `fused` options
+    (chunk_bytes, backend), else the full-logits reference (float64 for float64 hidden and weight)."""
     options = CONFIGS[name] if name in CONFIGS else {}
     hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     if name in ("token_logprobs", "buffer > 2^31"):
-        fn = gf.token_logprobs if fused else reference.token_logprobs
-        logp, entropy = fn(hidden, weight, inputs["sampled"], return_entropy=True, **options, **(fused or {}))
+        if fused:
+            logp, entropy = gf.token_logprobs(hidden, weight, inputs["sampled"], return_entropy=True,
+                                              **grpo_fast_options(options, fused, loss=False))
+        else:
+            logp, entropy = reference.token_logprobs(hidden, weight, inputs["sampled"], return_entropy=True,
+                                                     **options)
         u, v = inputs["cotangents"]
         values, objective = {"logp": logp, "entropy": entropy}, (logp * u + entropy * v).sum()
     else:
-        fn = gf.grpo_loss if fused else reference.grpo_loss
-        objective, _ = fn(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"], old_logps=old,
-                          ref_logps=ref, **options, **kept_keywords(name, inputs, weight.shape[0]), **(fused or {}))
+        options = {**options, **kept_keywords(name, inputs, weight.shape[0])}
+        tensors = (hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"])
+        if fused:
+            objective, _ = gf.grpo_loss(*tensors, old_logps=old, ref_logps=ref,
+                                        **grpo_fast_options(options, fused, loss=True))
+        else:
+            objective, _ = reference.grpo_loss(*tensors, old_logps=old, ref_logps=ref, **options)
         values = {"loss": objective}
     d_hidden, d_weight = torch.autograd.grad(objective, (hidden, weight))
     return {**{k: v.detach() for k, v in values.items()}, "dhidden": d_hidden, "dweight": d_weight}

@@ -15,6 +15,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
+from grpo_fast.kept import KeptSet
 from grpo_fast.variants import LossConfig, policy_loss
 
 LOSS = dict(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_high=0.28)
@@ -35,8 +36,13 @@ class Batch:
 
     @property
     def kept(self) -> dict:
-        """The kept_ids / kept_offsets keywords of the loss, or none."""
+        """The kept_ids / kept_offsets keywords of the full-logits loss (grpo_fast.reference), or none."""
         return {} if self.kept_ids is None else {"kept_ids": self.kept_ids, "kept_offsets": self.kept_offsets}
+
+    @property
+    def kept_set(self) -> Optional[KeptSet]:
+        """The kept sets as grpo_fast's loss takes them (LogitTransform(kept=...)), or None."""
+        return None if self.kept_ids is None else KeptSet(self.kept_ids, self.kept_offsets)
 
     @property
     def num_items(self) -> torch.Tensor:
@@ -95,9 +101,10 @@ def grpo_fast_fused(backend, chunk_bytes=None):
     kept sets when it has them."""
     def step(batch):
         loss, _ = gf.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask,
-                               old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-                               num_items_in_batch=batch.num_items, backend=backend, chunk_bytes=chunk_bytes,
-                               **batch.kept, **LOSS)
+                               old_logps=batch.old_logps, ref_logps=batch.ref_logps, config=LossConfig(**LOSS),
+                               transform=gf.LogitTransform(kept=batch.kept_set),
+                               weights=gf.TokenWeights(num_items_in_batch=batch.num_items),
+                               execution=gf.Execution(chunk_bytes=chunk_bytes, backend=backend))
         return backward(loss, batch)
     return step
 

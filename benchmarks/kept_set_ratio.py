@@ -14,7 +14,6 @@ only the engines' numerics. Reported: the mean ratio, the share of tokens outsid
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shutil
 import sys
 import tempfile
@@ -22,8 +21,8 @@ import tempfile
 import torch
 
 from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
+from grpo_fast.benchmarks.profiling import machine_name
 from grpo_fast.kept import KeptSet
-from grpo_fast.profiling import machine_name
 from grpo_fast.train import tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.loop import load_data, load_policy
@@ -58,9 +57,9 @@ def measure(engine, setting: dict, model, prompts: list, vllm_top_k: int) -> dic
     fields = dict(setting)
     if engine.config.engine == "vllm" and fields.get("top_p", 1.0) < 1 and not fields.get("top_k"):
         fields["top_k"] = vllm_top_k
-    config = engine.config = dataclasses.replace(engine.config, **{"top_p": 1.0, "top_k": 0, **fields})
-    engine_name = config.engine
-    generation = engine.generate(prompts, seed=config.seed)
+    config = engine.config = engine.config.replace(**{"top_p": 1.0, "top_k": 0, **fields})
+    engine_name = config.rollout.engine
+    generation = engine.generate(prompts, seed=config.run.seed)
     batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                         generation.completion_ids, loss_mask=generation.completion_mask,
                         advantages=torch.zeros(generation.input_ids.shape[0]))
@@ -80,7 +79,7 @@ def measure(engine, setting: dict, model, prompts: list, vllm_top_k: int) -> dic
 def start_engine(engine_name: str, base: TrainConfig, model, tokenizer, longest_prompt: int, top_k: int):
     """One engine for every setting (vLLM starts once): started with the largest top_k the settings use, which
     sizes the log-probs vLLM may return."""
-    engine = make_engine(dataclasses.replace(base, engine=engine_name, top_k=top_k), model, tokenizer,
+    engine = make_engine(base.replace(engine=engine_name, top_k=top_k), model, tokenizer,
                          longest_prompt)
     if engine_name == "hf":
         engine.sampling_logps = True              # the engine's own log-prob of each sampled token
@@ -130,10 +129,10 @@ def main(argv=None) -> int:
     overrides = {k: v for k, v in (("task", args.task), ("prompt_format", args.prompt_format)) if v is not None}
     # the tiny model gets the trainer's warm start (it stands in for pretraining); a pretrained one runs as shipped
     overrides["sft_steps"] = TrainConfig.sft_steps if args.model == "tiny" else 0
-    base = TrainConfig(model=args.model, group_size=args.group_size, max_completion_length=args.tokens,
-                       temperature=args.temperature, vllm_dtype=args.vllm_dtype, eval_every=0,
-                       output_dir=run_dir, **overrides)
-    data = load_data(dataclasses.replace(base, engine="hf"), None, log=lambda *a: None)
+    base = TrainConfig.from_keys(model=args.model, group_size=args.group_size, max_completion_length=args.tokens,
+                                 temperature=args.temperature, vllm_dtype=args.vllm_dtype, eval_every=0,
+                                 output_dir=run_dir, **overrides)
+    data = load_data(base.replace(engine="hf"), None, log=lambda *a: None)
     model, tokenizer, longest, _ = load_policy(base, data, None, None, torch.device("cpu"), base.dtype,
                                                log=lambda *a: None)
     model.eval()

@@ -1,5 +1,5 @@
 """Long completions: peak memory and step time of the trainer's policy update against completion length, with
-grpo_fast's loss and the full-logits (naive) loss, next to what `grpo_fast.train.plan.plan` predicts.
+grpo_fast's loss and the full-logits (naive) loss, next to what `grpo_fast.train.plan.memory.plan` predicts.
 
 python -m grpo_fast.benchmarks.long_context [--lengths 4096 8192 16384 32768] [--losses grpo_fast naive]
                                             [--vocab 32768] [--hidden 256] [--group-size 2] [--out DIR]
@@ -8,7 +8,7 @@ python -m grpo_fast.benchmarks.long_context [--lengths 4096 8192 16384 32768] [-
 Each (loss, length) runs in a fresh process: a tiny Qwen2-style model (random weights, the given vocabulary),
 a rollout of group_size random completions of that length after a 32-token prompt, and `steps` optimizer steps of
 `grpo_fast.train.update.step.policy_update` (AdamW, one sequence per micro-batch, gradient checkpointing on or off, a
-reference model with beta > 0), with the trainer's attention (grpo_fast.attention.use_varlen_attention).
+reference model with beta > 0), with the trainer's attention (grpo_fast.integrations.attention.use_varlen_attention).
 Memory is the peak RSS above the process's RSS before the model was built (on CUDA the allocator's peak); time is
 the median step. A run the planner predicts past --max-gib is not started. Writes long_context.md / .json and
 memory / time plots to --out (--replan: only recompute the plan's columns of an existing --out/long_context.json
@@ -31,7 +31,7 @@ PROMPT = 32
 
 
 def job_for(args, length: int, loss: str):
-    from grpo_fast.train.plan import Job
+    from grpo_fast.train.plan.memory import Job
 
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     return Job(prompt_length=PROMPT, completion_length=length, group_size=args.group_size, prompts_per_step=1,
@@ -41,7 +41,7 @@ def job_for(args, length: int, loss: str):
 
 
 def shape_for(args):
-    from grpo_fast.train.plan import ModelShape
+    from grpo_fast.train.plan.memory import ModelShape
 
     return ModelShape(args.hidden, 2 * args.hidden, args.layers, args.hidden // 64, max(1, args.hidden // 128),
                       args.vocab, tie_word_embeddings=True, attention_bias=True)
@@ -51,10 +51,10 @@ def worker(args) -> dict:
     """One (loss, length) measurement in this process."""
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
-    from grpo_fast.attention import use_varlen_attention
-    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.benchmarks.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.integrations.attention import use_varlen_attention
     from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.model import tiny_qwen2
+    from grpo_fast.train.policy import tiny_qwen2
     from grpo_fast.train.update.step import Policy, UpdateBatch, completion_logprobs, policy_update
 
     length, loss = args.worker_length, args.worker_loss
@@ -72,10 +72,10 @@ def worker(args) -> dict:
         import copy
 
         ref_model = copy.deepcopy(model).requires_grad_(False)
-    config = TrainConfig(model="tiny", group_size=args.group_size, max_completion_length=length,
-                         micro_batch_size=1, gradient_checkpointing=not args.no_checkpointing, beta=args.beta,
-                         loss_implementation=loss, loss_type="dapo", device=args.device)
-    if config.gradient_checkpointing:
+    config = TrainConfig.from_keys(model="tiny", group_size=args.group_size, max_completion_length=length,
+                                   micro_batch_size=1, gradient_checkpointing=not args.no_checkpointing, beta=args.beta,
+                                   loss_implementation=loss, loss_type="dapo", device=args.device)
+    if config.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -149,7 +149,7 @@ def summary_line(row: dict) -> str:
 
 
 def write(rows: list, args, out: str, command: str) -> None:
-    from grpo_fast.profiling import machine_name
+    from grpo_fast.benchmarks.profiling import machine_name
 
     os.makedirs(out, exist_ok=True)
     attention = sorted({row["attention"] for row in rows if "attention" in row and "carried_over" not in row})
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
 
 def replan(rows: list, args) -> None:
     """The planner's prediction for each measured row, in place (the measurements are kept)."""
-    from grpo_fast.train.plan import plan
+    from grpo_fast.train.plan.memory import plan
 
     for row in rows:
         predicted = plan(shape_for(args), job_for(args, row["length"], row["loss"]))

@@ -1,11 +1,11 @@
 """Packed against padded micro-batches: time and peak memory of the trainer's policy update, with transformers'
 sdpa (a packed row gets a dense (N, N) block-diagonal mask) and with the trainer's variable-length attention
-(grpo_fast.attention: per-sequence sdpa, or flash-attention on CUDA).
+(grpo_fast.integrations.attention: per-sequence sdpa, or flash-attention on CUDA).
 
 python -m grpo_fast.benchmarks.packing [--lengths 400 2000] [--sequences 32 8] [--attention sdpa varlen]
                                        [--steps 3] [--output benchmarks/results/cpu/packing.json]
 
-Each (attention, packing, length) runs in a fresh process: the built-in tiny Qwen2 model (grpo_fast.train.model:
+Each (attention, packing, length) runs in a fresh process: the built-in tiny Qwen2 model (grpo_fast.train.policy:
 hidden 128, 2 layers, 4 heads of 32, 2 KV heads, vocabulary 300, fp32), one micro-batch of `sequences` rollouts
 whose prompts are 16-48 tokens and completions uniformly L/2 to L tokens (random ids, seeded: every
 configuration sees the same rollout), and `steps` policy updates (grpo_fast.train.update.step.policy_update: loss
@@ -53,10 +53,10 @@ def worker(args) -> dict:
 
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
-    from grpo_fast import attention
-    from grpo_fast.profiling import rss_bytes
+    from grpo_fast.benchmarks.profiling import rss_bytes
+    from grpo_fast.integrations import attention
     from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.model import TINY_VOCAB, tiny_qwen2
+    from grpo_fast.train.policy import TINY_VOCAB, tiny_qwen2
     from grpo_fast.train.update.step import Policy, policy_update
 
     length, packing, sequences = args.worker_length, args.worker_packing == "packed", args.worker_sequences
@@ -64,9 +64,9 @@ def worker(args) -> dict:
     baseline = rss_bytes()
     model = tiny_qwen2(TINY_VOCAB, max_positions=int(batch.input_ids.shape[1]) + 1)
     name = "sdpa" if args.worker_attention == "sdpa" else attention.use_varlen_attention(model, "cpu")
-    config = TrainConfig(model="tiny", max_completion_length=length, micro_batch_size=sequences,
-                         packing=packing, loss_type="dapo", device="cpu")
-    if config.gradient_checkpointing:
+    config = TrainConfig.from_keys(model="tiny", max_completion_length=length, micro_batch_size=sequences,
+                                   packing=packing, loss_type="dapo", device="cpu")
+    if config.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -120,7 +120,7 @@ def table(rows: list) -> list:
 
 
 def write(rows: list, args, command: str) -> None:
-    from grpo_fast.profiling import machine_name
+    from grpo_fast.benchmarks.profiling import machine_name
 
     machine = machine_name("cpu")
     setting = ("built-in tiny Qwen2 (hidden 128, 2 layers, 4 heads of 32, 2 KV heads, vocabulary 300, fp32), one "
@@ -133,7 +133,7 @@ def write(rows: list, args, command: str) -> None:
     markdown = os.path.splitext(args.output)[0] + ".md"
     lines = [f"# Packed and padded micro-batches on {machine}", "", setting, "", f"`{command}`", "",
              "sdpa: transformers' default attention (a packed row gets a dense (N, N) block-diagonal mask); "
-             "grpo_fast_varlen: grpo_fast.attention (causal sdpa within each packed sequence, "
+             "grpo_fast_varlen: grpo_fast.integrations.attention (causal sdpa within each packed sequence, "
              "sequences of similar length batched into one call, no mask).", ""]
     with open(markdown, "w") as f:
         f.write("\n".join(lines + table(rows)) + "\n")

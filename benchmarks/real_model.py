@@ -23,7 +23,6 @@ Writes real_model.md / real_model.json to --out when given (it refuses to overwr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import tempfile
@@ -32,7 +31,7 @@ import time
 import torch
 
 from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
-from grpo_fast.profiling import machine_name
+from grpo_fast.benchmarks.profiling import machine_name
 
 
 def median_time(call, repeats: int) -> tuple:
@@ -54,8 +53,8 @@ def gsm8k_prompts(tokenizer, count: int) -> list:
 
     here = os.path.dirname(os.path.abspath(__file__))
     example = os.path.join(os.path.dirname(here), "examples", "gsm8k_qwen2.5_0.5b.yaml")
-    system_prompt = yaml.safe_load(open(example))["system_prompt"] if os.path.exists(example) else None
-    config = TrainConfig(prompt_format="chat", system_prompt=system_prompt)
+    system_prompt = yaml.safe_load(open(example))["data"]["system_prompt"] if os.path.exists(example) else None
+    config = TrainConfig.from_keys(prompt_format="chat", system_prompt=system_prompt)
     texts = [tasks.prompt_text(sample, tokenizer, config) for sample in tasks.gsm8k()[:count]]
     return tasks.prompt_ids(texts, tokenizer)
 
@@ -68,8 +67,8 @@ def generation(model, tokenizer, args) -> list:
     tokens = len(prompts) * args.group_size * args.gen_tokens
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        config = TrainConfig(model=args.model_folder, group_size=args.group_size, ignore_eos=True,
-                             max_completion_length=args.gen_tokens, output_dir=folder, device="cpu")
+        config = TrainConfig.from_keys(model=args.model_folder, group_size=args.group_size, ignore_eos=True,
+                                       max_completion_length=args.gen_tokens, output_dir=folder, device="cpu")
         hf = HFEngine(model, tokenizer, config)
         ways = {"per-prompt": lambda seed: [hf.generate([ids], seed=seed * 1000 + i) for i, ids in enumerate(prompts)],
                 "batched": lambda seed: hf.generate(prompts, seed=seed * 1000)}
@@ -77,7 +76,7 @@ def generation(model, tokenizer, args) -> list:
             seconds, _ = median_time(call, args.repeats)
             rows.append({"way": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds})
         try:
-            vllm_config = dataclasses.replace(config, engine="vllm")
+            vllm_config = config.replace(engine="vllm")
             engine = make_engine(vllm_config, model, tokenizer, max(map(len, prompts)),
                                  model_dir=args.model_folder)
             seconds, _ = median_time(lambda seed: engine.generate(prompts, seed=seed * 1000), args.repeats)
@@ -105,7 +104,7 @@ def update_batch(args, completion_tokens: int, vocab: int):
 
 
 def update(model, args) -> list:
-    from grpo_fast import attention
+    from grpo_fast.integrations import attention
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.update.step import Policy, policy_update
 
@@ -117,8 +116,8 @@ def update(model, args) -> list:
     for completion_tokens in args.completion_tokens:
         batch = update_batch(args, completion_tokens, model.config.vocab_size)
         for share in (False, True):
-            config = TrainConfig(share_prompts=share, loss_type="dapo", beta=0.0, micro_batch_size=64,
-                                 max_completion_length=completion_tokens)
+            config = TrainConfig.from_keys(share_prompts=share, loss_type="dapo", beta=0.0, micro_batch_size=64,
+                                           max_completion_length=completion_tokens)
             seconds, metrics = median_time(lambda _: policy_update(Policy.of(model), optimizer, batch, config),
                                            args.repeats)
             trunk_tokens = (int(batch.attention_mask.sum()) if not share else

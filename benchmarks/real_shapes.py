@@ -1,5 +1,5 @@
 """A real architecture's shape: peak memory, step time and loss of the trainer's policy update on Qwen2.5-0.5B
-(random weights) for each memory option, next to what `grpo_fast.train.plan.plan` predicts.
+(random weights) for each memory option, next to what `grpo_fast.train.plan.memory.plan` predicts.
 
 python -m grpo_fast.benchmarks.real_shapes [--runs fp32 bf16-adamw bf16-adamw8bit bf16-adamw-bf16 lora16]
                                            [--completion-length 1024] [--group-size 2] [--steps 2] [--small]
@@ -99,13 +99,14 @@ def train_config(args, run: str):
     from grpo_fast.train.config import TrainConfig
 
     dtype, optimizer, lora_rank, lr = RUNS[run]
-    return TrainConfig(dtype=dtype, optimizer=optimizer, lora_rank=lora_rank, learning_rate=lr, weight_decay=0.0,
-                       group_size=args.group_size, max_completion_length=args.completion_length,
-                       micro_batch_size=1, gradient_checkpointing=True, loss_type="dapo", beta=0.0, device="cpu")
+    return TrainConfig.from_keys(dtype=dtype, optimizer=optimizer, lora_rank=lora_rank, learning_rate=lr,
+                                 weight_decay=0.0, group_size=args.group_size,
+                                 max_completion_length=args.completion_length, micro_batch_size=1,
+                                 gradient_checkpointing=True, loss_type="dapo", beta=0.0, device="cpu")
 
 
 def job_for(args, run: str):
-    from grpo_fast.train.plan import Job
+    from grpo_fast.train.plan.memory import Job
 
     dtype, optimizer, lora_rank, _ = RUNS[run]
     return Job(prompt_length=PROMPT, completion_length=args.completion_length, group_size=args.group_size,
@@ -126,7 +127,7 @@ def worker(args) -> dict:
     """One run in this process."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.benchmarks.profiling import peak_rss_bytes, start_peak_rss
     from grpo_fast.train import lora
     from grpo_fast.train.update import optimizer as optim
     from grpo_fast.train.update import precision
@@ -209,7 +210,7 @@ def measure(args, run: str, config_path: str) -> dict:
 
 
 def run_all(args, config_path: str) -> list:
-    from grpo_fast.train.plan import ModelShape, plan
+    from grpo_fast.train.plan.memory import ModelShape, plan
 
     shape = ModelShape.from_config(config_path)
     rows = []
@@ -251,7 +252,7 @@ def versions() -> dict:
 
 
 def write(rows: list, args, model_name: str, command: str) -> None:
-    from grpo_fast.profiling import machine_name
+    from grpo_fast.benchmarks.profiling import machine_name
 
     machine = machine_name("cpu")
     setting = (f"{model_name}, random weights (seed {SEED}); one {PROMPT}-token prompt, {args.group_size} "

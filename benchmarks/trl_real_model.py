@@ -41,7 +41,7 @@ import time
 import torch
 
 from grpo_fast.benchmarks.harness import last_result, print_result, refuse_to_overwrite, versions, write_results
-from grpo_fast.profiling import machine_name
+from grpo_fast.benchmarks.profiling import machine_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
@@ -79,7 +79,7 @@ def median_after_first(values: list) -> float:
 # ---------------------------------------------------------------------------------------------- in the subprocess
 def grpo_fast_trainer(spec: dict) -> dict:
     """The example's job in grpo_fast's own trainer: per-step seconds from its metrics.jsonl."""
-    from grpo_fast.profiling import peak_rss_bytes, rss_bytes
+    from grpo_fast.benchmarks.profiling import peak_rss_bytes, rss_bytes
     from grpo_fast.train.loop import train
     from grpo_fast.train.rollout.engines import vllm_dtype
 
@@ -94,7 +94,8 @@ def grpo_fast_trainer(spec: dict) -> dict:
             "completion_len": statistics.mean(m["completion_len"] for m in metrics),
             "reward": [m["reward"] for m in metrics], "loss": metrics[0]["loss"],
             "start_rss_mib": start_rss / 2**20, "peak_rss_mib": peak_rss_bytes() / 2**20,
-            "engine_dtype": vllm_dtype(config.vllm_dtype, torch.device("cpu")) if spec["engine"] == "vllm" else None}
+            "engine_dtype": (vllm_dtype(config.rollout.vllm_dtype, torch.device("cpu")) if spec["engine"] == "vllm"
+                             else None)}
 
 
 def trl_dataset(spec: dict, tokenizer):
@@ -107,10 +108,10 @@ def trl_dataset(spec: dict, tokenizer):
     if spec["job"] == "trainer":
         config = trainer_config(spec)
         samples, _ = tasks.load_task(config)
-        system = config.system_prompt
+        system = config.data.system_prompt
     else:
         samples = tasks.gsm8k(spec["prompts"])
-        system = yaml.safe_load(open(GSM8K_EXAMPLE))["system_prompt"]
+        system = yaml.safe_load(open(GSM8K_EXAMPLE))["data"]["system_prompt"]
     return Dataset.from_list([{"prompt": [{"role": "system", "content": system},
                                           {"role": "user", "content": sample["prompt"]}],
                                "solution": sample["solution"]} for sample in samples])
@@ -129,8 +130,8 @@ def trl_trainer(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from grpo_fast.benchmarks.profiling import peak_rss_bytes, rss_bytes, start_peak_rss
     from grpo_fast.integrations.trl import FastGRPOTrainer
-    from grpo_fast.profiling import peak_rss_bytes, rss_bytes, start_peak_rss
     from grpo_fast.train.pretrained import model_folder
     from grpo_fast.train.tasks.rewards import accuracy_reward
 
@@ -142,8 +143,8 @@ def trl_trainer(spec: dict) -> dict:
     clipping = {}
     if spec["job"] == "trainer":        # the trainer config's clip range and gradient clipping
         config = trainer_config(spec)
-        clipping = {"epsilon": config.epsilon_low, "epsilon_high": config.epsilon_high,
-                    "max_grad_norm": config.max_grad_norm}
+        clipping = {"epsilon": config.loss.epsilon_low, "epsilon_high": config.loss.epsilon_high,
+                    "max_grad_norm": config.optimization.max_grad_norm}
     # Each step's RSS: the process's peak during generation and scoring, then (the peak reset) during the update
     # (loss, backward, optimizer step), and the RSS the update starts from, which holds what generation left.
     phases = {"generation_peak": [], "update_start": [], "update_peak": []}
@@ -232,10 +233,10 @@ def trainer_rows(args) -> list:
     for round_ in range(1, args.rounds + 1):
         for runner, engine in runs if round_ % 2 else runs[::-1]:
             rows.append({**run_child({"job": "trainer", "trainer_job": args.trainer_job, "runner": runner,
-                                      "engine": engine, "steps": args.steps, "prompts": config.prompts_per_step,
-                                      "group_size": config.group_size,
-                                      "completion_tokens": config.max_completion_length,
-                                      "temperature": config.temperature}, args.timeout), "round": round_})
+                                      "engine": engine, "steps": args.steps, "prompts": config.rollout.prompts_per_step,
+                                      "group_size": config.rollout.group_size,
+                                      "completion_tokens": config.rollout.max_completion_length,
+                                      "temperature": config.rollout.temperature}, args.timeout), "round": round_})
     return rows
 
 

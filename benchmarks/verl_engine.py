@@ -83,7 +83,7 @@ def run_row(args) -> dict:
     )
     from verl.workers.utils.losses import ppo_loss
 
-    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.benchmarks.profiling import peak_rss_bytes, start_peak_rss
 
     verl_forward = dense_common.forward_with_torch_backend
     if args.row == "grpo_fast":
@@ -149,7 +149,7 @@ def main(argv=None) -> None:
         print(json.dumps(run_row(args)), flush=True)
         os._exit(0)              # skip the teardown of gloo's and ray's native threads once the result is out
     from grpo_fast.benchmarks.harness import refuse_to_overwrite, write_results
-    from grpo_fast.profiling import machine_name
+    from grpo_fast.benchmarks.profiling import machine_name
 
     refuse_to_overwrite(parser, args.out, "verl_engine", args.overwrite)
     given = sys.argv[1:] if argv is None else argv

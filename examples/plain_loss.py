@@ -41,7 +41,7 @@ with torch.no_grad():                                             # old policy =
     old_logps = gf.token_logprobs(hidden, model.lm_head.weight, targets)
 
 loss, metrics = gf.grpo_loss(hidden, model.lm_head.weight, targets, advantages, completion_mask,
-                             old_logps=old_logps, loss_type="dapo", epsilon_high=0.28)
+                             old_logps=old_logps, config=gf.LossConfig(loss_type="dapo", epsilon_high=0.28))
 loss.backward()
 optimizer.step()
 optimizer.zero_grad()

@@ -20,9 +20,9 @@ from datasets import Dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
+from grpo_fast.benchmarks.profiling import peak_rss_bytes
 from grpo_fast.integrations.trl import FastGRPOTrainer
-from grpo_fast.profiling import peak_rss_bytes
-from grpo_fast.train.model import train_tokenizer
+from grpo_fast.train.policy import train_tokenizer
 
 
 def short_answer_reward(completions, **kwargs):

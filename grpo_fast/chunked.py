@@ -55,7 +55,7 @@ def default_chunk_bytes(device: torch.device) -> int:
 def cuda_chunk_bytes(total_memory: int) -> int:
     """The default chunk budget on a CUDA device of `total_memory` bytes: 1/16 of it, clamped to [1 GiB, 8 GiB]
     (8 GiB on a 141 GB card, 4.9 GiB on an 80 GB one, 1.4 GiB on a 24 GB one). The planner
-    (grpo_fast/train/plan.py) counts the same budget per card."""
+    (grpo_fast/train/plan/memory.py) counts the same budget per card."""
     return int(min(max(total_memory * CUDA_CHUNK_FRACTION, CUDA_CHUNK_BYTES_MIN), CUDA_CHUNK_BYTES_MAX))
 
 
@@ -222,23 +222,11 @@ class VersionGuard:
                 )
 
 
-def chunked_pass(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    targets: torch.Tensor,
-    transform: LogitTransform,
-    ops: ChunkOps,
-    rows: int,
-    *,
-    need_entropy: bool,
-    token_grads: Optional[Callable] = None,
-    grad_hidden: bool = True,
-    grad_weight: bool = True,
-    grad_bias: bool = True,
-    kept: Optional[KeptSet] = None,
-    need_sum_pi_squared: bool = False,
-) -> PassResult:
+def chunked_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                 transform: LogitTransform, ops: ChunkOps, rows: int, *, need_entropy: bool,
+                 token_grads: Optional[Callable] = None, grad_hidden: bool = True, grad_weight: bool = True,
+                 grad_bias: bool = True, kept: Optional[KeptSet] = None,
+                 need_sum_pi_squared: bool = False) -> PassResult:
     """One sweep over the tokens of hidden (N, H) against weight (V, H).
 
     token_grads(start, end, logp, entropy) -> (g_logp, g_entropy or None), all (end - start,) fp32, is called

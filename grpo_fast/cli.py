@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 NOT_INSTALLED = ("grpo-fast {command}: the benchmark harness (grpo_fast.benchmarks, from the repository's benchmarks/ "
                  "folder) is importable only from an install: run `pip install -e .` in the repository")
@@ -18,7 +19,7 @@ def main(argv=None) -> int:
         return _train(argv[1:])                 # free-form --key value pairs: parsed by the config itself
     if argv[:1] == ["eval"] and argv[1:2] and not {"-h", "--help"} & set(argv[1:]):
         return _eval(argv[1], argv[2:])
-    from grpo_fast.train import plan
+    from grpo_fast.train.plan import command as plan_command
 
     try:
         from grpo_fast.benchmarks import demo, harness
@@ -33,7 +34,8 @@ def main(argv=None) -> int:
     if harness is not None:
         demo.add_arguments(demo_parser)
         harness.add_arguments(bench_parser)
-    plan.add_arguments(commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component"))
+    plan_parser = commands.add_parser("plan", help="predicted peak GPU memory of a GRPO job, per component")
+    plan_command.add_arguments(plan_parser)
     export_parser = commands.add_parser("export", help="a run's newest checkpoint as a Hugging Face model folder "
                                         "(LoRA adapters merged)")
     export_parser.add_argument("run_dir", help="a training run's output_dir")
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     # without the harness its commands' options are unknown here: parse what is known, then say how to install
     args = parser.parse_args(argv) if harness is not None else parser.parse_known_args(argv)[0]
     if args.command == "plan":
-        return plan.main(args)
+        return plan_command.main(args)
     if args.command == "export":
         return _export(args.run_dir, args.out_dir, args.peft_adapter)
     if args.command == "eval":                  # here only without a target (else dispatched above)
@@ -87,7 +89,7 @@ def _export(run_dir: str, out_dir: str, adapter: bool = False) -> int:
 
 def _eval(target: str, arguments: list) -> int:
     from grpo_fast.train.config import parse_overrides
-    from grpo_fast.train.run.evaluate import main as evaluate_main
+    from grpo_fast.train.run.eval_command import main as evaluate_main
 
     try:
         overrides = parse_overrides(arguments)
@@ -111,7 +113,11 @@ def _train(arguments: list) -> int:
     resume = "--resume" in arguments
     arguments = [item for item in arguments if item != "--resume"]
     try:
-        config = load_config(config_path, parse_overrides(arguments))
+        with warnings.catch_warnings(record=True) as caught:      # a flat config file: one line, then it trains
+            warnings.simplefilter("always", FutureWarning)
+            config = load_config(config_path, parse_overrides(arguments))
+        for warning in caught:
+            print(f"grpo-fast train: {warning.message}", file=sys.stderr)
     except (ValueError, OSError) as error:
         print(f"grpo-fast train: {error}", file=sys.stderr)
         return 2
@@ -125,7 +131,7 @@ def _train(arguments: list) -> int:
     except (ValueError, OSError, RunError) as error:         # the cause is named: one line, not a traceback
         print(f"grpo-fast train: {error}", file=sys.stderr)
         return 2
-    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
+    metrics_path = os.path.join(config.run.output_dir, "metrics.jsonl")
     if history and os.path.exists(metrics_path):      # the whole run's steps, a resumed one's earlier part too
         with open(metrics_path) as f:
             history = [json.loads(text) for text in f if text.strip()] or history
@@ -134,7 +140,7 @@ def _train(arguments: list) -> int:
         first = sum(r["reward"] for r in history[:tenth]) / tenth
         last = sum(r["reward"] for r in history[-tenth:]) / tenth
         line = f"done: {len(history)} steps, mean reward {first:.3f} (first tenth) -> {last:.3f} (last tenth)"
-        evals_path = os.path.join(config.output_dir, "eval.jsonl")
+        evals_path = os.path.join(config.run.output_dir, "eval.jsonl")
         if os.path.exists(evals_path):
             with open(evals_path) as f:
                 evals = [json.loads(text) for text in f if text.strip()]
@@ -142,8 +148,8 @@ def _train(arguments: list) -> int:
                 line += (f", held-out accuracy {evals[0]['accuracy']:.3f} (step {evals[0]['step']}) -> "
                          f"{evals[-1]['accuracy']:.3f} (step {evals[-1]['step']})")
         written = [name for name in ("metrics.jsonl", "eval.jsonl", "curves.png", "model")
-                   if os.path.exists(os.path.join(config.output_dir, name))]
-        print(f"{line}; {config.output_dir}/" + ", ".join(name + "/" if name == "model" else name
+                   if os.path.exists(os.path.join(config.run.output_dir, name))]
+        print(f"{line}; {config.run.output_dir}/" + ", ".join(name + "/" if name == "model" else name
                                                           for name in written))
     return 0
 

@@ -24,19 +24,39 @@ from typing import Optional
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class KeptSet:
-    """A checked CSR kept set (see the module docstring): ids (K_total,) int64 and offsets (N + 1,) int64 on the
-    tokens' device, host_offsets the same offsets on the CPU (chunk boundaries are sliced without a device sync)."""
+    """The kept set of each of N tokens, CSR (see the module docstring): token t's kept ids are
+    ids[offsets[t]:offsets[t + 1]], tokens in the row-major order of the targets.
+
+    ids: (K_total,) integer token ids in [0, V), no id twice within a token, each token's target among its own.
+    offsets: (N + 1,) integer, from 0, non-decreasing, to K_total; on the tokens' device.
+    host_offsets: the same offsets on the CPU (chunk boundaries are sliced without a device sync); None (the
+    default) copies them once here.
+
+    `KeptSet(ids, offsets)` is what the loss entries take (in `LogitTransform(kept=...)`); they check it against
+    the targets and the vocabulary before any work (`check_kept_set`), with errors naming ids as kept_ids and
+    offsets as kept_offsets. `kept_set_from_mask` builds the pair from a (N, V) boolean mask.
+    """
 
     ids: torch.Tensor
     offsets: torch.Tensor
-    host_offsets: torch.Tensor
+    host_offsets: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.host_offsets is None and isinstance(self.offsets, torch.Tensor):
+            object.__setattr__(self, "host_offsets", self.offsets.cpu())
+
+    def __repr__(self) -> str:
+        if not (isinstance(self.ids, torch.Tensor) and isinstance(self.offsets, torch.Tensor)):
+            return f"KeptSet(ids={type(self.ids).__name__}, offsets={type(self.offsets).__name__})"
+        return f"KeptSet({self.num_tokens} tokens, {self.ids.numel()} ids, {self.ids.device})"
 
     @classmethod
-    def of(cls, ids: torch.Tensor, offsets: torch.Tensor) -> "KeptSet":
+    def of(cls, ids: torch.Tensor, offsets: torch.Tensor, host_offsets: Optional[torch.Tensor] = None) -> "KeptSet":
+        """The set with int64 ids and offsets; host_offsets: the offsets on the CPU when the caller has them."""
         offsets = offsets.long()
-        return cls(ids.long(), offsets, offsets.cpu())
+        return cls(ids.long(), offsets, offsets.cpu() if host_offsets is None else host_offsets.long())
 
     @property
     def num_tokens(self) -> int:
@@ -110,8 +130,9 @@ def _integer_vector(name: str, value, device) -> None:
 
 
 def check_kept_set(kept_ids, kept_offsets, targets: torch.Tensor, vocab_size: int,
-                   valid: Optional[torch.Tensor] = None) -> Optional[KeptSet]:
+                   valid: Optional[torch.Tensor] = None, host_offsets=None) -> Optional[KeptSet]:
     """The KeptSet of (kept_ids, kept_offsets) for `targets` (any shape, N = numel), or None when both are None.
+    host_offsets: kept_offsets already on the CPU (a KeptSet's), which saves a device sync.
 
     valid: (same shape as targets) bool, the tokens that count (the loss's mask); elsewhere a kept set may be
     empty and need not hold its target. Every error names the argument, the expected and the actual value.
@@ -128,7 +149,7 @@ def check_kept_set(kept_ids, kept_offsets, targets: torch.Tensor, vocab_size: in
     if kept_offsets.numel() != num_tokens + 1:
         raise ValueError(f"kept_offsets must have shape (N + 1,) = ({num_tokens + 1},) for the N = {num_tokens} "
                          f"tokens of targets, got {tuple(kept_offsets.shape)}")
-    kept = KeptSet.of(kept_ids, kept_offsets)
+    kept = KeptSet.of(kept_ids, kept_offsets, host_offsets)
     host = kept.host_offsets
     if int(host[0]) != 0 or int(host[-1]) != kept_ids.numel():
         raise ValueError(f"kept_offsets must run from 0 to kept_ids.numel() = {kept_ids.numel()}, got "

@@ -2,7 +2,8 @@
 
     head = lm_head(model)                                    # weight, bias, logit_scale, logit_softcap
     hidden = final_hidden_states(model, input_ids, attention_mask)        # (B, L, H), normed, no logits
-    logp = token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], **head.logit_kwargs(temperature=0.9))
+    logp = token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], bias=head.bias,
+                          transform=head.transform(temperature=0.9))
 
 equals `log_softmax(model(input_ids).logits[:, :-1] / 0.9).gather(...)`. Works for PEFT-wrapped models and models
 wrapped by DDP / FSDP (`.module`), tied embeddings, Gemma 2's final soft-cap, Cohere's `logit_scale` and
@@ -19,6 +20,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from grpo_fast.kept import KeptSet
+from grpo_fast.numerics import LogitTransform
+
 
 @dataclass
 class LMHead:
@@ -29,10 +33,11 @@ class LMHead:
     logit_scale: float = 1.0
     logit_softcap: Optional[float] = None
 
-    def logit_kwargs(self, temperature: float = 1.0) -> dict:
-        """Keyword arguments of `token_logprobs` / `grpo_loss` for this head."""
-        return dict(bias=self.bias, logit_scale=self.logit_scale, logit_softcap=self.logit_softcap,
-                    temperature=temperature)
+    def transform(self, temperature: float = 1.0, kept: Optional[KeptSet] = None) -> LogitTransform:
+        """LogitTransform(temperature, scale=logit_scale, softcap=logit_softcap, kept=kept): this head's logit
+        transform, the `transform=` of `token_logprobs` / `grpo_loss` (its bias goes as `bias=`); kept: the
+        tokens' kept sets (top-k / top-p sampling), or None for the whole vocabulary."""
+        return LogitTransform(temperature=temperature, scale=self.logit_scale, softcap=self.logit_softcap, kept=kept)
 
 
 def wrapper_chain(model: nn.Module) -> list:

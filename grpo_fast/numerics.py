@@ -1,24 +1,57 @@
 """What every layer agrees on about numbers: the dtype sums are accumulated in, and the logit transform.
 
-A leaf (it imports torch only): the chunk loop (`grpo_fast.chunked`), the backends, the argument checks and the
-full-logits reference all import it, and it imports none of them.
+A leaf (it imports torch and the kept-set format only): the chunk loop (`grpo_fast.chunked`), the backends, the
+argument checks and the full-logits reference all import it, and it imports none of them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from grpo_fast.kept import KeptSet
+
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """z = softcap * tanh(y * scale / softcap) / temperature (no tanh when softcap is None)."""
+    """The distribution each token's log-prob is taken under, from its logits y = hidden @ weight.T + bias::
 
+        z = softcap * tanh(y * scale / softcap) / temperature          # no tanh when softcap is None
+        logp = log_softmax(z)[target]                                   # over kept.ids of the token, if kept
+
+    temperature: the sampling temperature (> 0). scale: the head's logit multiplier (Cohere's logit_scale).
+    softcap: the head's final soft-cap (Gemma 2), or None. kept: the kept set of each token (`KeptSet`, the ids a
+    top-k / top-p sampler kept, CSR), or None for the whole vocabulary; each set must hold its token's target.
+    `grpo_fast.models.lm_head(model).transform(temperature)` builds a head's own. Validated on construction: an
+    error names the field, the expected and the actual value.
+    """
+
+    temperature: float = 1.0
     scale: float = 1.0
     softcap: Optional[float] = None
-    temperature: float = 1.0
+    kept: Optional[KeptSet] = None
+
+    def __post_init__(self):
+        for name, field, value in (("temperature", "temperature", self.temperature),
+                                   ("logit_scale", "scale", self.scale)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise TypeError(f"{name} must be a finite float (LogitTransform.{field}), got {value!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (LogitTransform.temperature), got {self.temperature!r}")
+        softcap = self.softcap
+        if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
+                                    or not softcap > 0):
+            raise ValueError(f"logit_softcap must be a positive float or None (LogitTransform.softcap), got "
+                             f"{softcap!r}")
+        if self.kept is not None and not isinstance(self.kept, KeptSet):
+            raise TypeError(f"kept must be a grpo_fast.KeptSet(ids, offsets) or None (LogitTransform.kept), got "
+                            f"{type(self.kept).__name__}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "scale", float(self.scale))
+        object.__setattr__(self, "softcap", None if softcap is None else float(softcap))
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -35,12 +35,9 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo_fast import backends
-from grpo_fast.chunked import VersionGuard, chunk_plan
-from grpo_fast.inputs import check_chunk_bytes, check_lm_head, check_target_range, check_tensor, check_transform
-from grpo_fast.kept import check_kept_set
-from grpo_fast.loss import _FusedPolicyLoss
-from grpo_fast.numerics import accumulation_dtype
+from grpo_fast import sweep
+from grpo_fast.numerics import LogitTransform, accumulation_dtype
+from grpo_fast.options import EXECUTION_MOVES, TRANSFORM_MOVES, Execution, names_moved_keywords
 
 
 @dataclass
@@ -185,6 +182,7 @@ def _checked_chunk_result(result, chunk: TokenChunk):
             None if g_entropy is None else g_entropy.detach().to(dtype).contiguous())
 
 
+@names_moved_keywords({**TRANSFORM_MOVES, **EXECUTION_MOVES})
 def fused_token_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -193,15 +191,9 @@ def fused_token_loss(
     *,
     mask: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    logit_softcap: Optional[float] = None,
+    transform: Optional[LogitTransform] = None,
+    execution: Optional[Execution] = None,
     with_entropy: bool = False,
-    chunk_bytes: Optional[int] = None,
-    backend: str = "auto",
-    process_group=None,
-    kept_ids: Optional[torch.Tensor] = None,
-    kept_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """sum over chunks of token_loss(chunk)[0], with the gradient computed inside the sweep. Equals::
 
@@ -212,57 +204,35 @@ def fused_token_loss(
     gradients with respect to the chunk's log-probs (and entropies). 3 GEMM passes over (N, H, V), 2 when the
     weight does not require grad; under torch.no_grad() (or without a trainable input) 1, gradients skipped.
 
-    Args:
-        hidden: (B, T, H) or (N, H), fp32 / bf16 / fp16 (fp64: backend torch); weight (V, H), optional bias (V,), alike.
-        targets: hidden.shape[:-1] token ids, in [0, V) where mask is 1.
-        token_loss: token_loss(chunk: TokenChunk) -> (value, g_logp, g_entropy): value a 1-element tensor, g_logp
-            (n,) = d(value)/d(chunk.logp), g_entropy (n,) or None (only with with_entropy). Called once per chunk,
-            in order; `autograd_token_loss(fn)` builds one from a torch expression. Its optional method
-            after_sweep(gradients_used: bool) runs after the last chunk (`batch_token_loss` checks there).
-        mask: optional hidden.shape[:-1] bool / 0-1: the tokens that count; the others are compacted away before
-            any GEMM (padding and prompt tokens cost nothing). Default: every token.
-        temperature, logit_scale, logit_softcap, chunk_bytes, backend, process_group, kept_ids, kept_offsets: as
-            in `token_logprobs`.
+    hidden: (B, T, H) or (N, H), fp32 / bf16 / fp16 (fp64: backend torch); weight (V, H), optional bias (V,), alike.
+    targets: hidden.shape[:-1] token ids, in [0, V) where mask is 1.
+    token_loss: token_loss(chunk: TokenChunk) -> (value, g_logp, g_entropy): value a 1-element tensor, g_logp
+        (n,) = d(value)/d(chunk.logp), g_entropy (n,) or None (only with with_entropy). Called once per chunk, in
+        order; `autograd_token_loss(fn)` builds one from a torch expression. Its optional method
+        after_sweep(gradients_used: bool) runs after the last chunk (`batch_token_loss` checks there).
+    mask: optional hidden.shape[:-1] bool / 0-1: the tokens that count; the others are compacted away before any
+        GEMM (padding and prompt tokens cost nothing). Default: every token.
+    transform, execution: the logit transform and kept sets (`LogitTransform`), the chunk budget, backend and
+        vocabulary-parallel group (`Execution`), as in `token_logprobs`.
 
-    Returns:
-        a 0-dim tensor in logp's dtype (fp32; fp64 for fp64 inputs), differentiable with respect to hidden, weight
-        and bias (first order; hidden, weight and bias must not change in place before the backward).
+    Returns a 0-dim tensor in logp's dtype (fp32; fp64 for fp64 inputs), differentiable with respect to hidden,
+    weight and bias (first order; hidden, weight and bias must not change in place before the backward).
     """
-    check_lm_head(hidden, weight, bias, targets)
-    transform = check_transform(temperature, logit_scale, logit_softcap)
-    check_chunk_bytes(chunk_bytes)
     if not callable(token_loss):
         raise TypeError(f"token_loss must be callable (chunk) -> (value, g_logp, g_entropy), got "
                         f"{type(token_loss).__name__}")
-    token_shape = tuple(hidden.shape[:-1])
-    flat_mask = None
-    if mask is not None:
-        check_tensor("mask", mask)
-        if tuple(mask.shape) != token_shape:
-            raise ValueError(f"mask must have shape {token_shape} (hidden.shape[:-1]), got {tuple(mask.shape)}")
-        if mask.device != hidden.device:
-            raise ValueError(f"mask must be on {hidden.device} like hidden, got {mask.device}")
-        flat_mask = mask.reshape(-1) != 0
-    ops, vocab_size = backends.resolve_head(backend, hidden.device, weight.shape[0], process_group)
-    check_target_range(targets, vocab_size, None if flat_mask is None else flat_mask.view(token_shape))
-    kept = check_kept_set(kept_ids, kept_offsets, targets, vocab_size,
-                          None if flat_mask is None else flat_mask.view(token_shape))
-    guard = VersionGuard("fused_token_loss", hidden=hidden, weight=weight, bias=bias) \
-        if torch.is_grad_enabled() else None
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1).long()
-    if flat_mask is None:
-        index = torch.arange(flat_targets.numel(), device=hidden.device)
-        hidden_c, targets_c, kept_c = flat_hidden, flat_targets, kept
-    else:
-        index = flat_mask.nonzero().squeeze(1)
-        hidden_c, targets_c = flat_hidden.index_select(0, index), flat_targets.index_select(0, index)
-        kept_c = None if kept is None else kept.select(index)
-    ops, chunk_bytes, rows = chunk_plan(hidden_c, weight, chunk_bytes, backend, ops)
+    inputs = sweep.prepare("fused_token_loss", hidden, weight, targets, bias=bias, transform=transform,
+                           execution=execution, mask=mask)
+    loss, _ = sweep.fused(inputs, *_chunk_callbacks(token_loss, inputs, with_entropy))
+    return loss.to(accumulation_dtype(hidden.dtype))
+
+
+def _chunk_callbacks(token_loss: Callable, inputs: sweep.SweepInputs, with_entropy: bool):
+    """(token_grads, finish) of the sweep: each chunk's gradients from token_loss, the total from its values."""
     values = []
 
     def chunk_result(start, end, logp, entropy):
-        chunk = TokenChunk(logp, entropy if with_entropy else None, index[start:end])
+        chunk = TokenChunk(logp, entropy if with_entropy else None, inputs.positions(start, end))
         value, g_logp, g_entropy = _checked_chunk_result(token_loss(chunk), chunk)
         values.append(value)
         return g_logp, g_entropy
@@ -270,18 +240,11 @@ def fused_token_loss(
     def finish(logp, entropy):
         gradients_used = bool(values)        # the gradient pass called token_loss chunk by chunk
         if not values:                       # no gradient pass ran: the values of the log-prob pass's chunks
-            for start in range(0, logp.shape[0], rows):
-                end = min(start + rows, logp.shape[0])
+            for start in range(0, logp.shape[0], inputs.rows):
+                end = min(start + inputs.rows, logp.shape[0])
                 chunk_result(start, end, logp[start:end], None if entropy is None else entropy[start:end])
         if callable(getattr(token_loss, "after_sweep", None)):
             token_loss.after_sweep(gradients_used)
         total = torch.stack(values).sum() if values else logp.new_zeros(())
         return total, {}
-
-    trainable = [t for t in (hidden_c, weight, bias) if t is not None and t.requires_grad]
-    token_grads = chunk_result
-    if not (torch.is_grad_enabled() and trainable):
-        token_grads = guard = None
-    loss = _FusedPolicyLoss.apply(hidden_c, weight, bias, targets_c, transform, ops, rows, token_grads, finish, {},
-                                  guard, kept_c)
-    return loss.to(accumulation_dtype(hidden.dtype))
+    return chunk_result, finish

@@ -136,9 +136,9 @@ class LossConfig:
 
 
 def loss_config(config: Optional[LossConfig] = None, **options) -> LossConfig:
-    """`config if config is not None else LossConfig(**options)`: how every entry takes its loss options
-    (`grpo_loss(..., **loss_options)`, `GRPOLoss(config, **loss_options)`, `grpo_fast.reference.grpo_loss`), so
-    that a new option is a LossConfig field (and a line of `grpo_loss`'s docstring), no entry's signature.
+    """`config if config is not None else LossConfig(**options)`: how the full-logits `grpo_fast.reference.grpo_loss`
+    takes its loss options as keywords, so that a new option is a LossConfig field, no entry's signature (the
+    fused entries take one `config=`, see `as_loss_config`).
 
     A keyword that is no LossConfig field raises a ValueError naming it. Beside a config each option must keep its
     LossConfig default, since two sources of one option would leave it unclear which one holds.
@@ -156,6 +156,19 @@ def loss_config(config: Optional[LossConfig] = None, **options) -> LossConfig:
         if value != defaults[name]:
             raise ValueError(f"pass loss options either in config or as keywords, got config and {name}={value!r}")
     return config
+
+
+def as_loss_config(config) -> LossConfig:
+    """The `config=` of the loss entries as a LossConfig: a LossConfig as it is, a loss-type name (a key of
+    `LOSS_TYPES`) as `LossConfig(loss_type=config)`, None as `LossConfig()`; anything else is a TypeError."""
+    if isinstance(config, LossConfig):
+        return config
+    if config is None:
+        return LossConfig()
+    if isinstance(config, str):
+        return LossConfig(loss_type=config)
+    raise TypeError(f"config must be a grpo_fast.LossConfig, a loss type name ({', '.join(LOSS_TYPES)}) or None, "
+                    f"got {type(config).__name__}")
 
 
 def token_weights(mask: torch.Tensor, config: LossConfig, num_items_in_batch=None) -> torch.Tensor:

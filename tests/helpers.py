@@ -109,6 +109,79 @@ def assert_close(actual, expected, rtol, atol=0.0, name=""):
     assert err <= rtol * scale + atol, f"{name}: max error {err:.3e} > {rtol:.1e} x max |expected| {scale:.3e}"
 
 
+# ------------------------------------------------- the loss entries' option groups from flat keywords
+_TRANSFORM_FIELDS = {"temperature": "temperature", "logit_scale": "scale", "logit_softcap": "softcap"}
+_EXECUTION_FIELDS = ("chunk_bytes", "backend", "process_group")
+_WEIGHTS_FIELDS = ("num_items_in_batch", "is_ratio", "loss_weights", "entropy_weights")
+
+
+def grouped(*, kept_home="transform", **flat) -> dict:
+    """The keywords of a grpo_fast loss entry from the flat ones it once took: temperature / logit_scale /
+    logit_softcap / kept_ids / kept_offsets into transform=LogitTransform(...), chunk_bytes / backend /
+    process_group into execution=Execution(...), num_items_in_batch / is_ratio / loss_weights / entropy_weights
+    into weights=TokenWeights(...), LossConfig's fields into config=LossConfig(...); the rest unchanged.
+    kept_home="kept": the kept set as kept=KeptSet(...) (GRPOLoss.forward's keyword) instead."""
+    import dataclasses
+
+    import grpo_fast as gf
+
+    config_fields = {field.name for field in dataclasses.fields(gf.LossConfig)}
+    out, transform, execution, weights, config = {}, {}, {}, {}, {}
+    kept_ids, kept_offsets = flat.pop("kept_ids", None), flat.pop("kept_offsets", None)
+    for name, value in flat.items():
+        if name in _TRANSFORM_FIELDS:
+            transform[_TRANSFORM_FIELDS[name]] = value
+        elif name in _EXECUTION_FIELDS:
+            execution[name] = value
+        elif name in _WEIGHTS_FIELDS:
+            weights[name] = value
+        elif name in config_fields:
+            config[name] = value
+        else:
+            out[name] = value
+    if kept_ids is not None or kept_offsets is not None:
+        kept = gf.KeptSet(kept_ids, kept_offsets)
+        if kept_home == "kept":
+            out["kept"] = kept
+        else:
+            transform["kept"] = kept
+    if transform:
+        out["transform"] = gf.LogitTransform(**transform)
+    if execution:
+        out["execution"] = gf.Execution(**execution)
+    if weights:
+        out["weights"] = gf.TokenWeights(**weights)
+    if config:
+        assert out.get("config") is None, "config and loss options as keywords"
+        out["config"] = gf.LossConfig(**config)
+    return out
+
+
+def forward_grouped(**flat) -> dict:
+    """`grouped` for GRPOLoss.forward: its kept set as kept=KeptSet(...)."""
+    return grouped(kept_home="kept", **flat)
+
+
+def flat(fn):
+    """fn taking the flat keywords: a grpo_fast entry through `grouped` (a GRPOLoss module's forward through
+    `forward_grouped`), the full-logits reference, which keeps them, as it is."""
+    import grpo_fast as gf
+
+    if getattr(fn, "__module__", None) == "grpo_fast.reference":
+        return fn
+    regroup = forward_grouped if isinstance(fn, gf.GRPOLoss) else grouped
+    return lambda *args, **kwargs: fn(*args, **regroup(**kwargs))
+
+
+# ------------------------------------------------------ the trainer's config from its keys
+def flat_config(**keys):
+    """`TrainConfig.from_keys(**keys)`: the trainer's config from keys named as on the command line (`temperature`
+    or `rollout.temperature`), each put in its section."""
+    from grpo_fast.train.config import TrainConfig
+
+    return TrainConfig.from_keys(**keys)
+
+
 # ------------------------------------------------------ reward functions the trainer tests load by name
 CALLS = {"n": 0, "interrupt_at": None}
 
@@ -131,7 +204,7 @@ def text_length_reward(completions, **kwargs):
 
 # --------------------------------------------------- a tiny model and a GRPO run for the TRL drop-in tests
 def tiny_tokenizer():
-    from grpo_fast.train.model import train_tokenizer
+    from grpo_fast.train.policy import train_tokenizer
 
     return train_tokenizer([], vocab_size=259)           # bytes and special tokens, no merges
 
@@ -164,7 +237,7 @@ def arithmetic_policy(num_samples=64):
     """(model, tokenizer, samples): a small Qwen2-style model (hidden 64) with a tokenizer trained on the
     arithmetic task's problems, left-padded, for the engine tests."""
     from grpo_fast.train import tasks
-    from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+    from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
 
     samples = tasks.arithmetic_task(num_samples, seed=0)
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)

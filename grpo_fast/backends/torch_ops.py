@@ -16,16 +16,21 @@ from grpo_fast.variants import token_loss_grad
 
 @dataclass
 class ChunkState:
-    logits: torch.Tensor             # z (C, V): the transformed logits (aliases the buffer when it is fp32/fp64)
-    probs: torch.Tensor              # softmax(z) (C, V), reused by dlogits_
+    logits: Optional[torch.Tensor]   # z (C, V) kept whole (the vocabulary-parallel pass), or None: see stats_
+    probs: Optional[torch.Tensor]    # softmax(z) (C, V) kept whole (vocabulary-parallel), or None: see stats_
     lse: torch.Tensor                # (C,) fp32
     logp: torch.Tensor               # (C,) fp32
     entropy: Optional[torch.Tensor]  # (C,) fp32
     sum_pi_squared: Optional[torch.Tensor] = None  # (C,) fp32: sum_v p_v^2, when asked for
+    row_max: Optional[torch.Tensor] = None         # (C, 1) m = max_v z_v (stats_)
+    sum_exp: Optional[torch.Tensor] = None         # (C, 1) s = sum_v exp(z_v - m) (stats_)
+    holds_probs: bool = False        # stats_ left softmax(z) in the buffer (else z, or the untransformed logits)
 
 
 def bytes_per_logit(dtype: torch.dtype) -> int:
-    # The GEMM buffer, an fp32 copy when it is not fp32, the probabilities and one more temporary.
+    # The GEMM buffer, and room for an fp32 copy when it is not fp32 and two fp32 temporaries: more than the passes
+    # below hold (their temporaries are a block's, row_blocks), a margin that also covers the vocabulary-parallel
+    # pass, which keeps z and p whole.
     if dtype == torch.float64:
         return 8 * 3
     return torch.finfo(dtype).bits // 8 + (0 if dtype == torch.float32 else 4) + 8
@@ -35,12 +40,23 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
 # 0 where 0 * -inf would make the entropy and the gradient NaN (the Triton kernels use the same floor).
 NEG_BIG = -1e20
 
+# The passes of a chunk run a block of rows at a time. On a CPU a block (4 MiB of fp32 logits and as much per
+# temporary) stays in the caches through the ten or so elementwise passes over it, so the chunk is read from
+# memory about once per sweep instead of once per pass, and no temporary of the chunk's size is allocated (the
+# first touch of fresh pages costs about as much as a pass). Elsewhere a block is a quarter of the chunk: the
+# (up to four) temporaries then take at most as much memory as one fp32 copy of the chunk.
+CPU_BLOCK_BYTES = 4 << 20
+BLOCKS_OFF_CPU = 4
 
-def transformed_(buffer, transform) -> torch.Tensor:
+
+def transformed_(buffer, transform, out=None) -> torch.Tensor:
     """z = softcap(y * scale) / temperature, floored at NEG_BIG, in place when the buffer is fp32 / fp64 (else an
-    fp32 copy)."""
+    fp32 copy, into out when given)."""
     dtype = accumulation_dtype(buffer.dtype)
-    z = buffer if buffer.dtype == dtype else buffer.to(dtype)
+    if buffer.dtype == dtype:
+        z = buffer
+    else:
+        z = buffer.to(dtype) if out is None else out.copy_(buffer)
     if transform.scale != 1.0:
         z.mul_(transform.scale)
     if transform.softcap is not None:
@@ -50,47 +66,141 @@ def transformed_(buffer, transform) -> torch.Tensor:
     return z.clamp_(min=NEG_BIG)
 
 
+def row_blocks(buffer) -> list:
+    """Slices of the buffer's rows: CPU_BLOCK_BYTES of fp32 logits each on a CPU, a BLOCKS_OFF_CPU-th of them
+    elsewhere; at least 2 rows, and never a lone last row (a multi-threaded CPU reduces one row in another order
+    than several)."""
+    num_rows, vocab = buffer.shape
+    if buffer.device.type == "cpu":
+        step = max(2, CPU_BLOCK_BYTES // (4 * max(vocab, 1)))
+    else:
+        step = max(2, -(-num_rows // BLOCKS_OFF_CPU))
+    starts = list(range(0, num_rows, step))
+    if len(starts) > 1 and num_rows - starts[-1] == 1:
+        starts.pop()
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [num_rows])]
+
+
+def block_scratch(buffer, blocks, count) -> list:
+    """count fp32 (fp64 for fp64 buffers) temporaries of the largest block's shape, reused by every block."""
+    rows = max((b.stop - b.start for b in blocks), default=0)
+    dtype = accumulation_dtype(buffer.dtype)
+    return list(torch.empty((count, rows, buffer.shape[1]), dtype=dtype, device=buffer.device)) if count else []
+
+
+def holds_probs(buffer, transform) -> bool:
+    # The probabilities replace z in the buffer when it holds fp32 / fp64 and dlogits_ needs no z: without a
+    # soft-cap, the entropy's gradient takes log p in place of z - lse.
+    return buffer.dtype == accumulation_dtype(buffer.dtype) and transform.softcap is None
+
+
 def stats_(buffer, targets, transform, need_entropy, need_sum_pi_squared=False) -> ChunkState:
     """lse, logp and entropy relative to the row max m, with s = sum exp(z - m) and s - 1 summed without the
     max's own 1 (adding it would absorb a peaked row's small terms): lse = m + log1p(s - 1), logp = (z_t - m) -
     log1p(s - 1), H = log1p(s - 1) - sum p (z - m), each accurate to its own size (tested down to H = 1e-8;
     lse - sum p z loses all relative accuracy below about 1e-6 |m| in fp32). need_sum_pi_squared: also
-    sum_v p_v^2 (the collision probability, in [1/V, 1])."""
-    z = transformed_(buffer, transform)
-    row_max, argmax = z.max(dim=-1, keepdim=True)
-    shifted = torch.sub(z, row_max)                        # z - m <= 0
-    probs = shifted.exp()
-    probs.scatter_(1, argmax, 0.0)
-    rest = probs.sum(dim=-1, keepdim=True)                 # s - 1
-    probs.scatter_(1, argmax, 1.0)
-    probs.div_(rest + 1.0)
-    log_sum = rest.log1p()                                 # ln s
-    lse = (row_max + log_sum).squeeze(1)
-    logp = (z.gather(1, targets[:, None]) - row_max - log_sum).squeeze(1)
-    entropy = (log_sum.squeeze(1) - shifted.mul_(probs).sum(-1)) if need_entropy else None
-    del shifted
-    sum_pi_squared = torch.linalg.vecdot(probs, probs) if need_sum_pi_squared else None
-    return ChunkState(z, probs, lse, logp, entropy, sum_pi_squared)
+    sum_v p_v^2 (the collision probability, in [1/V, 1]).
+
+    A block of rows at a time (row_blocks). The buffer then holds p = softmax(z) when it is fp32 / fp64 and there
+    is no soft-cap (holds_probs), else z (fp32 / fp64) or the logits as they came; dlogits_ reads them back."""
+    num_rows = buffer.shape[0]
+    dtype = accumulation_dtype(buffer.dtype)
+    keeps_probs = holds_probs(buffer, transform)
+    row_max = buffer.new_empty((num_rows, 1), dtype=dtype)
+    sum_exp = torch.empty_like(row_max)
+    lse, logp = buffer.new_empty((2, num_rows), dtype=dtype)
+    entropy = torch.empty_like(lse) if need_entropy else None
+    sum_pi_squared = torch.empty_like(lse) if need_sum_pi_squared else None
+    blocks = row_blocks(buffer)
+    scratch = block_scratch(buffer, blocks, 2 if keeps_probs else 3 if buffer.dtype == dtype else 4)
+    for rows in blocks:
+        n = rows.stop - rows.start
+        z = transformed_(buffer[rows], transform, out=scratch[-1][:n] if buffer.dtype != dtype else None)
+        m = z.amax(dim=-1, keepdim=True)
+        target_logit = z.gather(1, targets[rows, None])
+        shifted = torch.sub(z, m, out=scratch[0][:n])          # z - m <= 0
+        probs = torch.exp(shifted, out=z if keeps_probs else scratch[2][:n])
+        # s - 1: the terms off the max (-sign(z - m) is 1 there, 0 at the max), and a tie's other maxima (the
+        # count is exact); no index of the max, whose reduction is not vectorized and costs as much as the exp
+        below_max = torch.sign(shifted, out=scratch[1][:n])
+        maxima_past_first = below_max.sum(dim=-1, keepdim=True).add_(buffer.shape[1] - 1)
+        rest = below_max.mul_(probs).sum(dim=-1, keepdim=True).neg_().add_(maxima_past_first)
+        torch.add(rest, 1.0, out=sum_exp[rows])
+        probs.div_(sum_exp[rows])
+        log_sum = rest.log1p()                                 # ln s
+        row_max[rows] = m
+        lse[rows] = (m + log_sum).squeeze(1)
+        logp[rows] = (target_logit - m - log_sum).squeeze(1)
+        if need_entropy:
+            entropy[rows] = log_sum.squeeze(1) - shifted.mul_(probs).sum(-1)
+        if need_sum_pi_squared:
+            sum_pi_squared[rows] = torch.linalg.vecdot(probs, probs)
+    return ChunkState(None, None, lse, logp, entropy, sum_pi_squared, row_max, sum_exp, keeps_probs)
 
 
 def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, onehot=None) -> None:
-    """buffer <- dL/dy = (g (onehot - p) - g_H p (z - lse + H)) * dz/dy.
+    """buffer <- dL/dy = (g (onehot - p) - g_H p (z - lse + H)) * dz/dy, a block of rows at a time.
 
     onehot: the (C,) values added at the targets' columns, default g_logp (a vocabulary slice that does not
-    hold a row's target passes 0 for it)."""
-    z, lse = state.logits, state.lse
-    dlogits = state.probs                                  # overwritten: the state is spent after this pass
-    if g_entropy is None:
-        dlogits.mul_(-g_logp[:, None])
+    hold a row's target passes 0 for it). p and z come from the state when it keeps them whole, else from what
+    stats_ left in the buffer: p itself (then p (z - lse) = p log p), or z, from which p is recomputed."""
+    onehot = g_logp if onehot is None else onehot
+    blocks = row_blocks(buffer)
+    if state.holds_probs:
+        scratch = block_scratch(buffer, blocks, 0 if g_entropy is None else 1)
     else:
-        coef = (z - (lse - state.entropy)[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])
-        dlogits.mul_(coef).neg_()
-        del coef
-    dlogits.scatter_add_(1, targets[:, None], (g_logp if onehot is None else onehot)[:, None])
+        count = 3 if state.probs is None and buffer.dtype != accumulation_dtype(buffer.dtype) else 2
+        scratch = block_scratch(buffer, blocks, count)
+    for rows in blocks:
+        g_entropy_rows = None if g_entropy is None else g_entropy[rows, None]
+        args = (buffer[rows], state, rows, targets[rows, None], g_logp[rows, None], g_entropy_rows,
+                onehot[rows, None], transform, [t[: rows.stop - rows.start] for t in scratch])
+        (dlogits_from_probs_ if state.holds_probs else dlogits_from_logits_)(*args)
+
+
+def dlogits_from_probs_(out, state, rows, targets, g_logp, g_entropy, onehot, transform, scratch) -> None:
+    """dlogits_ of a block whose buffer rows hold p (no soft-cap): -p (g + g_H (log p + H)) + onehot."""
+    probs = out
+    if g_entropy is None:
+        probs.mul_(-g_logp)
+    else:
+        # log p for z - lse: as accurate (to ulp(log p) where z - lse carries ulp(lse)); p = 0 reads as the
+        # smallest normal number, whose finite log keeps 0 * log p at 0
+        log_p = torch.clamp(probs, min=torch.finfo(probs.dtype).tiny, out=scratch[0]).log_()
+        coef = log_p.add_(state.entropy[rows, None]).mul_(g_entropy).add_(g_logp)
+        probs.mul_(coef).neg_()
+    probs.scatter_add_(1, targets, onehot)
+    if transform.scale / transform.temperature != 1.0:
+        probs.mul_(transform.scale / transform.temperature)
+
+
+def dlogits_from_logits_(out, state, rows, targets, g_logp, g_entropy, onehot, transform, scratch) -> None:
+    """dlogits_ of a block from z: the state's (vocabulary-parallel), the buffer's (fp32 / fp64) or the buffer's
+    logits transformed again; p the state's, or exp(z - m) / s."""
+    if state.probs is not None:
+        z, probs = state.logits[rows], state.probs[rows]
+    else:
+        exact = out.dtype == accumulation_dtype(out.dtype)
+        z, probs = (out if exact else transformed_(out, transform, out=scratch[2])), None
+    coef = None
+    if g_entropy is not None:
+        coef = torch.sub(z, (state.lse - state.entropy)[rows, None], out=scratch[0]).mul_(g_entropy).add_(g_logp)
+    factor = None
     if transform.softcap is not None:                      # d tanh = 1 - tanh^2, tanh = z * T / softcap
-        dlogits.mul_(1 - (z * (transform.temperature / transform.softcap)).square_())
-    dlogits.mul_(transform.scale / transform.temperature)
-    buffer.copy_(dlogits)
+        factor = torch.mul(z, transform.temperature / transform.softcap, out=scratch[1]).square_().neg_().add_(1)
+    if probs is None:                                      # z is spent: p takes its place
+        probs = z.sub_(state.row_max[rows]).exp_().div_(state.sum_exp[rows])
+    if coef is None:
+        probs.mul_(-g_logp)
+    else:
+        probs.mul_(coef).neg_()
+    probs.scatter_add_(1, targets, onehot)
+    if factor is not None:
+        probs.mul_(factor)
+    if transform.scale / transform.temperature != 1.0:
+        probs.mul_(transform.scale / transform.temperature)
+    if probs is not out:
+        out.copy_(probs)
 
 
 @dataclass

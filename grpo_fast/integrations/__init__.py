@@ -7,6 +7,8 @@
 - vllm_cpu: a vLLM plugin (the package's vllm.general_plugins entry point) for CPU hosts, inert unless asked:
   weight pushes into vLLM's CPU engine, per-prompt seeds for reproducible rollouts.
 - openrlhf: OpenRLHF 0.11's actor step, its actor and loss calls one fused pass.
+- attention: variable-length attention for transformers' decoders over packed rows (flash-attention 2 or sdpa per
+  sequence, each group's prompt once), used by the TRL drop-in and the trainer.
 """
 
 

@@ -22,6 +22,8 @@ from torch import nn
 
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import GRPOLoss, checked_policy_loss
+from grpo_fast.numerics import LogitTransform
+from grpo_fast.options import TokenWeights
 from grpo_fast.variants import LossConfig, clip_flags, importance_ratio, masked_mean
 
 
@@ -52,12 +54,13 @@ class FusedLinearGRPOLoss(nn.Module):
         self.loss_type = loss_type
         options = dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level,
                        epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-                       use_bias_correction_kl=use_bias_correction_kl, temperature=temperature,
+                       use_bias_correction_kl=use_bias_correction_kl,
                        max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
                        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
                        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
-        self.with_kl = GRPOLoss(beta=beta, **options)
-        self.without_kl = GRPOLoss(beta=0.0, **options)
+        transform = LogitTransform(temperature=temperature)
+        self.with_kl = GRPOLoss(LossConfig(beta=beta, **options), transform=transform)
+        self.without_kl = GRPOLoss(LossConfig(beta=0.0, **options), transform=transform)
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None,
@@ -75,7 +78,7 @@ class FusedLinearGRPOLoss(nn.Module):
                 with torch.no_grad():
                     ref = token_logprobs(ref_input, lin_weight if ref_weight is None else ref_weight,
                                          torch.where(mask, selected_token_ids, 0), bias=ref_bias,
-                                         temperature=self.temperature)
+                                         transform=self.with_kl.transform)
         if vllm_is_ratio is not None:
             # at least fp32; a float64 ratio stays float64
             vllm_is_ratio = vllm_is_ratio.reshape(mask.shape[0], -1)
@@ -94,8 +97,8 @@ class FusedLinearGRPOLoss(nn.Module):
         loss, metrics = checked_policy_loss(
             _input, lin_weight, selected_token_ids, advantages, mask, config=loss_fn.config,
             transform=loss_fn.transform, old_logps=old_per_token_logps, ref_logps=ref, bias=bias,
-            is_ratio=vllm_is_ratio, num_items_in_batch=num_items_in_batch, chunk_bytes=loss_fn.chunk_bytes,
-            backend=loss_fn.backend, token_stats=stats)
+            weights=TokenWeights(num_items_in_batch=num_items_in_batch, is_ratio=vllm_is_ratio),
+            execution=loss_fn.execution, token_stats=stats)
         if sequence_level:
             clip_ratio = sequence_clip_ratio(stats["logp"], old_per_token_logps, advantages, mask, loss_fn.config)
         else:

@@ -42,10 +42,10 @@ try:
 except ImportError as error:
     raise peer_import_error(
         error, __name__, peer="OpenRLHF", package="openrlhf",
-        install="grpo_fast.integrations.openrlhf needs openrlhf (pip install --no-deps 'openrlhf==0.11.2', see the "
-                "README's 'Use with OpenRLHF')",
+        install="grpo_fast.integrations.openrlhf needs openrlhf (pip install --no-deps 'openrlhf==0.11.2', see "
+                "docs/openrlhf.md)",
         dependencies="pip install -r requirements-openrlhf.txt installs those OpenRLHF 0.11.2 needs, as tested; see "
-                     "the README's 'Use with OpenRLHF'") from error
+                     "docs/openrlhf.md") from error
 
 TESTED_OPENRLHF = ("0.11.",)
 OPENRLHF_VERSION = getattr(openrlhf, "__version__", None) or importlib.metadata.version("openrlhf")
@@ -121,7 +121,8 @@ class _FusedPass:
             # Actor.forward's positions: the logits at S - 1 - A .. S - 2 predict the A action tokens
             window = hidden[:, -num_actions - 1:-1]
             return fused_token_loss(window, head.weight, sequences[:, -num_actions:], token_loss, mask=mask.bool(),
-                                    with_entropy=self.with_entropy, **head.logit_kwargs(actor.temperature))
+                                    bias=head.bias, transform=head.transform(actor.temperature),
+                                    with_entropy=self.with_entropy)
 
         model = unwrap(actor.model)
         position_ids = experience.attention_mask.long().cumsum(-1) - 1

@@ -24,12 +24,11 @@ import warnings
 
 import torch
 
-from grpo_fast import attention
-from grpo_fast.integrations import peer_import_error
+from grpo_fast.integrations import attention, peer_import_error
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
 from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
-from grpo_fast.numerics import LogitTransform
+from grpo_fast.options import TokenWeights
 from grpo_fast.variants import LOSS_TYPES, LossConfig, clip_flags, importance_ratio, k3_kl, masked_mean, vespo_weights
 
 try:
@@ -46,8 +45,8 @@ except (ImportError, RuntimeError) as error:
         dependencies="pip install 'trl==1.16.0' installs those trl declares") from error
 
 # Decoders whose only token mixing is causal self-attention (RoPE, so a shifted position changes nothing), the ones
-# whose training forward may pack each group's prompt once (grpo_fast.attention.SharedPrompts); a model that
-# mixes tokens anywhere else (recurrent or convolutional layers, as hybrids have) must see whole sequences.
+# whose training forward may pack each group's prompt once (grpo_fast.integrations.attention.SharedPrompts); a model
+# that mixes tokens anywhere else (recurrent or convolutional layers, as hybrids have) must see whole sequences.
 SHARED_PROMPT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
@@ -77,7 +76,7 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
     `grpo_fast_loss=fn` the forward returns `(fn(hidden, weight, bias, head), aux_loss)` instead, hidden being the
     next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward. With
     `hidden_index=index` as well (B, C), hidden is the (B, C, H) states at those flat positions of the decoder's
-    output, for a packed row (grpo_fast.attention.shared_prompt_row's `predicting`).
+    output, for a packed row (grpo_fast.integrations.attention.shared_prompt_row's `predicting`).
     Mixture-of-experts models get router logits from the backbone when the call (`output_router_logits=True`, as
     TRL's training loss passes it) or else the config asks for them, and the output's aux_loss is then the model's
     own load-balancing loss (`router_aux_loss`), as TRL's head returns it; None otherwise.
@@ -121,9 +120,8 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
                 return grpo_fast_loss(hidden, weight, bias, head), aux_loss
             labels = labels.to(weight.device)
             mask = labels != -100
-            logp, entropy = token_logprobs(hidden[mask], weight, labels[mask], bias=bias, temperature=temperature,
-                                           logit_scale=head.logit_scale, logit_softcap=head.logit_softcap,
-                                           return_entropy=True)
+            logp, entropy = token_logprobs(hidden[mask], weight, labels[mask], bias=bias,
+                                           transform=head.transform(temperature), return_entropy=True)
         # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero).
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
@@ -165,9 +163,9 @@ def truncated_sampling_bias(args) -> str | None:
     return ("grpo_fast: vLLM samples with " + ", ".join(truncation) + ", so its log-probs are over each token's "
             "kept set, while the trainer's are over the whole vocabulary: TRL hands over no kept sets (vLLM's "
             "sampling mask), so vllm_importance_sampling_correction's ratio exp(trainer - vLLM) is biased low by "
-            "each token's kept mass (0.90 on average at top_p 0.9 on the tiny model, see the README). Sample with "
-            "top_p=1.0, top_k=0 and min_p=None, or train with grpo_fast's trainer, whose log-probs follow the "
-            "engine's kept sets (grpo_fast.grpo_loss(..., kept_ids=, kept_offsets=)).")
+            "each token's kept mass (0.90 on average at top_p 0.9 on the tiny model, see docs/engines.md). Sample "
+            "with top_p=1.0, top_k=0 and min_p=None, or train with grpo_fast's trainer, whose log-probs follow the "
+            "engine's kept sets (grpo_fast.grpo_loss(..., transform=LogitTransform(kept=KeptSet(ids, offsets)))).")
 
 
 class FastGRPOTrainer(GRPOTrainer):
@@ -181,9 +179,9 @@ class FastGRPOTrainer(GRPOTrainer):
     it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
 
     share_prompts (default False: on SmolLM2 it pays at short completions, 0.46x of TRL's update at 64 tokens
-    against 0.80x padded, but not at 256, where its runs' generation was slower, unexplained; see the README):
+    against 0.80x padded, but not at 256, where its runs' generation was slower, unexplained; see docs/trl.md):
     the loss's forward holds each group's prompt once, as one packed row without padding in which every
-    completion attends to its prompt and itself (grpo_fast.attention.SharedPrompts); with
+    completion attends to its prompt and itself (grpo_fast.integrations.attention.SharedPrompts); with
     G completions per prompt the trunk then runs P + G x C tokens instead of G x (P + C). It equals the padded
     forward up to rounding: the positions restart at 0 without the left padding, which RoPE does not see. It
     applies where it is exact: a decoder of SHARED_PROMPT_MODELS on sdpa attention (switched to grpo_fast's
@@ -289,7 +287,7 @@ class FastGRPOTrainer(GRPOTrainer):
 
         def loss_on_hidden(hidden, weight, bias, head):
             nonlocal bonus_mask
-            transform = LogitTransform(head.logit_scale, head.logit_softcap, self.temperature)
+            transform = head.transform(self.temperature)
             hidden = hidden[:, -completion_ids.size(1):]
             keep = None
             if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
@@ -299,9 +297,8 @@ class FastGRPOTrainer(GRPOTrainer):
                     bonus_mask = bonus_mask * high_entropy
             return checked_policy_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask, config=config, transform=transform,
-                old_logps=old_logps, ref_logps=ref_logps, bias=bias, is_ratio=is_ratio, num_items_in_batch=num_items,
-                token_stats=stats, entropy_mask=bonus_mask, policy_mask=keep,
-            )
+                old_logps=old_logps, ref_logps=ref_logps, bias=bias, token_stats=stats, entropy_mask=bonus_mask,
+                weights=TokenWeights(num_items_in_batch=num_items, is_ratio=is_ratio), policy_mask=keep)
 
         # A vision-language batch's image fields go to the model's own multimodal forward, whole, as TRL passes them
         # for a batch scored in one piece.
@@ -359,8 +356,7 @@ class FastGRPOTrainer(GRPOTrainer):
         keep = mask.bool()
         with torch.no_grad():
             logp_c, entropy_c = token_logprobs(hidden[keep], weight, completion_ids[keep], bias=bias,
-                                               temperature=transform.temperature, logit_scale=transform.scale,
-                                               logit_softcap=transform.softcap, return_entropy=True)
+                                               transform=transform, return_entropy=True)
         logp = logp_c.new_zeros(mask.shape).masked_scatter(keep, logp_c)
         factor, high_entropy = torch.ones_like(logp), None
         if self.top_entropy_quantile < 1.0:

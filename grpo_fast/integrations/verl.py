@@ -48,6 +48,8 @@ import torch
 
 from grpo_fast.integrations import peer_import_error
 from grpo_fast.logprobs import token_logprobs
+from grpo_fast.numerics import LogitTransform
+from grpo_fast.options import Execution
 from grpo_fast.token_loss import batch_token_loss, fused_token_loss
 
 try:
@@ -59,10 +61,9 @@ try:
 except ImportError as error:
     raise peer_import_error(
         error, __name__, peer="verl", package="verl",
-        install="grpo_fast.integrations.verl needs verl (pip install --no-deps 'verl==0.9.1', see the README's "
-                "'Use with verl')",
-        dependencies="pip install -r requirements-verl.txt installs those verl 0.9.1 needs, as tested; see the "
-                     "README's 'Use with verl'") from error
+        install="grpo_fast.integrations.verl needs verl (pip install --no-deps 'verl==0.9.1', see docs/verl.md)",
+        dependencies="pip install -r requirements-verl.txt installs those verl 0.9.1 needs, as tested; see "
+                     "docs/verl.md") from error
 
 TESTED_VERL = ("0.9.",)
 if not str(getattr(verl, "__version__", "")).startswith(TESTED_VERL):
@@ -105,8 +106,8 @@ class OutputForPPOWithSumPiSquared(dense_common.CausalLMOutputForPPO):
 
 def _head_logprobs(head, hidden, labels, temperature, with_sum_pi_squared=False):
     """(logp, entropy, sum_pi_squared or None) of the head's next-token distribution."""
-    out = token_logprobs(hidden, head.weight, labels, bias=head.bias, temperature=temperature, return_entropy=True,
-                         return_sum_pi_squared=with_sum_pi_squared)
+    out = token_logprobs(hidden, head.weight, labels, bias=head.bias, transform=LogitTransform(temperature=temperature),
+                         return_entropy=True, return_sum_pi_squared=with_sum_pi_squared)
     return out if with_sum_pi_squared else (*out, None)
 
 
@@ -157,7 +158,7 @@ def fusable(loss_function) -> Optional[str]:
 
 def fused_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, data, config, *,
                    bias: Optional[torch.Tensor] = None, temperature: float = 1.0, with_entropy: bool = False,
-                   chunk_bytes: Optional[int] = None, backend: str = "auto"):
+                   execution: Optional[Execution] = None):
     """verl's `ppo_loss(config, {"log_probs": logp, "entropy": entropy}, data)` with logp, entropy the next-token
     log-probs and entropies of softmax((hidden @ weight.T + bias) / temperature) at each packed position, computed
     inside the vocabulary sweep: 3 GEMM passes (2 for a frozen head), no (tokens, vocab) logits, and only the
@@ -171,6 +172,7 @@ def fused_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             global_batch_size).
         config: verl's ActorConfig; its policy_loss.loss_mode must be in FUSED_LOSS_MODES.
         with_entropy: compute the entropies (verl's calculate_entropy), which adds its entropy bonus.
+        execution: chunk budget and backend of the sweep (`grpo_fast.Execution`; None: the defaults).
 
     Returns:
         (loss, metrics, log_probs, entropy): loss a 0-dim fp32 tensor equal to verl's, differentiable with respect
@@ -212,8 +214,8 @@ def fused_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     carrier = fused_token_loss(flat_hidden, weight, flat_labels,
                                batch_token_loss(lambda logp, entropy: verl_loss(logp, entropy)[0], logp_all,
                                                 entropy_all),
-                               mask=counted, bias=bias, temperature=temperature, with_entropy=with_entropy,
-                               chunk_bytes=chunk_bytes, backend=backend)
+                               mask=counted, bias=bias, transform=LogitTransform(temperature=temperature),
+                               execution=execution, with_entropy=with_entropy)
     with torch.no_grad():
         value, metrics = verl_loss(logp_all, entropy_all)
     loss = carrier + value.detach().to(carrier.dtype)
@@ -389,8 +391,8 @@ def megatron_linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduc
             flat_hidden = _ShareOverGroup.apply(flat_hidden, size)
         else:
             dist_process_group = None
-    return token_logprobs(flat_hidden, weight, flat_labels, temperature=float(temperature), return_entropy=True,
-                          process_group=dist_process_group)
+    return token_logprobs(flat_hidden, weight, flat_labels, transform=LogitTransform(temperature=float(temperature)),
+                          execution=Execution(process_group=dist_process_group), return_entropy=True)
 
 
 def _install_megatron() -> bool:

@@ -8,7 +8,7 @@ In every process of a `main_ppo` job (the driver and each Ray worker) verl impor
 says `VERL_USE_EXTERNAL_MODULES=grpo_fast.integrations.verl_cpu` (Ray's workers inherit the driver's environment).
 verl places its workers by Ray's "GPU" resource only (it counts no other): here that resource stands for a slot
 of the CPU host, declared with `+ray_kwargs.ray_init.num_gpus=N`; Ray's CUDA_VISIBLE_DEVICES for it is inert
-without CUDA. The README's "verl on a CPU host" lists the job's other settings.
+without CUDA. docs/verl.md ("verl on a CPU host") lists the job's other settings.
 """
 
 import contextlib

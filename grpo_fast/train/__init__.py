@@ -8,9 +8,9 @@
     rollout/         the completions: one Rollouts interface over HF / vLLM, in process or in a rollout process
     update/          advantages, micro-batches, the loss step, dtypes, the optimizer, the rollout correction
     run/             checkpoints and resume, metrics files, trackers, evaluation, export, stops
-    model.py         load_model, the tiny model built in code, the frozen KL reference
+    policy.py        the policy: load_model, the tiny model built in code, the frozen KL reference
     config.py        `TrainConfig` (every option, checked once), `load_config`, `parse_overrides`
-    plan.py          the memory planner behind `grpo-fast plan`
+    plan/            the memory planner behind `grpo-fast plan`: the memory model, fit advice, the report
     lora.py          LoRA adapters (PEFT)
     distributed.py   DDP / FSDP2 under torchrun and the few collectives the trainer needs
 

@@ -22,6 +22,19 @@ import torch.distributed as dist
 from torch import nn
 
 from grpo_fast.models import final_hidden_states, unwrap
+from grpo_fast.train.keys import check_keys, key
+
+
+@dataclass
+class DistributionConfig:
+    """The config section `distribution`: under torchrun each rank takes prompts_per_step / world_size prompts of
+    each step, and the policy is wrapped as `distributed` says."""
+
+    distributed: str = key("ddp", 'under torchrun: "ddp" (DistributedDataParallel) or "fsdp2" (fully_shard per '
+                                  "decoder layer)", choices=("ddp", "fsdp2"))
+
+    def __post_init__(self):
+        check_keys(self)
 
 
 @dataclass(frozen=True)

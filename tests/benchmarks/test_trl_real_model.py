@@ -54,9 +54,9 @@ def test_the_update_growth_is_the_update_peak_less_its_start():
 
 def test_the_gsm8k_trainer_job_is_smollm2_on_the_cpu():
     config = trl_real_model.trainer_config({"trainer_job": "gsm8k"})
-    assert (config.model, config.device, config.prompts_per_step, config.group_size,
-            config.max_completion_length) == ("smollm2-135m-instruct", "cpu", 8, 4, 128)
-    assert config.rewards == ["accuracy"] and "<answer>" in config.system_prompt
+    assert (config.policy.model, config.policy.device, config.rollout.prompts_per_step, config.rollout.group_size,
+            config.rollout.max_completion_length) == ("smollm2-135m-instruct", "cpu", 8, 4, 128)
+    assert config.scoring.rewards == ["accuracy"] and "<answer>" in config.data.system_prompt
 
 
 def test_a_failed_row_is_named_and_has_no_ratio():

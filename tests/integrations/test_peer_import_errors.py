@@ -14,14 +14,14 @@ import pytest
 # adapter: (the peer's top-level module, the message asking for the peer, the peer in words, how to install the
 # peer's dependencies)
 ADAPTERS = {
-    "verl": ("verl", "grpo_fast.integrations.verl needs verl (pip install --no-deps 'verl==0.9.1', see the README's "
-                     "'Use with verl')",
-             "verl", "pip install -r requirements-verl.txt installs those verl 0.9.1 needs, as tested; see the "
-                     "README's 'Use with verl'"),
+    "verl": ("verl", "grpo_fast.integrations.verl needs verl (pip install --no-deps 'verl==0.9.1', see "
+                     "docs/verl.md)",
+             "verl", "pip install -r requirements-verl.txt installs those verl 0.9.1 needs, as tested; see "
+                     "docs/verl.md"),
     "openrlhf": ("openrlhf", "grpo_fast.integrations.openrlhf needs openrlhf (pip install --no-deps "
-                             "'openrlhf==0.11.2', see the README's 'Use with OpenRLHF')",
+                             "'openrlhf==0.11.2', see docs/openrlhf.md)",
                  "OpenRLHF", "pip install -r requirements-openrlhf.txt installs those OpenRLHF 0.11.2 needs, as "
-                             "tested; see the README's 'Use with OpenRLHF'"),
+                             "tested; see docs/openrlhf.md"),
     "trl": ("trl", "grpo_fast.integrations.trl needs trl (pip install 'trl==1.16.0')",
             "trl", "pip install 'trl==1.16.0' installs those trl declares"),
 }

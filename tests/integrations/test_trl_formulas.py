@@ -209,8 +209,10 @@ def test_vespo_grpo_loss_matches_trl(backend, per_token_adv):
     poison = lambda t: torch.where(mask, t, float("inf")).float().to(DEVICE)  # noqa: E731
     hidden, weight = hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_()
     loss, metrics = gf.grpo_loss(hidden, weight, targets.to(DEVICE), advantages.to(DEVICE), mask.to(DEVICE),
-                                 old_logps=poison(old), ref_logps=poison(ref), is_ratio=poison(is_ratio),
-                                 loss_type="vespo", backend=backend, **VESPO_OPTIONS)
+                                 old_logps=poison(old), ref_logps=poison(ref),
+                                 config=LossConfig(loss_type="vespo", **VESPO_OPTIONS),
+                                 weights=gf.TokenWeights(is_ratio=poison(is_ratio)),
+                                 execution=gf.Execution(backend=backend))
     grads = torch.autograd.grad(loss, (hidden, weight))
     assert_close(loss, expected, 1e-5, atol=1e-7, name="loss")
     for name, actual, reference_grad in zip(("dhidden", "dweight"), grads, expected_grads):

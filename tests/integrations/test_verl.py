@@ -19,6 +19,7 @@ from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
+from grpo_fast import Execution  # noqa: E402
 from grpo_fast.integrations import verl as gf_verl  # noqa: E402
 from tests.helpers import BACKENDS, counting_calls, tiny_model  # noqa: E402  (sets TRITON_INTERPRET before grpo_fast.kernels)
 
@@ -101,7 +102,8 @@ def compare(loss_mode, agg_mode, backend, dtype, rtol, with_entropy=True, dp_siz
     actual_inputs = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     actual, metrics, logp, _ = gf_verl.fused_ppo_loss(
         actual_inputs[0], actual_inputs[1], labels, data, config, bias=actual_inputs[2], temperature=temperature,
-        with_entropy=with_entropy, backend=backend, chunk_bytes=4 * 4 * vocab)   # 4 tokens a chunk: several chunks
+        with_entropy=with_entropy,
+        execution=Execution(backend=backend, chunk_bytes=4 * 4 * vocab))   # 4 tokens a chunk: several chunks
     actual.backward()
 
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=rtol * 1e-2)
@@ -253,7 +255,7 @@ def test_version_outside_the_tested_range_is_refused(monkeypatch):
 def test_fused_loss_gemm_passes(frozen_head):
     """3 GEMM passes over the response tokens that count (2 with a frozen head), where verl's fused torch backend
     makes 4: prompt and padding positions never reach the head."""
-    from grpo_fast.profiling import GemmCounter
+    from grpo_fast.benchmarks.profiling import GemmCounter
 
     vocab, hidden_size = 37, 16
     data = micro_batch([3, 5, 2], [6, 1, 4], vocab)
@@ -262,7 +264,7 @@ def test_fused_loss_gemm_passes(frozen_head):
     weight.requires_grad_(not frozen_head)
     with GemmCounter() as counter:
         loss, *_ = gf_verl.fused_ppo_loss(hidden, weight, labels, data, actor_config(), with_entropy=True,
-                                          backend="torch", chunk_bytes=4 * 4 * vocab)
+                                          execution=Execution(backend="torch", chunk_bytes=4 * 4 * vocab))
         loss.backward()
     counted = int(data["response_mask"].sum())
     assert counter.flops / (2 * counted * hidden_size * vocab) == (2.0 if frozen_head else 3.0)

@@ -8,6 +8,7 @@ of `fused_ppo_loss` against verl's `ppo_loss` on full logits. In verl's environm
 
 import torch
 
+from grpo_fast import Execution
 from grpo_fast.integrations import verl as gf_verl
 from tests.integrations import test_verl as cases
 
@@ -22,8 +23,8 @@ def errors(loss_mode: str, agg_mode: str, vocab: int = 37, hidden_size: int = 16
     expected.backward()
     actual_inputs = [tensor.clone().requires_grad_() for tensor in inputs[:3]]
     actual = gf_verl.fused_ppo_loss(actual_inputs[0], actual_inputs[1], labels, data, config, bias=actual_inputs[2],
-                                    temperature=temperature, with_entropy=True, backend="torch",
-                                    chunk_bytes=4 * 4 * vocab)[0]
+                                    temperature=temperature, with_entropy=True,
+                                    execution=Execution(backend="torch", chunk_bytes=4 * 4 * vocab))[0]
     actual.backward()
     grad_error = max(((a.grad - e.grad).abs().max() / e.grad.abs().max()).item()
                      for a, e in zip(actual_inputs, expected_inputs))

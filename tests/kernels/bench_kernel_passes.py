@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 CHUNK, HIDDEN, VOCAB = (4096, 3584, 151936) if DEVICE == "cuda" else (256, 512, 32768)
 BACKENDS = ["torch"] + (["triton"] if DEVICE == "cuda" and backends.triton_available() else [])
-TRANSFORM = LogitTransform(1.0, None, 0.9)
+TRANSFORM = LogitTransform(scale=1.0, softcap=None, temperature=0.9)
 
 
 def sync():

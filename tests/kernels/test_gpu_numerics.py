@@ -15,7 +15,7 @@ import torch
 from grpo_fast.backends import torch_ops
 from grpo_fast.kept import KeptChunk
 from grpo_fast.numerics import LogitTransform
-from tests.helpers import BACKENDS, DEVICE, assert_close
+from tests.helpers import BACKENDS, DEVICE, assert_close, grouped
 
 pytest.importorskip("triton")
 
@@ -239,7 +239,7 @@ def test_a_nan_bias_entry_makes_the_loss_and_its_gradients_nan(backend):
     inputs = make_batch(vocab=300, bias=True, seed=6)
     inputs["bias"][7] = float("nan")
     inputs["hidden"].requires_grad_()
-    loss, _ = gf.grpo_loss(**inputs, beta=0.04, backend=backend)
+    loss, _ = gf.grpo_loss(**grouped(**inputs, beta=0.04, backend=backend))
     (grad,) = torch.autograd.grad(loss, inputs["hidden"])
     assert torch.isnan(loss)
     assert torch.isnan(grad[inputs["mask"]]).all()
@@ -256,7 +256,8 @@ def test_token_logprobs_at_a_vocabulary_just_below_a_tile(backend):
     weight = (torch.randn(4095, 32, generator=gen) * 0.3).to(DEVICE)
     bias = torch.full((4095,), -30.0).to(DEVICE)
     targets = torch.randint(0, 4095, (7,), generator=gen).to(DEVICE)
-    logp, entropy = gf.token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, backend=backend)
+    logp, entropy = gf.token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                      **grouped(backend=backend))
     ref_logp, ref_entropy = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double(),
                                                      return_entropy=True)
     assert_close(logp, ref_logp, 1e-5, name="logp")

@@ -21,7 +21,7 @@ from grpo_fast.numerics import LogitTransform  # noqa: E402
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("vocab", [5, 2048, 4096 + 77])
-@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(1.2, 3.0, 0.7)])
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=1.2, softcap=3.0, temperature=0.7)])
 def test_kernels_match_torch_passes(dtype, rtol, vocab, transform):
     gen = torch.Generator().manual_seed(vocab)
     rows = 6
@@ -51,7 +51,7 @@ def test_kernels_match_torch_passes(dtype, rtol, vocab, transform):
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
-@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(1.2, 3.0, 0.7)])
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=1.2, softcap=3.0, temperature=0.7)])
 def test_sum_pi_squared_over_tiles_and_kept_sets(dtype, rtol, transform):
     """sum_v p_v^2 of both stats kernels against float64, on rows whose max grows from tile to tile (the running
     sum is rescaled by alpha^2) and kept sets longer than one BLOCK_K tile; asking for it leaves the other outputs

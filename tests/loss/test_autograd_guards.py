@@ -8,7 +8,7 @@ import torch
 import grpo_fast as gf
 from grpo_fast import reference
 from grpo_fast.variants import LOSS_TYPES
-from tests.helpers import as_float64, assert_close, make_batch
+from tests.helpers import as_float64, assert_close, flat, forward_grouped, grouped, make_batch
 
 LEVELS = ["token", "sequence"]       # fused (gradient in the forward) and two-phase (through token_logprobs)
 
@@ -26,7 +26,7 @@ def call_loss(fn, inputs, level, backend=None):
     options = dict(importance_sampling_level=level, loss_type="grpo", entropy_coef=0.01)
     if backend is not None:
         options["backend"] = backend
-    return fn(**inputs, **options)[0]
+    return flat(fn)(**inputs, **options)[0]
 
 
 def penalized_step(fn, inputs, level, backend=None):
@@ -54,7 +54,7 @@ def test_token_logprobs_double_backward_raises(backend):
     inputs = loss_inputs()
     hidden, mask = inputs["hidden"], inputs["mask"]
     logp = gf.token_logprobs(hidden[mask], inputs["weight"], inputs["targets"][mask], bias=inputs["bias"],
-                             backend=backend)
+                             **grouped(backend=backend))
     with pytest.raises(RuntimeError, match=r"token_logprobs does not support double backward .*"
                                            r"grpo_fast\.reference\.token_logprobs"):
         (grad,) = torch.autograd.grad(logp.sum(), hidden, create_graph=True)
@@ -114,7 +114,8 @@ def test_token_logprobs_inplace_change_before_backward_raises(name, contiguous, 
         inputs["hidden"] = inputs["hidden"].detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
         assert not inputs["hidden"].is_contiguous()
     targets = inputs["targets"].clamp(min=0)
-    logp = gf.token_logprobs(inputs["hidden"], inputs["weight"], targets, bias=inputs["bias"], backend=backend)
+    logp = gf.token_logprobs(inputs["hidden"], inputs["weight"], targets, bias=inputs["bias"],
+                             **grouped(backend=backend))
     with torch.no_grad():
         inputs[name].mul_(2.0)
     with pytest.raises(RuntimeError, match=f"{name} was modified in place between token_logprobs's forward and "
@@ -174,7 +175,7 @@ def side_grads(fn, inputs, options, names=SIDE_INPUTS + ("hidden",)):
     """(loss, {name: d(loss)/d(name)}) with fresh leaves for `names`; zeros where the loss does not depend on one
     (cispo's and vespo's detached weights)."""
     inputs = {k: (v.detach().clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
-    loss, _ = fn(**inputs, **options)
+    loss, _ = flat(fn)(**inputs, **options)
     grads = torch.autograd.grad(loss, [inputs[k] for k in names], allow_unused=True, materialize_grads=True)
     return loss, dict(zip(names, grads))
 
@@ -199,7 +200,7 @@ def test_grpo_loss_gradients_to_advantages_and_log_probs_match_reference(loss_ty
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, use_bias_correction_kl=True,
                    entropy_coef=0.01, **SIDE_OPTIONS.get(loss_type, {}))
     loss = assert_side_grads_match(inputs, options, backend)
-    plain, _ = gf.grpo_loss(**inputs, **options, backend=backend)
+    plain, _ = gf.grpo_loss(**grouped(**inputs, **options, backend=backend))
     assert torch.equal(loss, plain)
 
 
@@ -211,11 +212,11 @@ def test_grpo_loss_module_learned_baseline_gradient(frozen_head, backend):
     if frozen_head:
         for key in ("hidden", "weight", "bias"):
             inputs[key] = inputs[key].detach()
-    module = gf.GRPOLoss(loss_type="grpo", epsilon_high=0.28, delta=1.5, backend=backend)
+    module = gf.GRPOLoss(**grouped(loss_type="grpo", epsilon_high=0.28, delta=1.5, backend=backend))
     returns = inputs.pop("advantages")
     del inputs["ref_logps"]
     baseline = torch.zeros_like(returns).requires_grad_()
-    loss, _ = module(advantages=returns - baseline, **inputs)
+    loss, _ = module(**forward_grouped(advantages=returns - baseline, **inputs))
     (grad,) = torch.autograd.grad(loss, baseline)
     ref_baseline = torch.zeros_like(returns, dtype=torch.float64).requires_grad_()
     ref_inputs = as_float64(inputs)
@@ -226,5 +227,5 @@ def test_grpo_loss_module_learned_baseline_gradient(frozen_head, backend):
     assert_close(grad, ref_grad, 1e-5, atol=1e-7, name="d(baseline)")
 
     with torch.no_grad():
-        loss, _ = module(advantages=returns - baseline, **inputs)
+        loss, _ = module(**forward_grouped(advantages=returns - baseline, **inputs))
     assert not loss.requires_grad

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_fast as gf
 from grpo_fast import chunked, reference
-from tests.helpers import assert_close
+from tests.helpers import assert_close, grouped
 
 N, H, V = 48, 16, 200
 
@@ -26,7 +26,7 @@ def weight_grad(dtype, chunk_bytes):
     hidden, weight, targets = inputs(dtype)
     chunked.reset_weight_grad_paths()
     loss, _ = gf.grpo_loss(hidden, weight, targets, torch.tensor(1.0), torch.ones(N, dtype=torch.bool),
-                           chunk_bytes=chunk_bytes, backend="torch")
+                           **grouped(chunk_bytes=chunk_bytes, backend="torch"))
     grad = torch.autograd.grad(loss, weight)[0]
     exact_weight = weight.detach().double().requires_grad_()
     ref_loss, _ = reference.grpo_loss(hidden.detach().double(), exact_weight, targets, torch.tensor(1.0),
@@ -107,7 +107,7 @@ def test_no_zero_fill_and_no_copy_of_the_weight_gradient(dtype, chunk_bytes, exp
     hidden, weight, targets = inputs(dtype)
     with FullSizeWrites() as writes:
         loss, _ = gf.grpo_loss(hidden, weight, targets, torch.tensor(1.0), torch.ones(N, dtype=torch.bool),
-                               chunk_bytes=chunk_bytes, backend="torch")
+                               **grouped(chunk_bytes=chunk_bytes, backend="torch"))
     assert writes.ops == expected                 # no zeros / fill_ / zero_ before the first GEMM
 
 
@@ -194,7 +194,7 @@ def test_uninitialized_memory_never_reaches_the_gradients(dtype, monkeypatch):
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
     advantages, mask = torch.tensor(1.0), torch.ones(tokens, dtype=torch.bool)
     monkeypatch.setattr(torch, "empty", poisoned_empty)
-    loss, _ = gf.grpo_loss(hidden, weight, targets, advantages, mask, backend="torch")
+    loss, _ = gf.grpo_loss(hidden, weight, targets, advantages, mask, **grouped(backend="torch"))
     loss.backward()
     monkeypatch.undo()
     expected = [hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)]

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import grpo_fast as gf
-from grpo_fast.profiling import GemmCounter
+from grpo_fast.benchmarks.profiling import GemmCounter
+from tests.helpers import grouped
 
 N, H, V = 96, 32, 200
 ONE_PASS = 2 * N * H * V
@@ -36,48 +37,51 @@ def test_counter_sees_out_and_inplace_forms():
 @pytest.mark.parametrize("chunk_bytes", [None, 20_000])
 def test_fused_loss_is_three_passes(chunk_bytes):
     hidden, weight, targets, adv, mask = make()
-    loss_passes = passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, beta=0.1, ref_logps=-torch.ones(
-        2, N // 2), chunk_bytes=chunk_bytes, backend="torch")[0].backward())
+    loss_passes = passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, ref_logps=-torch.ones(
+        2, N // 2), **grouped(beta=0.1, chunk_bytes=chunk_bytes, backend="torch"))[0].backward())
     assert loss_passes == 3
 
 
 def test_frozen_weight_is_two_passes():
     hidden, weight, targets, adv, mask = make(weight_grad=False)
-    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, backend="torch")[0].backward()) == 2
+    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask,
+                                       **grouped(backend="torch"))[0].backward()) == 2
 
 
 def test_masked_tokens_cost_nothing():
     hidden, weight, targets, adv, mask = make()
     mask[:, N // 4:] = False
-    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, backend="torch")[0].backward()) == 1.5
+    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask,
+                                       **grouped(backend="torch"))[0].backward()) == 1.5
 
 
 def test_sequence_level_is_four_passes():
     hidden, weight, targets, adv, mask = make()
-    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, loss_type="luspo",
-                                       importance_sampling_level="sequence", backend="torch")[0].backward()) == 4
+    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, **grouped(
+        loss_type="luspo", importance_sampling_level="sequence", backend="torch"))[0].backward()) == 4
 
 
 def test_vespo_is_four_passes():
     """VESPO weighs each token by its whole sequence's ratio: two phases, like the sequence-level variants."""
     hidden, weight, targets, adv, mask = make()
     old = -torch.ones(2, N // 2)
-    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, old_logps=old, loss_type="vespo",
-                                       backend="torch")[0].backward()) == 4
+    assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, old_logps=old,
+                                       **grouped(loss_type="vespo", backend="torch"))[0].backward()) == 4
 
 
 def test_token_logprobs_no_grad_is_one_pass():
     hidden, weight, targets, _, _ = make()
     with torch.no_grad():
-        assert passes(lambda: gf.token_logprobs(hidden, weight, targets, return_entropy=True, backend="torch")) == 1
+        assert passes(lambda: gf.token_logprobs(hidden, weight, targets, return_entropy=True,
+                                                **grouped(backend="torch"))) == 1
 
 
 def test_token_logprobs_with_grad_is_four_passes():
     hidden, weight, targets, _, _ = make()
-    assert passes(lambda: gf.token_logprobs(hidden, weight, targets, backend="torch").sum().backward()) == 4
+    assert passes(lambda: gf.token_logprobs(hidden, weight, targets, **grouped(backend="torch")).sum().backward()) == 4
 
 
 def test_loss_under_no_grad_is_one_pass():
     hidden, weight, targets, adv, mask = make()
     with torch.no_grad():
-        assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, backend="torch")) == 1
+        assert passes(lambda: gf.grpo_loss(hidden, weight, targets, adv, mask, **grouped(backend="torch"))) == 1

@@ -7,14 +7,14 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import make_batch
+from tests.helpers import grouped, make_batch
 
 
 def call(**changes):
     inputs = make_batch()
     del inputs["is_ratio"], inputs["bias"]
     inputs.update(changes)
-    return gf.grpo_loss(**inputs)
+    return gf.grpo_loss(**grouped(**inputs))
 
 
 @pytest.mark.parametrize("changes,error,words", [
@@ -82,14 +82,14 @@ def test_triton_backend_without_gpu_or_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
         gf.token_logprobs(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long),
-                          backend="triton")
+                          **grouped(backend="triton"))
 
 
 def test_module_rejects_bad_config_at_construction():
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        gf.GRPOLoss(loss_type="nope")
+        gf.GRPOLoss(**grouped(loss_type="nope"))
     with pytest.raises(ValueError, match="backend must be one of"):
-        gf.GRPOLoss(backend="jax")
+        gf.GRPOLoss(**grouped(backend="jax"))
 
 
 def test_tensors_on_different_devices():
@@ -103,7 +103,7 @@ def test_tensors_on_different_devices():
         call(old_logps=inputs["old_logps"].to("meta"))
 
 
-@pytest.mark.parametrize("fn", [gf.grpo_loss, reference.grpo_loss], ids=["grpo_loss", "reference"])
+@pytest.mark.parametrize("fn", [reference.grpo_loss], ids=["reference"])
 def test_config_or_loss_keywords_not_both(fn):
     inputs = make_batch()
     del inputs["is_ratio"], inputs["bias"]
@@ -119,11 +119,30 @@ def test_config_or_loss_keywords_not_both(fn):
     assert torch.equal(loss, fn(**inputs, loss_type="grpo", temperature=0.9)[0])
 
 
-def test_module_config_or_loss_keywords_not_both():
+def test_grpo_loss_takes_one_config_or_a_loss_type_name():
+    """The fused entries take the loss options as one `config`: a LossConfig or a loss-type name; a loss option
+    as a keyword is a one-line TypeError naming its new home."""
+    inputs = make_batch()
+    del inputs["is_ratio"], inputs["bias"]
+    by_name, _ = gf.grpo_loss(**inputs, config="grpo", transform=gf.LogitTransform(temperature=0.9))
+    by_config, _ = gf.grpo_loss(**inputs, config=gf.LossConfig(loss_type="grpo"),
+                                transform=gf.LogitTransform(temperature=0.9))
+    assert torch.equal(by_name, by_config)
+    with pytest.raises(TypeError, match=r"^grpo_loss\(\) got loss_type='grpo': it moved to "
+                                        r"config=LossConfig\(loss_type=\.\.\.\)$"):
+        gf.grpo_loss(**inputs, config=gf.LossConfig(), loss_type="grpo")
+    with pytest.raises(TypeError, match="config must be a grpo_fast.LossConfig, a loss type name .* got dict"):
+        gf.grpo_loss(**inputs, config={"loss_type": "grpo"})
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        gf.grpo_loss(**inputs, config="ppo2")
+
+
+def test_module_takes_one_config_or_a_loss_type_name():
     config = gf.LossConfig(loss_type="cispo", epsilon_high=5.0)
-    with pytest.raises(ValueError, match="got config and beta=0.04"):
-        gf.GRPOLoss(beta=0.04, config=config)
-    assert gf.GRPOLoss(loss_type="dapo", config=config).config is config
+    with pytest.raises(TypeError, match=r"^GRPOLoss\(\) got beta=0.04: it moved to config=LossConfig\(beta=\.\.\.\)$"):
+        gf.GRPOLoss(config, beta=0.04)
+    assert gf.GRPOLoss(config).config is config
+    assert gf.GRPOLoss("cispo").config == gf.LossConfig(loss_type="cispo")
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.int32])
@@ -138,7 +157,7 @@ def test_unsupported_float_dtypes_name_the_accepted_ones(dtype):
         return re.escape(f"{name} must have dtype float16, bfloat16, float32 or float64, got {dtype}{hint}") + "$"
 
     entry_points = {
-        "grpo_loss": lambda **kw: gf.grpo_loss(**kw),
+        "grpo_loss": lambda **kw: gf.grpo_loss(**grouped(**kw)),
         "reference": lambda **kw: reference.grpo_loss(**kw),
         "GRPOLoss": lambda **kw: gf.GRPOLoss()(**kw),
         "token_logprobs": lambda hidden, weight, targets, bias, **_: gf.token_logprobs(hidden, weight, targets,

@@ -7,9 +7,9 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
+from grpo_fast.benchmarks.profiling import GemmCounter
 from grpo_fast.kept import kept_set_from_mask
-from grpo_fast.profiling import GemmCounter
-from tests.helpers import DEVICE, as_float64, assert_close, make_batch
+from tests.helpers import DEVICE, as_float64, assert_close, grouped, make_batch
 from tests.loss.test_strides import column, transposed
 
 
@@ -46,8 +46,8 @@ def test_token_logprobs_over_kept_sets(backend, vocab, transform):
     views = [transposed(hidden).requires_grad_(), transposed(weight).requires_grad_(), bias.clone().requires_grad_()]
     # strided kept sets too: ids as a column of a wider tensor
     logp, entropy = gf.token_logprobs(views[0], views[1], column(targets), bias=views[2], return_entropy=True,
-                                      kept_ids=column(ids), kept_offsets=column(offsets), chunk_bytes=4 * 300 * 4,
-                                      backend=backend, **transform)
+                                      **grouped(kept_ids=column(ids), kept_offsets=column(offsets),
+                                                chunk_bytes=4 * 300 * 4, backend=backend, **transform))
     exact = [t.double().requires_grad_() for t in (hidden, weight, bias)]
     ref_logp, ref_entropy = reference.token_logprobs(exact[0], exact[1], targets, bias=exact[2], return_entropy=True,
                                                      kept_ids=ids, kept_offsets=offsets, **transform)
@@ -73,9 +73,9 @@ def test_whole_vocabulary_kept_set_equals_plain_pass(backend):
     kw = dict(old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], beta=0.1, entropy_coef=0.01,
               backend=backend)
     plain, plain_metrics = gf.grpo_loss(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"],
-                                        mask, **kw)
+                                        mask, **grouped(**kw))
     kept, kept_metrics = gf.grpo_loss(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"],
-                                      mask, kept_ids=ids.to(DEVICE), kept_offsets=offsets.to(DEVICE), **kw)
+                                      mask, **grouped(kept_ids=ids.to(DEVICE), kept_offsets=offsets.to(DEVICE), **kw))
     assert_close(kept, plain, 1e-6, name="loss")
     assert_close(kept_metrics["entropy"], plain_metrics["entropy"], 1e-6, name="entropy")
 
@@ -100,8 +100,8 @@ def test_grpo_loss_over_kept_sets(backend, case):
     hidden_view = leaves["hidden"].transpose(0, 1).contiguous().transpose(0, 1)
     targets_view = inputs["targets"].t().contiguous().t()
     loss, metrics = gf.grpo_loss(hidden_view, transposed(leaves["weight"]), targets_view, inputs["advantages"], mask,
-                                 bias=leaves["bias"], kept_ids=ids, kept_offsets=offsets, chunk_bytes=37 * 4 * 5,
-                                 backend=backend, **kw)
+                                 bias=leaves["bias"], **grouped(kept_ids=ids, kept_offsets=offsets,
+                                                                chunk_bytes=37 * 4 * 5, backend=backend, **kw))
     exact = as_float64(inputs)
     exact_leaves = {k: exact[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
     ref_loss, ref_metrics = reference.grpo_loss(
@@ -130,8 +130,9 @@ def test_kept_sets_keep_the_gemm_passes():
     for weight_grad, expected in ((True, 3), (False, 2)):
         weight = torch.randn(v, h, generator=gen, requires_grad=weight_grad)
         with GemmCounter() as counter:
-            gf.grpo_loss(hidden, weight, targets, torch.randn(2), mask, kept_ids=ids, kept_offsets=offsets,
-                         backend="torch", chunk_bytes=20_000)[0].backward()
+            gf.grpo_loss(hidden, weight, targets, torch.randn(2), mask, **grouped(kept_ids=ids, kept_offsets=offsets,
+                                                                                  backend="torch",
+                                                                                  chunk_bytes=20_000))[0].backward()
         assert counter.flops / (2 * n * h * v) == expected
 
 
@@ -149,7 +150,8 @@ def test_peaked_kept_set_keeps_relative_accuracy(backend):
                                                      kept_ids=ids.cpu(), kept_offsets=offsets.cpu())
     dtype = torch.float64 if backend == "torch" else torch.float32
     logp, entropy = gf.token_logprobs(hidden.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE), targets.to(DEVICE),
-                                      return_entropy=True, kept_ids=ids, kept_offsets=offsets, backend=backend)
+                                      return_entropy=True, **grouped(kept_ids=ids, kept_offsets=offsets,
+                                                                     backend=backend))
     assert float(ref_entropy.max()) < 1e-7
     assert_close(entropy, ref_entropy, 1e-4, name="entropy")
     assert_close(logp, ref_logp, 1e-4, name="logp")
@@ -161,7 +163,7 @@ def bad(**changes):
     args = dict(kept_ids=ids, kept_offsets=offsets)
     args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
     return lambda: gf.grpo_loss(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"],
-                                inputs["mask"], backend="torch", **args)
+                                inputs["mask"], **grouped(backend="torch", **args))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -185,7 +187,7 @@ def test_empty_or_targetless_or_repeated_kept_sets_raise():
     inputs = make_batch(batch=2, seq=4, vocab=11, seed=2, masked_fraction=0.0)
     targets, mask = inputs["targets"].clamp(min=0), torch.ones_like(inputs["mask"])
     call = lambda ids, offsets: gf.grpo_loss(inputs["hidden"], inputs["weight"], targets,  # noqa: E731
-                                             inputs["advantages"], mask, kept_ids=ids, kept_offsets=offsets)
+                                             inputs["advantages"], mask, **grouped(kept_ids=ids, kept_offsets=offsets))
     flat = targets.reshape(-1)
     keep = torch.zeros(8, 11, dtype=torch.bool)
     keep[torch.arange(8), flat.cpu()] = True
@@ -207,11 +209,12 @@ def test_empty_or_targetless_or_repeated_kept_sets_raise():
     masked = mask.clone()
     masked.view(-1)[3] = False
     gf.grpo_loss(inputs["hidden"], inputs["weight"], targets, inputs["advantages"], masked,
-                 kept_ids=kept_set_from_mask(empty)[0].to(DEVICE), kept_offsets=kept_set_from_mask(empty)[1].to(DEVICE))
+                 **grouped(kept_ids=kept_set_from_mask(empty)[0].to(DEVICE),
+                           kept_offsets=kept_set_from_mask(empty)[1].to(DEVICE)))
     with pytest.raises(ValueError, match=r"got K = 0 for token 3"):               # token_logprobs has no mask
         gf.token_logprobs(inputs["hidden"], inputs["weight"], targets,
-                          kept_ids=kept_set_from_mask(empty)[0].to(DEVICE),
-                          kept_offsets=kept_set_from_mask(empty)[1].to(DEVICE))
+                          **grouped(kept_ids=kept_set_from_mask(empty)[0].to(DEVICE),
+                                    kept_offsets=kept_set_from_mask(empty)[1].to(DEVICE)))
 
 
 def test_chunk_passes_read_only_the_kept_logits(backend):

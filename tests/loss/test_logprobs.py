@@ -5,7 +5,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import DEVICE, assert_close
+from tests.helpers import DEVICE, assert_close, grouped
 
 
 def inputs(dtype=torch.float32, shape=(3, 5), hidden_size=16, vocab=53, bias=False, seed=0):
@@ -26,7 +26,7 @@ def test_values_and_gradients(transform, shape, backend):
     hidden, weight, targets, bias = inputs(shape=shape, bias=True)
     grads_of = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     logp, entropy = gf.token_logprobs(grads_of[0], grads_of[1], targets, bias=grads_of[2], return_entropy=True,
-                                      backend=backend, **transform)
+                                      **grouped(backend=backend, **transform))
     assert logp.shape == entropy.shape == shape and logp.dtype == torch.float32
     ref_of = [t.double().requires_grad_() for t in (hidden, weight, bias)]
     ref_logp, ref_entropy = reference.token_logprobs(ref_of[0], ref_of[1], targets, bias=ref_of[2],
@@ -45,7 +45,7 @@ def test_values_and_gradients(transform, shape, backend):
 
 def test_logprob_only_output(backend):
     hidden, weight, targets, _ = inputs()
-    logp = gf.token_logprobs(hidden, weight, targets, backend=backend)
+    logp = gf.token_logprobs(hidden, weight, targets, **grouped(backend=backend))
     assert isinstance(logp, torch.Tensor)
     assert_close(logp, reference.token_logprobs(hidden.double(), weight.double(), targets), 1e-5)
 
@@ -53,7 +53,7 @@ def test_logprob_only_output(backend):
 def test_no_grad_keeps_nothing_for_backward(backend):
     hidden, weight, targets, _ = inputs()
     with torch.no_grad():
-        logp = gf.token_logprobs(hidden.requires_grad_(), weight, targets, backend=backend)
+        logp = gf.token_logprobs(hidden.requires_grad_(), weight, targets, **grouped(backend=backend))
     assert logp.grad_fn is None
 
 
@@ -63,8 +63,8 @@ def test_gradcheck_float64_torch_backend(transform):
     hidden, weight, bias = (t.requires_grad_() for t in (hidden, weight, bias))
 
     def logp_and_entropy(h, w, b):
-        return gf.token_logprobs(h, w, targets, bias=b, return_entropy=True, backend="torch", chunk_bytes=200,
-                                 **transform)
+        return gf.token_logprobs(h, w, targets, bias=b, return_entropy=True, **grouped(backend="torch", chunk_bytes=200,
+                                                                                       **transform))
 
     assert torch.autograd.gradcheck(logp_and_entropy, (hidden, weight, bias))
 
@@ -72,7 +72,7 @@ def test_gradcheck_float64_torch_backend(transform):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_return_fp32_logps(dtype, backend):
     hidden, weight, targets, _ = inputs(dtype=dtype, vocab=300, hidden_size=32)
-    logp, entropy = gf.token_logprobs(hidden, weight, targets, return_entropy=True, backend=backend)
+    logp, entropy = gf.token_logprobs(hidden, weight, targets, return_entropy=True, **grouped(backend=backend))
     assert logp.dtype == entropy.dtype == torch.float32
     ref_logp, ref_entropy = reference.token_logprobs(hidden.double(), weight.double(), targets,
                                                      return_entropy=True)
@@ -93,7 +93,7 @@ def test_banned_tokens_with_a_minus_inf_bias(transform, backend):
     bias = bias.masked_fill(banned, float("-inf"))
     ours = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     logp, entropy = gf.token_logprobs(ours[0], ours[1], targets, bias=ours[2], return_entropy=True,
-                                      backend=backend, **transform)
+                                      **grouped(backend=backend, **transform))
     gen = torch.Generator().manual_seed(2)
     w_logp, w_entropy = torch.randn(2, *targets.shape, generator=gen).to(DEVICE)
     grads = torch.autograd.grad((logp * w_logp).sum() + (entropy * w_entropy).sum(), ours)
@@ -129,8 +129,8 @@ def test_peaked_distributions_keep_the_relative_accuracy_of_entropy_and_logp(tem
     hidden = torch.eye(rows).to(DEVICE)                                   # hidden @ weight.T = logits, exactly
     weight = logits.t().contiguous().to(DEVICE)
     targets = peak.to(DEVICE)
-    logp, entropy = gf.token_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=True,
-                                      backend=backend)
+    logp, entropy = gf.token_logprobs(hidden, weight, targets, return_entropy=True, **grouped(temperature=temperature,
+                                                                                              backend=backend))
     ref_logp, ref_entropy = reference.token_logprobs(hidden.double(), weight.double(), targets,
                                                      temperature=temperature, return_entropy=True)
     assert ref_entropy[:-2].min() < 1e-8 and ref_entropy[:-2].max() > 1e-4

@@ -8,7 +8,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import as_float64, assert_close, make_batch
+from tests.helpers import as_float64, assert_close, flat, forward_grouped, grouped, make_batch
 
 CASES = {
     "dapo_on_policy": dict(old_logps=None),
@@ -37,7 +37,7 @@ CASES = {
 def run(fn, inputs, options, grads=("hidden", "weight", "bias")):
     inputs = {k: (v.clone().requires_grad_(k in grads) if isinstance(v, torch.Tensor) and k in grads else v)
               for k, v in inputs.items()}
-    loss, metrics = fn(**inputs, **options)
+    loss, metrics = flat(fn)(**inputs, **options)
     params = [inputs[k] for k in grads if inputs.get(k) is not None]
     return loss, metrics, dict(zip([k for k in grads if inputs.get(k) is not None],
                                    torch.autograd.grad(loss, params)))
@@ -150,7 +150,7 @@ def test_frozen_weight_gets_no_grad(backend):
     hidden = inputs["hidden"].clone().requires_grad_()
     weight = inputs["weight"].clone()
     loss, _ = gf.grpo_loss(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
-                           old_logps=inputs["old_logps"], backend=backend)
+                           old_logps=inputs["old_logps"], **grouped(backend=backend))
     loss.backward()
     assert weight.grad is None and hidden.grad is not None
     ref_loss, _, ref_grads = run(reference.grpo_loss, as_float64(inputs), {}, grads=("hidden",))
@@ -161,9 +161,9 @@ def test_upstream_gradient_scales(backend):
     inputs = make_batch(seed=8)
     hidden = inputs["hidden"].clone().requires_grad_()
     args = (inputs["weight"], inputs["targets"], inputs["advantages"], inputs["mask"])
-    loss, _ = gf.grpo_loss(hidden, *args, old_logps=inputs["old_logps"], backend=backend)
+    loss, _ = gf.grpo_loss(hidden, *args, old_logps=inputs["old_logps"], **grouped(backend=backend))
     (g1,) = torch.autograd.grad(loss, hidden)
-    loss, _ = gf.grpo_loss(hidden, *args, old_logps=inputs["old_logps"], backend=backend)
+    loss, _ = gf.grpo_loss(hidden, *args, old_logps=inputs["old_logps"], **grouped(backend=backend))
     (g3,) = torch.autograd.grad(-3.0 * loss, hidden)
     assert_close(g3, -3.0 * g1, 1e-6)
 
@@ -171,11 +171,11 @@ def test_upstream_gradient_scales(backend):
 def test_module_equals_function(backend):
     inputs = make_batch(seed=9)
     options = dict(loss_type="cispo", epsilon_high=4.0, beta=0.02, temperature=0.9)
-    module = gf.GRPOLoss(**options, backend=backend)
+    module = gf.GRPOLoss(**grouped(**options, backend=backend))
     loss_m, metrics_m = module(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"],
                                inputs["mask"], old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"])
-    loss_f, metrics_f = gf.grpo_loss(**{k: v for k, v in inputs.items() if k not in ("is_ratio", "bias")},
-                                     **options, backend=backend)
+    loss_f, metrics_f = gf.grpo_loss(**grouped(**{k: v for k, v in inputs.items() if k not in ("is_ratio", "bias")},
+                                               **options, backend=backend))
     assert torch.equal(loss_m, loss_f)
     assert metrics_m.keys() == metrics_f.keys()
     assert "cispo" in repr(module)
@@ -189,9 +189,9 @@ TRANSFORM = dict(logit_scale=1.2, logit_softcap=4.0, temperature=0.9)
 def trainer_call(fn, inputs, **options):
     """fn called as the trainer calls its loss implementations; returns (loss, metrics, d(hidden, weight, bias))."""
     hidden, weight, bias = (inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-    loss, metrics = fn(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
-                       old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], is_ratio=inputs["is_ratio"],
-                       num_items_in_batch=20, bias=bias, **TRANSFORM, **options)
+    loss, metrics = flat(fn)(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
+                             old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], is_ratio=inputs["is_ratio"],
+                             num_items_in_batch=20, bias=bias, **TRANSFORM, **options)
     return loss, metrics, torch.autograd.grad(loss, (hidden, weight, bias))
 
 
@@ -214,29 +214,35 @@ def test_config_equals_keywords(fn):
 def test_module_config_equals_keywords():
     inputs = make_batch(seed=11, bias=True)
     config = gf.LossConfig(**CONFIG_OPTIONS)
-    module = gf.GRPOLoss(config=config, **TRANSFORM, backend="torch")
+    module = gf.GRPOLoss(config=config, **grouped(**TRANSFORM, backend="torch"))
     assert module.config is config
-    modules = [module, gf.GRPOLoss(**CONFIG_OPTIONS, **TRANSFORM, backend="torch")]
+    modules = [module, gf.GRPOLoss(**grouped(**CONFIG_OPTIONS, **TRANSFORM, backend="torch"))]
     results = []
     for module in modules:
         hidden, weight, bias = (inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
         loss, metrics = module(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
                                old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], bias=bias,
-                               is_ratio=inputs["is_ratio"], num_items_in_batch=20)
+                               **forward_grouped(is_ratio=inputs["is_ratio"], num_items_in_batch=20))
         results.append((loss, metrics, torch.autograd.grad(loss, (hidden, weight, bias))))
     assert_same(*results)
 
 
 def test_module_takes_vespo_options():
     options = dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
-    assert gf.GRPOLoss(**options).config == gf.LossConfig(**options)
+    assert gf.GRPOLoss(**grouped(**options)).config == gf.LossConfig(**options)
 
 
-def test_loss_keyword_defaults_are_the_config_defaults():
-    defaults = {field.name: field.default for field in dataclasses.fields(gf.LossConfig)}
-    for entry in (gf.grpo_loss, gf.GRPOLoss):
-        parameters = inspect.signature(entry).parameters
-        assert {name: parameters[name].default for name in defaults} == defaults, entry.__name__
+def test_signatures_are_the_sources_and_name_no_loss_option():
+    """inspect.signature shows each entry's own parameters (no rewritten signature): grpo_loss's 12, none of them a
+    LossConfig field (those live in config=); GRPOLoss's constructor and forward alike."""
+    option_names = {field.name for field in dataclasses.fields(gf.LossConfig)}
+    for entry in (gf.grpo_loss, gf.token_logprobs, gf.fused_token_loss, gf.GRPOLoss.__init__, gf.GRPOLoss.forward):
+        shown = inspect.signature(entry)
+        assert shown == inspect.signature(entry.__wrapped__), entry.__qualname__
+        assert not option_names & set(shown.parameters), entry.__qualname__
+    parameters = inspect.signature(gf.grpo_loss).parameters
+    assert len(parameters) <= 12 and list(parameters)[-4:] == ["config", "transform", "weights", "execution"]
+    assert parameters["config"].default == "dapo"
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -254,7 +260,8 @@ def test_entropy_mask_narrows_the_bonus(level, backend):
     config = gf.LossConfig(importance_sampling_level=level, entropy_coef=0.3)
 
     def fused(**tensors):
-        return checked_policy_loss(**tensors, config=config, transform=LogitTransform(), backend=backend,
+        return checked_policy_loss(**tensors, config=config, transform=LogitTransform(),
+                                   execution=gf.Execution(backend=backend),
                                    entropy_mask=narrow.to(inputs["mask"].device))
 
     def expected(**tensors):
@@ -289,7 +296,8 @@ def test_policy_mask_weighs_the_policy_term_alone(loss_type, backend):
     config = gf.LossConfig(loss_type=loss_type)
 
     def fused(**tensors):
-        return checked_policy_loss(**tensors, config=config, transform=LogitTransform(), backend=backend,
+        return checked_policy_loss(**tensors, config=config, transform=LogitTransform(),
+                                   execution=gf.Execution(backend=backend),
                                    policy_mask=keep.to(tensors["hidden"].device))
 
     def expected(**tensors):

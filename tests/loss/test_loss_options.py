@@ -1,13 +1,15 @@
-"""How the loss entries take the loss options: LossConfig's fields as keywords (GRPOLoss(**options),
-grpo_loss(..., **options)) or one LossConfig, the same loss and gradients either way; an unknown keyword is a
-one-line ValueError naming it."""
+"""How the loss entries take their options: one LossConfig (or a loss-type name), a LogitTransform, an Execution
+and TokenWeights, the same loss and gradients as the full-logits reference's flat keywords; a keyword that moved
+into a group is a one-line TypeError naming its new home, and the groups' checks name the field."""
+
+import re
 
 import pytest
 import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import as_float64, assert_close, make_batch
+from tests.helpers import as_float64, assert_close, flat, grouped, make_batch
 
 OPTIONS = dict(loss_type="grpo", epsilon_low=0.15, epsilon_high=0.28, delta=1.5, beta=0.04,
                use_bias_correction_kl=True, entropy_coef=0.01)
@@ -15,56 +17,140 @@ TRANSFORM = dict(temperature=0.9, logit_scale=1.2, logit_softcap=4.0)
 TENSORS = ("hidden", "weight", "targets", "advantages", "mask")
 
 
-def unknown_keyword_error(make) -> str:
-    with pytest.raises(ValueError) as info:
+def one_line_type_error(make) -> str:
+    with pytest.raises(TypeError) as info:
         make()
     message = str(info.value)
     assert "\n" not in message
     return message
 
 
-@pytest.mark.parametrize("config", [None, gf.LossConfig(loss_type="grpo")], ids=["keywords", "config"])
+@pytest.mark.parametrize("keyword,value,home", [
+    ("temperature", 0.7, "transform=LogitTransform(temperature=...)"),
+    ("logit_scale", 1.2, "transform=LogitTransform(scale=...)"),
+    ("logit_softcap", 4.0, "transform=LogitTransform(softcap=...)"),
+    ("kept_ids", torch.arange(3), "transform=LogitTransform(kept=KeptSet(ids, offsets))"),
+    ("chunk_bytes", 4096, "execution=Execution(chunk_bytes=...)"),
+    ("backend", "torch", "execution=Execution(backend=...)"),
+    ("process_group", None, "execution=Execution(process_group=...)"),
+    ("num_items_in_batch", 20, "weights=TokenWeights(num_items_in_batch=...)"),
+    ("is_ratio", torch.ones(3, 9), "weights=TokenWeights(is_ratio=...)"),
+    ("beta", 0.04, "config=LossConfig(beta=...)"),
+    ("loss_type", "grpo", "config=LossConfig(loss_type=...)"),
+])
+def test_moved_keyword_names_its_new_home(keyword, value, home):
+    inputs = make_batch()
+    tensors = [inputs[k] for k in TENSORS]
+    shown = "<tensor (3,) torch.int64>" if keyword == "kept_ids" else \
+        "<tensor (3, 9) torch.float32>" if keyword == "is_ratio" else repr(value)
+    message = one_line_type_error(lambda: gf.grpo_loss(*tensors, **{keyword: value}))
+    assert message == f"grpo_loss() got {keyword}={shown}: it moved to {home}"
+    if home.startswith(("transform=", "execution=")):
+        for entry, call in (("token_logprobs", lambda: gf.token_logprobs(*tensors[:3], **{keyword: value})),
+                            ("fused_token_loss", lambda: gf.fused_token_loss(*tensors[:3], None, **{keyword: value})),
+                            ("GRPOLoss", lambda: gf.GRPOLoss(**{keyword: value}))):
+            if keyword == "kept_ids" and entry == "GRPOLoss":
+                continue
+            message = one_line_type_error(call)
+            assert message == f"{entry}() got {keyword}={shown}: it moved to {home}"
+
+
+def test_module_forward_names_the_new_homes():
+    inputs = make_batch()
+    tensors = [inputs[k] for k in TENSORS]
+    module = gf.GRPOLoss()
+    for keyword, value, home in (("kept_offsets", torch.arange(3), "kept=KeptSet(ids, offsets)"),
+                                 ("num_items_in_batch", 20, "weights=TokenWeights(num_items_in_batch=...)"),
+                                 ("temperature", 0.7, "GRPOLoss(transform=LogitTransform(temperature=...))"),
+                                 ("backend", "torch", "GRPOLoss(execution=Execution(backend=...))"),
+                                 ("beta", 0.1, "GRPOLoss(config=LossConfig(beta=...))")):
+        message = one_line_type_error(lambda: module(*tensors, **{keyword: value}))
+        assert message.startswith(f"GRPOLoss.forward() got {keyword}=") and message.endswith(f"it moved to {home}")
+
+
+@pytest.mark.parametrize("config", ["grpo", gf.LossConfig(loss_type="grpo")], ids=["name", "config"])
 def test_unknown_keyword_names_it(config):
     inputs = make_batch()
     tensors = [inputs[k] for k in TENSORS]
     for make in (lambda: gf.GRPOLoss(config, epsilon=0.2),
                  lambda: gf.grpo_loss(*tensors, config=config, epsilon=0.2)):
-        message = unknown_keyword_error(make)
-        assert message.startswith("unknown keyword argument epsilon=0.2: expected a loss option")
-        assert "epsilon_low, epsilon_high" in message          # what was expected
+        assert "unexpected keyword argument 'epsilon'" in one_line_type_error(make)
 
 
 def test_loss_keywords_config_and_function_agree_in_float64():
-    """GRPOLoss(**options) = GRPOLoss(LossConfig(**options)) = grpo_loss(..., **options), loss and d(hidden,
-    weight, bias), in float64 on the torch backend; and all three equal the full-logits reference."""
+    """GRPOLoss(LossConfig(**options), transform=, execution=) = grpo_loss(..., config=LossConfig(**options), ...),
+    loss and d(hidden, weight, bias), in float64 on the torch backend; and both equal the full-logits reference
+    called with the same options as flat keywords."""
     inputs = as_float64(make_batch(seed=12, bias=True))
-    module_keywords = gf.GRPOLoss(**OPTIONS, **TRANSFORM, backend="torch")
-    module_config = gf.GRPOLoss(gf.LossConfig(**OPTIONS), **TRANSFORM, backend="torch")
+    module_keywords = gf.GRPOLoss(**grouped(**OPTIONS, **TRANSFORM, backend="torch"))
+    module_config = gf.GRPOLoss(gf.LossConfig(**OPTIONS), **grouped(**TRANSFORM, backend="torch"))
     assert module_keywords.config == module_config.config == gf.LossConfig(**OPTIONS)
 
-    def run(fn):
+    def run(fn, regroup=True):
         hidden, weight, bias = (inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-        loss, _ = fn(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
-                     old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], bias=bias,
-                     is_ratio=inputs["is_ratio"], num_items_in_batch=20)
+        loss, _ = (flat(fn) if regroup else fn)(hidden, weight, inputs["targets"], inputs["advantages"], inputs["mask"],
+                           old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], bias=bias,
+                           is_ratio=inputs["is_ratio"], num_items_in_batch=20)
         return [loss, *torch.autograd.grad(loss, (hidden, weight, bias))]
 
     results = [
         run(module_keywords),
         run(module_config),
-        run(lambda *args, **kwargs: gf.grpo_loss(*args, **kwargs, **OPTIONS, **TRANSFORM, backend="torch")),
+        run(lambda *args, **kwargs: gf.grpo_loss(*args, **grouped(**kwargs, **OPTIONS, **TRANSFORM,
+                                                                  backend="torch")), regroup=False),
     ]
     assert results[0][0].dtype == torch.float64
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
-    expected = run(lambda *args, **kwargs: reference.grpo_loss(*args, **kwargs, **OPTIONS, **TRANSFORM))
+    expected = run(lambda *args, **kwargs: reference.grpo_loss(*args, **kwargs, **OPTIONS, **TRANSFORM), regroup=False)
     for name, actual, wanted in zip(("loss", "hidden", "weight", "bias"), results[0], expected):
         assert_close(actual, wanted, 1e-10, atol=1e-12, name=name)
 
 
 def test_module_keeps_its_own_options_explicit():
-    module = gf.GRPOLoss(loss_type="cispo", epsilon_high=5.0, chunk_bytes=4096, backend="torch", temperature=0.7)
-    assert (module.chunk_bytes, module.backend, module.transform.temperature) == (4096, "torch", 0.7)
+    module = gf.GRPOLoss(**grouped(loss_type="cispo", epsilon_high=5.0, chunk_bytes=4096, backend="torch",
+                                   temperature=0.7))
+    assert (module.execution.chunk_bytes, module.execution.backend, module.transform.temperature) == (4096, "torch",
+                                                                                                      0.7)
     assert module.config.loss_type == "cispo" and "cispo" in repr(module)
-    with pytest.raises(TypeError, match="config must be a grpo_fast.LossConfig or None, got str"):
-        gf.GRPOLoss("dapo")                         # the one positional argument is the config
+    assert gf.GRPOLoss("dapo").config == gf.LossConfig()           # the one positional argument is the config
+    with pytest.raises(TypeError, match="config must be a grpo_fast.LossConfig, a loss type name .* got dict"):
+        gf.GRPOLoss({"loss_type": "dapo"})
+    with pytest.raises(TypeError, match="transform must be a grpo_fast.LogitTransform or None, got dict"):
+        gf.GRPOLoss(transform={"temperature": 0.7})
+
+
+@pytest.mark.parametrize("make,error,message", [
+    (lambda: gf.LogitTransform(temperature=0.0), ValueError,
+     "temperature must be > 0 (LogitTransform.temperature), got 0.0"),
+    (lambda: gf.LogitTransform(temperature=float("inf")), TypeError,
+     "temperature must be a finite float (LogitTransform.temperature), got inf"),
+    (lambda: gf.LogitTransform(scale="2"), TypeError,
+     "logit_scale must be a finite float (LogitTransform.scale), got '2'"),
+    (lambda: gf.LogitTransform(softcap=-1.0), ValueError,
+     "logit_softcap must be a positive float or None (LogitTransform.softcap), got -1.0"),
+    (lambda: gf.LogitTransform(kept=(torch.arange(2), torch.arange(3))), TypeError,
+     "kept must be a grpo_fast.KeptSet(ids, offsets) or None (LogitTransform.kept), got tuple"),
+    (lambda: gf.Execution(chunk_bytes=0), ValueError,
+     "chunk_bytes must be a positive int or None (Execution.chunk_bytes), got 0"),
+    (lambda: gf.Execution(chunk_bytes=True), ValueError,
+     "chunk_bytes must be a positive int or None (Execution.chunk_bytes), got True"),
+    (lambda: gf.Execution(backend="cuda"), ValueError,
+     "backend must be one of ('auto', 'torch', 'triton') (Execution.backend), got 'cuda'"),
+], ids=["temperature", "temperature_inf", "scale", "softcap", "kept", "chunk_bytes", "chunk_bytes_bool", "backend"])
+def test_option_groups_name_the_field(make, error, message):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        make()
+
+
+def test_kept_set_is_built_from_ids_and_offsets():
+    ids, offsets = torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    kept = gf.KeptSet(ids, offsets)
+    assert torch.equal(kept.host_offsets, offsets) and kept.host_offsets.device.type == "cpu"
+    transform = gf.LogitTransform(temperature=0.5, kept=kept)
+    assert (transform.temperature, transform.scale, transform.softcap, transform.kept) == (0.5, 1.0, None, kept)
+    assert "2 tokens, 3 ids" in repr(transform)
+    hidden, weight, targets = torch.randn(2, 4), torch.randn(5, 4), torch.tensor([2, 1])
+    logp = gf.token_logprobs(hidden, weight, targets, transform=transform)
+    expected = reference.token_logprobs(hidden, weight, targets, temperature=0.5, kept_ids=ids, kept_offsets=offsets)
+    assert_close(logp, expected, 1e-6)

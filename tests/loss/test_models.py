@@ -40,7 +40,8 @@ def check_matches_logits(model, temperature=1.0):
         expected = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
         head = lm_head(model)
         hidden = final_hidden_states(model, input_ids, attention_mask)
-        actual = gf.token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], **head.logit_kwargs(temperature))
+        actual = gf.token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], bias=head.bias,
+                                   transform=head.transform(temperature))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     return head
 
@@ -78,7 +79,7 @@ def test_lora_on_the_head_itself_is_refused():
 
 
 def test_frozen_head_loss_runs_two_passes_and_leaves_no_grad():
-    from grpo_fast.profiling import GemmCounter
+    from grpo_fast.benchmarks.profiling import GemmCounter
 
     model = MODELS["qwen2"]()
     head = lm_head(model)
@@ -88,7 +89,7 @@ def test_frozen_head_loss_runs_two_passes_and_leaves_no_grad():
     mask = torch.ones(2, 8, dtype=torch.bool)
     with GemmCounter() as counter:
         loss, _ = gf.grpo_loss(hidden, head.weight, input_ids[:, 1:], torch.tensor([1.0, -1.0]), mask,
-                               backend="torch")
+                               execution=gf.Execution(backend="torch"))
         torch.autograd.grad(loss, hidden)
     assert counter.flops == 2 * (2 * 16 * SMALL["hidden_size"] * SMALL["vocab_size"])
     assert head.weight.grad is None

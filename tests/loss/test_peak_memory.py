@@ -10,7 +10,7 @@ GIB = 2**30
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import grpo_fast as gf
-    from grpo_fast.profiling import peak_rss_bytes, start_peak_rss
+    from grpo_fast.benchmarks.profiling import peak_rss_bytes, start_peak_rss
     torch.set_num_threads(2)
     N, H, V = 8192, 64, 32768           # fp32 logits: N * V * 4 bytes = 1 GiB
     gen = torch.Generator().manual_seed(0)
@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent("""
     gf.grpo_loss(hidden[:64], weight[:512], targets[:64] % 512, advantages[:64], mask[:64])[0].backward()
     hidden.grad = weight.grad = None
     before = start_peak_rss()
-    loss, metrics = gf.grpo_loss(hidden, weight, targets, advantages, mask, backend=sys.argv[1])
+    loss, metrics = gf.grpo_loss(hidden, weight, targets, advantages, mask,
+                                 execution=gf.Execution(backend=sys.argv[1]))
     loss.backward()
     grads = (N * H + V * H) * 4
     print(json.dumps({"peak_growth": peak_rss_bytes() - before, "grads": grads, "loss": loss.item()}))

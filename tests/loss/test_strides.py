@@ -6,7 +6,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import DEVICE, assert_close
+from tests.helpers import DEVICE, assert_close, grouped
 
 N, H = 40, 32
 CHUNK = 4 * 300 * 4          # ~4 rows per chunk at V = 300: several chunks, a ragged last one
@@ -39,7 +39,8 @@ def test_token_logprobs_with_strided_targets_hidden_and_weight(backend, vocab):
     assert targets.stride() == (4,)
     views = [transposed(hidden).requires_grad_(), transposed(weight).requires_grad_()]
     assert not views[0].is_contiguous() and not views[1].is_contiguous()
-    logp, entropy = gf.token_logprobs(*views, targets, return_entropy=True, chunk_bytes=CHUNK, backend=backend)
+    logp, entropy = gf.token_logprobs(*views, targets, return_entropy=True, **grouped(chunk_bytes=CHUNK,
+                                                                                      backend=backend))
     exact = [hidden.double().requires_grad_(), weight.double().requires_grad_()]
     ref_logp, ref_entropy = reference.token_logprobs(*exact, targets.contiguous(), return_entropy=True)
     assert_close(logp, ref_logp, 1e-5, atol=1e-6, name="logp")
@@ -56,7 +57,7 @@ def test_token_logprobs_with_batched_strided_targets(backend):
     weight = (torch.randn(300, H, generator=gen) * 0.3).to(DEVICE)
     targets = torch.randint(0, 300, (7, 3), generator=gen).to(DEVICE).t()     # (B, T) transposed view
     hidden_view = hidden.transpose(0, 1).contiguous().transpose(0, 1)          # (B, T, H), not contiguous
-    logp = gf.token_logprobs(hidden_view, weight, targets, chunk_bytes=CHUNK, backend=backend)
+    logp = gf.token_logprobs(hidden_view, weight, targets, **grouped(chunk_bytes=CHUNK, backend=backend))
     ref = reference.token_logprobs(hidden.double(), weight.double(), targets.contiguous())
     assert_close(logp, ref, 1e-5, atol=1e-6, name="logp")
 
@@ -85,7 +86,7 @@ def test_grpo_loss_with_every_vector_a_view(backend, options):
     assert all(not v.is_contiguous() for v in views.values())
     hidden_view = hidden.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
     weight_view = transposed(weight).requires_grad_()
-    loss, _ = gf.grpo_loss(hidden_view, weight_view, **views, chunk_bytes=CHUNK, backend=backend, **options)
+    loss, _ = gf.grpo_loss(hidden_view, weight_view, **grouped(**views, chunk_bytes=CHUNK, backend=backend, **options))
     exact = [hidden.double().requires_grad_(), weight.double().requires_grad_()]
     ref_loss, _ = reference.grpo_loss(*exact, **contiguous, **options)
     assert_close(loss, ref_loss, 1e-5, atol=1e-7, name="loss")

@@ -7,7 +7,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import DEVICE, assert_close
+from tests.helpers import DEVICE, assert_close, grouped
 from tests.loss.test_kept import kept_sets
 from tests.loss.test_logprobs import TRANSFORMS, inputs
 
@@ -19,7 +19,8 @@ def test_sum_pi_squared_equals_float64(transform, with_entropy, backend):
     hidden = hidden * torch.linspace(0.05, 3.0, 9, device=DEVICE)[:, None]     # rows from flat to peaked
     ours = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     out = gf.token_logprobs(ours[0], ours[1], targets, bias=ours[2], return_entropy=with_entropy,
-                            return_sum_pi_squared=True, chunk_bytes=5 * 300 * 4, backend=backend, **transform)
+                            return_sum_pi_squared=True, **grouped(chunk_bytes=5 * 300 * 4, backend=backend,
+                                                                  **transform))
     assert len(out) == 2 + with_entropy
     logp, sum_pi_squared = out[0], out[-1]
     assert sum_pi_squared.shape == targets.shape and sum_pi_squared.dtype == torch.float32
@@ -36,7 +37,7 @@ def test_sum_pi_squared_equals_float64(transform, with_entropy, backend):
     grads = torch.autograd.grad(logp.sum() + (out[1].sum() if with_entropy else 0), ours)
     plain = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     plain_out = gf.token_logprobs(plain[0], plain[1], targets, bias=plain[2], return_entropy=with_entropy,
-                                  chunk_bytes=5 * 300 * 4, backend=backend, **transform)
+                                  **grouped(chunk_bytes=5 * 300 * 4, backend=backend, **transform))
     plain_logp = plain_out[0] if with_entropy else plain_out
     plain_grads = torch.autograd.grad(plain_logp.sum() + (plain_out[1].sum() if with_entropy else 0), plain)
     for g, p in zip(grads, plain_grads):
@@ -48,9 +49,9 @@ def test_sum_pi_squared_over_kept_sets(vocab, backend):
     """Over each token's kept set: the kept-set distribution's sum p^2, not the full vocabulary's."""
     hidden, weight, targets, bias = inputs(shape=(30,), vocab=vocab, hidden_size=32, bias=True, seed=5)
     ids, offsets = kept_sets(targets, vocab, seed=vocab)
-    logp, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, bias=bias, kept_ids=ids, kept_offsets=offsets,
-                                             return_sum_pi_squared=True, temperature=0.8, chunk_bytes=7 * 300 * 4,
-                                             backend=backend)
+    logp, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, bias=bias, return_sum_pi_squared=True,
+                                             **grouped(kept_ids=ids, kept_offsets=offsets, temperature=0.8,
+                                                       chunk_bytes=7 * 300 * 4, backend=backend))
     _, ref_sum = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double(), kept_ids=ids,
                                           kept_offsets=offsets, return_sum_pi_squared=True, temperature=0.8)
     _, full_sum = reference.token_logprobs(hidden.double(), weight.double(), targets, bias=bias.double(),
@@ -74,7 +75,7 @@ def test_sum_pi_squared_of_peaked_flat_and_banned_rows(backend):
     weight = logits.t().contiguous().to(DEVICE)
     targets = torch.tensor([4, 1, 2, 5, 7], device=DEVICE)
     _, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, bias=bias.to(DEVICE), return_sum_pi_squared=True,
-                                          backend=backend)
+                                          **grouped(backend=backend))
     expected = torch.softmax((logits + bias).double(), -1).square().sum(-1)
     assert torch.isfinite(sum_pi_squared).all()
     assert abs(expected[1].item() - 1 / (vocab - len(range(0, vocab, 3)))) < 1e-15

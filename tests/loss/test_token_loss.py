@@ -7,8 +7,8 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from grpo_fast.profiling import GemmCounter
-from tests.helpers import DEVICE, assert_close, make_batch
+from grpo_fast.benchmarks.profiling import GemmCounter
+from tests.helpers import DEVICE, assert_close, grouped, make_batch
 from tests.loss.test_kept import kept_sets
 
 
@@ -36,9 +36,9 @@ def test_own_loss_equals_the_reference(backend, with_entropy, kept):
     fn = expression(advantages, old, weights, 0.05)
     keep = dict(zip(("kept_ids", "kept_offsets"), kept_sets(targets, 37, mask, seed=3))) if kept else {}
     leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
-    loss = gf.fused_token_loss(leaves[0], leaves[1], targets, gf.autograd_token_loss(fn), mask=mask,
-                               bias=leaves[2], temperature=0.8, logit_softcap=4.0, with_entropy=with_entropy,
-                               chunk_bytes=37 * 4 * 5, backend=backend, **keep)
+    loss = gf.fused_token_loss(leaves[0], leaves[1], targets, gf.autograd_token_loss(fn), mask=mask, bias=leaves[2],
+                               with_entropy=with_entropy, **grouped(temperature=0.8, logit_softcap=4.0,
+                                                                    chunk_bytes=37 * 4 * 5, backend=backend, **keep))
     exact = [inputs[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
     logp, entropy = reference.token_logprobs(exact[0], exact[1], targets, bias=exact[2], temperature=0.8,
                                              logit_softcap=4.0, return_entropy=True, **keep)
@@ -64,13 +64,14 @@ def test_hand_written_gradients_and_gemm_passes():
     for weight_grad, expected in ((True, 3), (False, 2)):
         weight = torch.randn(v, h, generator=gen, requires_grad=weight_grad)
         with GemmCounter() as counter:
-            loss = gf.fused_token_loss(hidden, weight, targets, token_loss, chunk_bytes=20_000, backend="torch")
+            loss = gf.fused_token_loss(hidden, weight, targets, token_loss, **grouped(chunk_bytes=20_000,
+                                                                                      backend="torch"))
             loss.backward()
         assert counter.flops / (2 * n * h * v) == expected
         expected_loss = (scale * gf.token_logprobs(hidden.detach(), weight.detach(), targets)).sum()
         assert_close(loss, expected_loss, 1e-5, name="loss")
     with torch.no_grad(), GemmCounter() as counter:
-        value = gf.fused_token_loss(hidden, weight, targets, token_loss, chunk_bytes=20_000, backend="torch")
+        value = gf.fused_token_loss(hidden, weight, targets, token_loss, **grouped(chunk_bytes=20_000, backend="torch"))
     assert counter.flops / (2 * n * h * v) == 1
     assert_close(value, expected_loss, 1e-5, name="no-grad value")
 
@@ -78,7 +79,7 @@ def test_hand_written_gradients_and_gemm_passes():
 def test_malformed_token_loss_raises():
     inputs = make_batch(batch=2, seq=4, vocab=11, seed=2)
     call = lambda fn, **kw: gf.fused_token_loss(inputs["hidden"], inputs["weight"], inputs["targets"], fn,  # noqa
-                                                **{"mask": inputs["mask"], **kw})
+                                                **grouped(**{"mask": inputs["mask"], **kw}))
     with pytest.raises(TypeError, match="token_loss must be callable"):
         call(None)
     with pytest.raises(TypeError, match=r"token_loss must return \(value, g_logp, g_entropy\), got Tensor"):
@@ -115,9 +116,10 @@ def test_batch_token_loss_takes_a_whole_batch_loss(backend, with_entropy):
     logp = old.clone()
     entropy = torch.zeros_like(old) if with_entropy else None
     leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
-    carrier = gf.fused_token_loss(leaves[0], leaves[1], targets, batch_token_loss(batch_loss, logp, entropy),
-                                  mask=mask, bias=leaves[2], temperature=0.8, with_entropy=with_entropy,
-                                  chunk_bytes=37 * 4 * 5, backend=backend)
+    carrier = gf.fused_token_loss(leaves[0], leaves[1], targets, batch_token_loss(batch_loss, logp, entropy), mask=mask,
+                                  bias=leaves[2], with_entropy=with_entropy, **grouped(temperature=0.8,
+                                                                                       chunk_bytes=37 * 4 * 5,
+                                                                                       backend=backend))
     grads = torch.autograd.grad(carrier, leaves)
     exact = [inputs[k].double().requires_grad_() for k in ("hidden", "weight", "bias")]
     ref_logp, ref_entropy = reference.token_logprobs(exact[0], exact[1], targets, bias=exact[2], temperature=0.8,
@@ -172,8 +174,8 @@ def test_batch_token_loss_refuses_a_loss_that_is_not_token_separable(dtype):
     def run(batch_loss, chunk_bytes):
         leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")]
         carrier = gf.fused_token_loss(leaves[0], leaves[1], inputs["targets"],
-                                      batch_token_loss(batch_loss, old.clone()), mask=inputs["mask"],
-                                      bias=leaves[2], chunk_bytes=chunk_bytes, backend="torch")
+                                      batch_token_loss(batch_loss, old.clone()), mask=inputs["mask"], bias=leaves[2],
+                                      **grouped(chunk_bytes=chunk_bytes, backend="torch"))
         return torch.autograd.grad(carrier, leaves)
 
     several = 37 * 4 * 5
@@ -191,9 +193,8 @@ def test_batch_token_loss_refuses_a_loss_that_is_not_token_separable(dtype):
         assert_close(g, e, 1e-4 if dtype == torch.float32 else 1e-5, atol=1e-7, name=f"separable: d{name}")
     with torch.no_grad():                    # no gradient is used: nothing to refuse, the values are the sweep's
         logp = old.clone()
-        gf.fused_token_loss(inputs["hidden"], inputs["weight"], inputs["targets"],
-                            batch_token_loss(squared_sum, logp), mask=inputs["mask"], bias=inputs["bias"],
-                            chunk_bytes=several, backend="torch")
+        gf.fused_token_loss(inputs["hidden"], inputs["weight"], inputs["targets"], batch_token_loss(squared_sum, logp),
+                            mask=inputs["mask"], bias=inputs["bias"], **grouped(chunk_bytes=several, backend="torch"))
     expected = reference.token_logprobs(inputs["hidden"].double(), inputs["weight"].double(), inputs["targets"],
                                         bias=inputs["bias"].double())
     assert_close(logp[inputs["mask"]], expected[inputs["mask"]], 1e-5, name="no-grad logp")
@@ -210,7 +211,7 @@ def test_a_loss_of_neither_logp_nor_entropy_is_a_clear_error():
 
     def call(token_loss, **kw):
         loss = gf.fused_token_loss(hidden, inputs["weight"], inputs["targets"], token_loss, mask=inputs["mask"],
-                                   chunk_bytes=64, backend="torch", **kw)
+                                   **grouped(chunk_bytes=64, backend="torch", **kw))
         return torch.autograd.grad(loss, hidden)[0]
 
     neither = r"does not depend on {}: return a differentiable torch expression of {} \(no \.item\(\), " \

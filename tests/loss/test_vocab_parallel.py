@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 import grpo_fast as gf
 from grpo_fast.kept import kept_set_from_mask
-from tests.helpers import free_port
+from tests.helpers import free_port, grouped
 
 CASES = [dict(loss_type=name) for name in ("grpo", "bnpo", "dapo", "cispo", "sapo")] + [
     dict(loss_type="dr_grpo", max_completion_length=8, beta=0.1, entropy_coef=0.01),
@@ -37,12 +37,13 @@ def sharded_equals_full(batch, kwargs, sizes, rank, group):
     hidden, weight, bias, targets, mask, _, _, advantages = batch
     start, size = sum(sizes[:rank]), sizes[rank]
     h_full, w_full, b_full = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    expected, expected_metrics = gf.grpo_loss(h_full, w_full, targets, advantages, mask, bias=b_full, **kwargs)
+    expected, expected_metrics = gf.grpo_loss(h_full, w_full, targets, advantages, mask, bias=b_full,
+                                              **grouped(**kwargs))
     expected.backward()
 
     h, w, b = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_(), \
         bias[start:start + size].clone().requires_grad_()
-    loss, metrics = gf.grpo_loss(h, w, targets, advantages, mask, bias=b, process_group=group, **kwargs)
+    loss, metrics = gf.grpo_loss(h, w, targets, advantages, mask, bias=b, **grouped(process_group=group, **kwargs))
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(h.grad, h_full.grad, rtol=1e-9, atol=1e-12)
@@ -63,11 +64,11 @@ def run_logprobs(sizes, rank, group):
     hidden, weight, _, targets, _, _, _, _ = inputs(seed=1)
     start, size = sum(sizes[:rank]), sizes[rank]
     h_full, w_full = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp, entropy = gf.token_logprobs(h_full, w_full, targets, return_entropy=True, chunk_bytes=512)
+    logp, entropy = gf.token_logprobs(h_full, w_full, targets, return_entropy=True, **grouped(chunk_bytes=512))
     (logp.sum() + 0.3 * entropy.sum()).backward()
     h, w = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_()
-    logp_s, entropy_s = gf.token_logprobs(h, w, targets, return_entropy=True, chunk_bytes=512,
-                                          process_group=group)
+    logp_s, entropy_s = gf.token_logprobs(h, w, targets, return_entropy=True, **grouped(chunk_bytes=512,
+                                                                                        process_group=group))
     (logp_s.sum() + 0.3 * entropy_s.sum()).backward()
     torch.testing.assert_close(logp_s, logp, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(entropy_s, entropy, rtol=1e-10, atol=1e-12)
@@ -75,11 +76,11 @@ def run_logprobs(sizes, rank, group):
     torch.testing.assert_close(w.grad, w_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
     with torch.no_grad():                                        # the one-pass form under no_grad
         torch.testing.assert_close(gf.token_logprobs(hidden, weight[start:start + size], targets,
-                                                     process_group=group), logp.detach())
+                                                     **grouped(process_group=group)), logp.detach())
         # sum_v p_v^2 of the slices' distribution equals the unsharded one's
         _, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, return_sum_pi_squared=True)
-        _, sum_pi_squared_s = gf.token_logprobs(hidden, weight[start:start + size], targets, chunk_bytes=512,
-                                                return_sum_pi_squared=True, process_group=group)
+        _, sum_pi_squared_s = gf.token_logprobs(hidden, weight[start:start + size], targets, return_sum_pi_squared=True,
+                                                **grouped(chunk_bytes=512, process_group=group))
         torch.testing.assert_close(sum_pi_squared_s, sum_pi_squared, rtol=1e-10, atol=1e-12)
 
 
@@ -104,29 +105,30 @@ def run_kept(sizes, rank, group):
                                     kept_offsets=kept_offsets), sizes, rank, group)
 
     full_ids, full_offsets = kept_sets(targets, weight.shape[0])
-    logp, entropy = gf.token_logprobs(hidden, weight, targets, return_entropy=True, kept_ids=full_ids,
-                                      kept_offsets=full_offsets)
+    logp, entropy = gf.token_logprobs(hidden, weight, targets, return_entropy=True, **grouped(kept_ids=full_ids,
+                                                                                              kept_offsets=full_offsets))
     logp_s, entropy_s = gf.token_logprobs(hidden, weight[start:start + size], targets, return_entropy=True,
-                                          kept_ids=full_ids, kept_offsets=full_offsets, chunk_bytes=512,
-                                          process_group=group)
+                                          **grouped(kept_ids=full_ids, kept_offsets=full_offsets, chunk_bytes=512,
+                                                    process_group=group))
     torch.testing.assert_close(logp_s, logp, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(entropy_s, entropy, rtol=1e-10, atol=1e-12)
-    _, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, kept_ids=full_ids, kept_offsets=full_offsets,
-                                          return_sum_pi_squared=True)
-    _, sum_pi_squared_s = gf.token_logprobs(hidden, weight[start:start + size], targets, kept_ids=full_ids,
-                                            kept_offsets=full_offsets, chunk_bytes=512, return_sum_pi_squared=True,
-                                            process_group=group)
+    _, sum_pi_squared = gf.token_logprobs(hidden, weight, targets, return_sum_pi_squared=True,
+                                          **grouped(kept_ids=full_ids, kept_offsets=full_offsets))
+    _, sum_pi_squared_s = gf.token_logprobs(hidden, weight[start:start + size], targets, return_sum_pi_squared=True,
+                                            **grouped(kept_ids=full_ids, kept_offsets=full_offsets, chunk_bytes=512,
+                                                      process_group=group))
     torch.testing.assert_close(sum_pi_squared_s, sum_pi_squared, rtol=1e-10, atol=1e-12)
 
     # a caller's own token-separable loss, inside the sweep of each slice
     token_loss = gf.autograd_token_loss(lambda logp, entropy, index: (logp * advantages.repeat_interleave(8)[index]
                                                                       - 0.1 * entropy).sum())
     h_full, w_full = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    own = gf.fused_token_loss(h_full, w_full, targets, token_loss, mask=mask, with_entropy=True, chunk_bytes=512)
+    own = gf.fused_token_loss(h_full, w_full, targets, token_loss, mask=mask, with_entropy=True,
+                              **grouped(chunk_bytes=512))
     own.backward()
     h, w = hidden.clone().requires_grad_(), weight[start:start + size].clone().requires_grad_()
-    own_s = gf.fused_token_loss(h, w, targets, token_loss, mask=mask, with_entropy=True, chunk_bytes=512,
-                                process_group=group)
+    own_s = gf.fused_token_loss(h, w, targets, token_loss, mask=mask, with_entropy=True, **grouped(chunk_bytes=512,
+                                                                                                   process_group=group))
     own_s.backward()
     torch.testing.assert_close(own_s, own, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(h.grad, h_full.grad, rtol=1e-9, atol=1e-12)
@@ -144,9 +146,11 @@ def worker(rank, world, port, sizes):
         with pytest.raises(ValueError, match=r"targets must lie in \[0, V\) = \[0, 37\)"):
             hidden, weight, _, targets, _, _, _, _ = inputs()
             start, size = sum(sizes[:rank]), sizes[rank]
-            gf.token_logprobs(hidden, weight[start:start + size], targets + 37, process_group=dist.group.WORLD)
+            gf.token_logprobs(hidden, weight[start:start + size], targets + 37,
+                              **grouped(process_group=dist.group.WORLD))
         with pytest.raises(ValueError, match="backend 'torch' or 'auto'"):
-            gf.token_logprobs(hidden, weight[:size], targets, backend="triton", process_group=dist.group.WORLD)
+            gf.token_logprobs(hidden, weight[:size], targets, **grouped(backend="triton",
+                                                                        process_group=dist.group.WORLD))
     finally:
         dist.destroy_process_group()
 

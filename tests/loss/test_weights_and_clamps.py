@@ -7,9 +7,9 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from grpo_fast.profiling import GemmCounter
+from grpo_fast.benchmarks.profiling import GemmCounter
 from grpo_fast.variants import LossConfig, token_weights
-from tests.helpers import DEVICE, as_float64, assert_close, make_batch
+from tests.helpers import DEVICE, as_float64, assert_close, grouped, make_batch
 
 
 def weights_for(mask, seed=0):
@@ -37,8 +37,8 @@ def test_weights_and_clamps_equal_the_reference(backend, case, clamps):
     kw = dict(old_logps=old, ref_logps=ref, loss_weights=weights_for(mask, 1).float(),
               entropy_weights=weights_for(mask, 2).float() * 0.1, **options)
     leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight")]
-    loss, metrics = gf.grpo_loss(*leaves, inputs["targets"], inputs["advantages"], mask, backend=backend,
-                                 chunk_bytes=37 * 4 * 5, **kw)
+    loss, metrics = gf.grpo_loss(*leaves, inputs["targets"], inputs["advantages"], mask,
+                                 **grouped(backend=backend, chunk_bytes=37 * 4 * 5, **kw))
     exact = as_float64(inputs)
     exact_leaves = [exact[k].clone().requires_grad_() for k in ("hidden", "weight")]
     ref_loss, ref_metrics = reference.grpo_loss(
@@ -69,8 +69,9 @@ def test_reduction_weights_reproduce_the_loss_types():
                                 old_logps=inputs["old_logps"], config=config)
         weighted, _ = gf.grpo_loss(
             inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"], mask,
-            old_logps=inputs["old_logps"], loss_type=loss_type,
-            loss_weights=token_weights(mask.float(), config), entropy_weights=0.03 * mask.float() / mask.sum())
+            old_logps=inputs["old_logps"], **grouped(loss_type=loss_type,
+                                                     loss_weights=token_weights(mask.float(), config),
+                                                     entropy_weights=0.03 * mask.float() / mask.sum()))
         assert_close(weighted, plain, 1e-6, name=loss_type)
 
 
@@ -81,12 +82,12 @@ def test_weights_keep_three_passes_and_bad_options_raise():
     weight = inputs["weight"].clone().requires_grad_()
     targets = inputs["targets"].clamp(min=0)
     with GemmCounter() as counter:
-        gf.grpo_loss(hidden, weight, targets, inputs["advantages"], inputs["mask"], loss_weights=weights_for(
-            inputs["mask"]).float(), log_ratio_clamp=20.0, kl_clamp=10.0, beta=0.1, ref_logps=inputs["old_logps"],
-            backend="torch", chunk_bytes=20_000)[0].backward()
+        gf.grpo_loss(hidden, weight, targets, inputs["advantages"], inputs["mask"], ref_logps=inputs["old_logps"],
+                     **grouped(loss_weights=weights_for(inputs["mask"]).float(), log_ratio_clamp=20.0, kl_clamp=10.0,
+                               beta=0.1, backend="torch", chunk_bytes=20_000))[0].backward()
     assert counter.flops / (2 * 96 * hidden.shape[-1] * 200) == 3
     call = lambda **kw: gf.grpo_loss(inputs["hidden"], inputs["weight"], targets, inputs["advantages"],  # noqa
-                                     inputs["mask"], **kw)
+                                     inputs["mask"], **grouped(**kw))
     with pytest.raises(ValueError, match=r"pass entropy_coef=0.0 with them, got entropy_coef=0.01"):
         call(entropy_weights=inputs["mask"].float(), entropy_coef=0.01)
     with pytest.raises(ValueError, match=r"loss_weights must have shape \(2, 48\) \(like targets\), got \(2, 3\)"):
@@ -104,7 +105,7 @@ def test_packed_rows_with_per_token_advantages_and_weights_equal_the_padded_batc
     kw = dict(loss_type="grpo", backend=backend, chunk_bytes=37 * 4 * 5)
     leaves = [inputs[k].clone().requires_grad_() for k in ("hidden", "weight")]
     padded, _ = gf.grpo_loss(*leaves, inputs["targets"], inputs["advantages"], mask, old_logps=inputs["old_logps"],
-                             **kw)
+                             **grouped(**kw))
     padded_grads = torch.autograd.grad(padded, leaves)
 
     rows = mask.nonzero()                                   # (N, 2) packed order: sequence by sequence
@@ -113,7 +114,7 @@ def test_packed_rows_with_per_token_advantages_and_weights_equal_the_padded_batc
     packed, _ = gf.grpo_loss(
         *packed_leaves, inputs["targets"][mask], inputs["advantages"][rows[:, 0]],
         torch.ones(rows.shape[0], dtype=torch.bool, device=DEVICE), old_logps=inputs["old_logps"][mask],
-        loss_weights=1.0 / (lengths[rows[:, 0]].float() * mask.shape[0]), **kw)
+        **grouped(loss_weights=1.0 / (lengths[rows[:, 0]].float() * mask.shape[0]), **kw))
     assert_close(packed, padded, 1e-6, name="loss")
     d_hidden, d_weight = torch.autograd.grad(packed, packed_leaves)
     assert_close(d_hidden, padded_grads[0][mask], 1e-6, atol=1e-9, name="dhidden")

@@ -6,12 +6,12 @@ import json
 import math
 import sys
 
-from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.loop import train
 from grpo_fast.train.pretrained import SMOLLM2
+from tests.helpers import flat_config
 
 if __name__ == "__main__":
-    history = train(TrainConfig(model=SMOLLM2, engine="vllm", vllm_dtype=sys.argv[2], prompt_format="chat",
+    history = train(flat_config(model=SMOLLM2, engine="vllm", vllm_dtype=sys.argv[2], prompt_format="chat",
                                 task="arithmetic", group_size=2, prompts_per_step=2, max_completion_length=16,
                                 max_steps=3,
                                 sft_steps=0, eval_every=0, save_every=3, log_completions=0,

@@ -1,6 +1,5 @@
 """The trainer's configuration: every key's range and type, nulls, paths, bad files, task names, the keys' help."""
 
-import dataclasses
 import math
 import os
 
@@ -9,10 +8,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
-from grpo_fast.train.config import RULES, TrainConfig, load_config, parse_overrides  # noqa: E402
+from grpo_fast.train.config import KEYS, RULES, load_config, parse_overrides  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
-NUMERIC = [f.name for f in dataclasses.fields(TrainConfig)
-           if f.type in ("int", "float", "Optional[int]", "Optional[float]")]
+NUMERIC = [key.name for key in KEYS.values() if key.type in ("int", "float", "Optional[int]", "Optional[float]")]
 
 BAD = [("max_grad_norm", "-1", "max_grad_norm must be a finite number > 0, got -1.0"),
        ("max_grad_norm", "0", "max_grad_norm must be a finite number > 0, got 0.0"),
@@ -55,7 +54,7 @@ def test_every_numeric_key_has_a_rule_and_nan_fails_it():
     assert set(NUMERIC) == set(RULES)
     for key in NUMERIC:
         with pytest.raises(ValueError, match=key):
-            TrainConfig(**{key: math.nan})
+            flat_config(**{key: math.nan})
         with pytest.raises(ValueError, match=key):
             load_config(None, {key: "nan"})
 
@@ -65,7 +64,8 @@ def test_boundary_values_are_accepted():
                                 "log_completions": "0", "entropy_coef": "-0.01", "epsilon_low": "0", "beta": "0",
                                 "micro_batch_tokens": "None", "max_bad_steps": "1", "vllm_gpu_memory_utilization": "1",
                                 "rewards": "accuracy,format", "reward_weights": "1,-0.5"})
-    assert (config.top_p, config.micro_batch_tokens, config.reward_weights) == (1.0, None, [1.0, -0.5])
+    assert (config.rollout.top_p, config.batching.micro_batch_tokens,
+            config.scoring.reward_weights) == (1.0, None, [1.0, -0.5])
 
 
 def test_the_cli_reports_a_bad_value_on_one_line(capsys):
@@ -101,12 +101,12 @@ def test_none_strings_and_nulls_in_code():
     with pytest.raises(ValueError, match="config key 'gradient_checkpointing' expects bool and cannot be null"):
         load_config(None, {"gradient_checkpointing": "None"})
     with pytest.raises(ValueError, match="config key 'output_dir' expects str, got None"):
-        TrainConfig(output_dir=None)
+        flat_config(output_dir=None)
     config = load_config(None, {"system_prompt": "None", "micro_batch_tokens": "null", "max_steps": 4.0})
-    assert (config.system_prompt, config.micro_batch_tokens, config.max_steps) == (None, None, 4)
+    assert (config.data.system_prompt, config.batching.micro_batch_tokens, config.run.max_steps) == (None, None, 4)
     # where "none" is one of the key's choices it is that choice, from the command line and from YAML
     config = load_config(None, {"importance_sampling": "none", "scale_rewards": "None"})
-    assert (config.importance_sampling, config.scale_rewards) == ("none", "none")
+    assert (config.correction.importance_sampling, config.scoring.scale_rewards) == ("none", "none")
 
 
 def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
@@ -115,9 +115,9 @@ def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
     path = tmp_path / "c.yaml"
     path.write_text("output_dir: ~/runs/a\ntask: ~/data.jsonl\nmodel: ~/models/m\n")
     config = load_config("~/c.yaml")
-    assert config.output_dir == str(tmp_path / "runs" / "a")
-    assert (config.task, config.model) == (str(tmp_path / "data.jsonl"), str(tmp_path / "models" / "m"))
-    assert load_config(None, {"model": "Qwen/Qwen2.5-0.5B-Instruct"}).model == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert config.run.output_dir == str(tmp_path / "runs" / "a")
+    assert (config.data.task, config.policy.model) == (str(tmp_path / "data.jsonl"), str(tmp_path / "models" / "m"))
+    assert load_config(None, {"model": "Qwen/Qwen2.5-0.5B-Instruct"}).policy.model == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -140,7 +140,7 @@ def test_unreadable_config_files_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"latin1\.yaml:2: not UTF-8 text \(byte 0xe9: invalid continuation byte\)"):
         load_config(str(path))
     (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbfmax_steps: 3\n")
-    assert load_config(str(tmp_path / "bom.yaml")).max_steps == 3
+    assert load_config(str(tmp_path / "bom.yaml")).run.max_steps == 3
     for name in ("latin1.yaml", "missing.yaml"):
         assert cli(["train", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
@@ -155,19 +155,19 @@ def test_task_is_a_known_name_or_an_existing_file(tmp_path):
     assert str(error.value) == ("task='gms8k': no such file or folder (task is one of max, arithmetic, gsm8k or a "
                                 "dataset on disk)")
     with pytest.raises(ValueError, match=r"is a folder but not one written by datasets' save_to_disk"):
-        TrainConfig(task=str(tmp_path))
+        flat_config(task=str(tmp_path))
     with pytest.raises(ValueError, match=r"eval_task='nope.txt': no such file or folder"):
-        TrainConfig(eval_task="nope.txt")
+        flat_config(eval_task="nope.txt")
     path = tmp_path / "mine.jsonl"
     path.write_text('{"prompt": "1+1=", "solution": "2"}\n')
-    assert TrainConfig(task=str(path)).task == str(path)
-    assert load_config(None, {"task": "gsm8k"}).task == "gsm8k"
+    assert flat_config(task=str(path)).data.task == str(path)
+    assert load_config(None, {"task": "gsm8k"}).data.task == "gsm8k"
 
 
 def test_device_names():
     """cuda is accepted without a GPU (the examples load on CPU; the trainer checks the device when it starts)."""
     for device in ("auto", "cpu", "cuda", "cuda:1"):
-        assert TrainConfig(device=device).device == device
+        assert flat_config(device=device).policy.device == device
     with pytest.raises(ValueError, match=r"device must be 'auto', 'cpu' or 'cuda\[:i\]', got 'cdua'"):
         load_config(None, {"device": "cdua"})
 
@@ -177,11 +177,11 @@ def test_keys_help_lists_every_key_with_its_type_default_and_help():
 
     text = keys_help()
     lines = text.splitlines()
-    for item in dataclasses.fields(TrainConfig):
-        help_text = item.metadata.get("help", "")
+    for item in KEYS.values():
+        help_text = item.help
         assert help_text.strip() and "\n" not in help_text, item.name
-        assert item.metadata["group"] in GROUPS
-        default = item.default_factory() if item.default is dataclasses.MISSING else item.default
+        assert item.section in GROUPS
+        default = item.default
         [line] = [line for line in lines if line.startswith(f"  {item.name}: ")]
         assert f" = {default!r} " in line and line.endswith(help_text), line
     assert [line for line in lines if not line.startswith(" ")] == [f"{group}:" for group in GROUPS]
@@ -191,10 +191,10 @@ def test_keys_help_lists_every_key_with_its_type_default_and_help():
 def test_top_p_with_vllm_needs_a_top_k_bound():
     with pytest.raises(ValueError, match=r"top_p=0.9 with engine 'vllm' needs top_k > 0, got top_k=0: vLLM returns the "
                                          r"kept set .* only with a top_k bound"):
-        TrainConfig(engine="vllm", top_p=0.9)
-    assert TrainConfig(engine="vllm", top_p=0.9, top_k=64).truncates_sampling
-    assert TrainConfig(engine="hf", top_p=0.9).truncates_sampling            # the HF engine needs no bound
-    assert not TrainConfig().truncates_sampling
+        flat_config(engine="vllm", top_p=0.9)
+    assert flat_config(engine="vllm", top_p=0.9, top_k=64).rollout.truncates_sampling
+    assert flat_config(engine="hf", top_p=0.9).rollout.truncates_sampling            # the HF engine needs no bound
+    assert not flat_config().rollout.truncates_sampling
     with pytest.raises(ValueError, match="top_k must be >= 0, got -1"):
         load_config(None, {"top_k": "-1"})
 
@@ -204,24 +204,24 @@ def test_top_k_1_is_refused_its_gradient_would_be_zero():
     with pytest.raises(ValueError, match=r"top_k=1 samples the most likely token: .* gradient is exactly zero; set "
                                          r"top_k >= 2 \(or 0: every token\)"):
         load_config(None, {"top_k": "1"})
-    assert TrainConfig(top_k=2).truncates_sampling
+    assert flat_config(top_k=2).rollout.truncates_sampling
 
 
 def test_the_rollout_correction_bounds():
-    assert TrainConfig(importance_sampling_min=0.5).importance_sampling_min == 0.5
+    assert flat_config(importance_sampling_min=0.5).correction.importance_sampling_min == 0.5
     with pytest.raises(ValueError, match=r"importance_sampling_min \(3.0\) must be below importance_sampling_cap"):
-        TrainConfig(importance_sampling_min=3.0)
+        flat_config(importance_sampling_min=3.0)
     with pytest.raises(ValueError, match="importance_sampling_min must be a finite number >= 0, got -0.1"):
-        TrainConfig(importance_sampling_min=-0.1)
+        flat_config(importance_sampling_min=-0.1)
 
 
 def test_vespo_takes_the_rollout_correction_per_token():
     for corrected in ({"engine": "vllm"}, {"max_staleness": 1}):
         with pytest.raises(ValueError, match=r"loss_type 'vespo' takes the rollout correction per token .* "
                                              r"importance_sampling='sequence_mask' is per sequence"):
-            TrainConfig(loss_type="vespo", **corrected)
-        assert TrainConfig(loss_type="vespo", importance_sampling="token_mask", **corrected).loss_type == "vespo"
-    assert TrainConfig(loss_type="vespo").loss_config().loss_type == "vespo"   # HF in process: no correction
+            flat_config(loss_type="vespo", **corrected)
+        assert flat_config(loss_type="vespo", importance_sampling="token_mask", **corrected).loss.loss_type == "vespo"
+    assert flat_config(loss_type="vespo").loss.loss_type == "vespo"   # HF in process: no correction
 
 
 def test_override_values_are_kept_exactly():
@@ -241,6 +241,110 @@ def test_a_key_given_twice_is_an_error(tmp_path, capsys):
     assert str(error.value) == (f"{path}:3: not valid YAML (the key 'max_steps' is given twice, here and on line 1; "
                                 "give it once)")
     path.write_text("max_steps: 3\n")
-    assert load_config(str(path), {"max_steps": "5"}).max_steps == 5        # the command line overrides the file
+    assert load_config(str(path), {"max_steps": "5"}).run.max_steps == 5        # the command line overrides the file
     assert cli(["eval", str(tmp_path), "--num-samples", "2", "--eval-samples", "3"]) == 2
     assert "--num-samples and --eval-samples are the same key" in capsys.readouterr().err
+
+
+NESTED = """\
+rollout:
+  group_size: 4
+  temperature: 0.7
+loss:
+  loss_type: grpo
+  importance_sampling_level: sequence
+  epsilon_low: 3.0e-4
+  epsilon_high: 4.0e-4
+optimization:
+  num_iterations: 2
+run:
+  max_steps: 3
+"""
+
+
+def test_a_file_nests_by_section_and_keys_are_given_flat_or_with_their_section(tmp_path):
+    from grpo_fast.variants import LossConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text(NESTED)
+    config = load_config(str(path), parse_overrides(["--rollout.top-k", "8", "--beta", "0.1", "--run.seed=3"]))
+    assert config.loss == LossConfig(loss_type="grpo", importance_sampling_level="sequence", epsilon_low=3e-4,
+                                     epsilon_high=4e-4, beta=0.1, max_completion_length=6)
+    assert (config.rollout.group_size, config.rollout.temperature, config.rollout.top_k) == (4, 0.7, 8)
+    assert (config.optimization.num_iterations, config.run.max_steps, config.run.seed) == (2, 3, 3)
+    with pytest.raises(ValueError, match=r"^temperature and rollout\.temperature are the same key"):
+        load_config(str(path), {"temperature": "1", "rollout.temperature": "2"})
+    path.write_text("loss: grpo\n")
+    with pytest.raises(ValueError, match=r"c\.yaml: loss is a section, a mapping of its keys, got 'grpo'"):
+        load_config(str(path))
+
+
+def test_a_flat_file_is_read_and_its_nested_form_shown_on_one_line(tmp_path):
+    path = tmp_path / "flat.yaml"
+    path.write_text("group_size: 4\ntemperature: 0.7\nloss_type: grpo\nimportance_sampling_level: sequence\n"
+                    "epsilon_low: 3.0e-4\nepsilon_high: 4.0e-4\nnum_iterations: 2\nmax_steps: 3\n")
+    with pytest.warns(FutureWarning) as caught:
+        flat = load_config(str(path))
+    [line] = [str(warning.message) for warning in caught]
+    assert "\n" not in line and line.endswith(
+        "nested, the file is {rollout: {group_size: 4, temperature: 0.7}, loss: {loss_type: grpo, "
+        "importance_sampling_level: sequence, epsilon_low: 0.0003, epsilon_high: 0.0004}, optimization: "
+        "{num_iterations: 2}, run: {max_steps: 3}}"), line
+    (tmp_path / "nested.yaml").write_text(NESTED)
+    assert flat == load_config(str(tmp_path / "nested.yaml"))
+
+
+def test_unknown_keys_name_the_keys_they_were_probably_meant_to_be():
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['temprature'\]; 'temprature': did you mean "
+                                         r"temperature"):
+        load_config(None, {"temprature": "0.7"})
+    with pytest.raises(ValueError, match=r"'rollout\.beta': did you mean loss\.beta\?"):
+        load_config(None, {"rollout.beta": "0.1"})
+
+
+def test_the_loss_section_is_a_loss_config_with_the_trainers_defaults():
+    """epsilon_high 0.28 (the library's default is epsilon_low); dr_grpo's normalizer is the rollout's
+    max_completion_length unless loss.max_completion_length is given, and follows it through replace()."""
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.variants import LossConfig
+
+    assert TrainConfig().loss == LossConfig(epsilon_high=0.28, max_completion_length=6)
+    config = load_config(None, {"loss_type": "dr_grpo", "max_completion_length": "9"})
+    assert (config.rollout.max_completion_length, config.loss.max_completion_length) == (9, 9)
+    assert config.replace(max_completion_length=20).loss.max_completion_length == 20
+    config = load_config(None, {"loss_type": "dr_grpo", "loss.max_completion_length": "12"})
+    assert (config.rollout.max_completion_length, config.loss.max_completion_length) == (6, 12)
+    assert config.replace(max_completion_length=20).loss.max_completion_length == 12
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        load_config(None, {"loss_type": "ppo"})
+
+
+def test_every_key_has_one_section_and_the_config_few_top_level_fields():
+    import dataclasses
+
+    from grpo_fast.train.config import GROUPS, TrainConfig
+
+    assert [item.name for item in dataclasses.fields(TrainConfig)] == list(GROUPS) and len(GROUPS) <= 15
+    assert len({(key.section, key.field) for key in KEYS.values()}) == len(KEYS)
+    assert KEYS["max_completion_length"].section == "rollout" and "loss.max_completion_length" in KEYS
+    assert {key.field for key in KEYS.values() if key.section == "loss"} == {
+        item.name for item in dataclasses.fields(__import__("grpo_fast").LossConfig)}
+
+
+def test_a_checkpoint_of_an_earlier_flat_config_is_read_and_compared():
+    """Checkpoints of earlier versions saved the config flat: a resume compares it key by key, export and eval
+    read it."""
+    import dataclasses
+
+    from grpo_fast.train.config import flat_values, saved_config
+    from grpo_fast.train.run.checkpoint import resume_changes
+
+    config = flat_config(group_size=4, learning_rate=2.5e-4)
+    flat = {name: value for name, value in flat_config(group_size=4).flat().items() if "." not in name}
+    assert resume_changes(flat, config) == {"learning_rate": (5e-4, 2.5e-4)}
+    assert resume_changes(dataclasses.asdict(config), config) == {}
+    assert saved_config(flat, {"learning_rate": "2.5e-4"}) == config
+    assert saved_config(dataclasses.asdict(config)) == config
+    assert flat_values(dataclasses.asdict(config)) == config.flat()
+    with pytest.raises(ValueError, match=r"--resume cannot change .*group_size 4 -> 8"):
+        resume_changes(flat, flat_config(group_size=8))

@@ -15,16 +15,15 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 
 from grpo_fast.train import distributed  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers import flat_config, free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def model_and_rollout():
-    from grpo_fast.train.model import tiny_qwen2
+    from grpo_fast.train.policy import tiny_qwen2
     from tests.train.update.test_batching import rollout
 
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=0).double()
@@ -44,7 +43,7 @@ def step_worker(rank, world_size, port, strategy, loss_type, result_file):
     try:
         torch.set_num_threads(1)
         world = distributed.World(rank, world_size, 0)
-        config = TrainConfig(loss_type=loss_type, beta=0.05, max_completion_length=9, gradient_checkpointing=True,
+        config = flat_config(loss_type=loss_type, beta=0.05, max_completion_length=9, gradient_checkpointing=True,
                              micro_batch_tokens=14, learning_rate=1e-3, max_grad_norm=1e9)
         # the whole batch in one process, as the reference
         model, batch = model_and_rollout()

@@ -10,10 +10,10 @@ pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
-from grpo_fast.train.config import TrainConfig, load_config, parse_overrides  # noqa: E402
+from grpo_fast.train.config import load_config, parse_overrides  # noqa: E402
 from grpo_fast.train.run import checkpoint  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from tests.helpers import ROOT, flat_config  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
             rewards=["tests.helpers:counting_reward"], eval_every=0)      # an evaluation would count calls too
@@ -24,16 +24,17 @@ def test_config_overrides_and_errors(tmp_path):
     path.write_text("group_size: 4\nrewards: [accuracy, format]\nreward_weights: [1.0, 0.5]\n")
     config = load_config(str(path), parse_overrides(["--max-steps", "7", "--beta=0.1", "--gradient-checkpointing",
                                                      "false"]))
-    assert (config.group_size, config.max_steps, config.beta, config.gradient_checkpointing) == (4, 7, 0.1, False)
-    assert config.rewards == ["accuracy", "format"] and config.reward_weights == [1.0, 0.5]
+    assert (config.rollout.group_size, config.run.max_steps, config.loss.beta,
+            config.policy.gradient_checkpointing) == (4, 7, 0.1, False)
+    assert config.scoring.rewards == ["accuracy", "format"] and config.scoring.reward_weights == [1.0, 0.5]
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['groupsize'\]"):
         load_config(None, {"groupsize": "4"})
     with pytest.raises(ValueError, match="config key 'max_steps' expects int, got 'ten'"):
         load_config(None, {"max_steps": "ten"})
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        TrainConfig(loss_type="ppo")
+        flat_config(loss_type="ppo")
     with pytest.raises(ValueError, match="group_size must be >= 2"):
-        TrainConfig(group_size=1)
+        flat_config(group_size=1)
     assert cli(["train", "--max_steps", "0"]) == 2
 
 
@@ -61,13 +62,13 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch, mem
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
     helpers.CALLS.update(n=0, interrupt_at=None)
-    straight = T.train(TrainConfig(**options, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
+    straight = T.train(flat_config(**options, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
     helpers.CALLS.update(n=0, interrupt_at=3)          # Ctrl-C while scoring step 3
     with pytest.raises(KeyboardInterrupt):
-        T.train(TrainConfig(**options, output_dir=str(tmp_path / "resumed")), log=lambda *_: None)
+        T.train(flat_config(**options, output_dir=str(tmp_path / "resumed")), log=lambda *_: None)
     assert os.path.isdir(tmp_path / "resumed" / "checkpoint-2")
     helpers.CALLS.update(interrupt_at=None)
-    resumed = T.train(TrainConfig(**options, output_dir=str(tmp_path / "resumed")), resume=True, log=lambda *_: None)
+    resumed = T.train(flat_config(**options, output_dir=str(tmp_path / "resumed")), resume=True, log=lambda *_: None)
     assert [r["step"] for r in resumed] == [3, 4]
     a, b = weights(captured[str(tmp_path / "straight")]), weights(captured[str(tmp_path / "resumed")])
     # bit for bit, except that bf16 + adamw8bit has been seen one bf16 step apart on a few weights near zero
@@ -82,7 +83,7 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch, mem
 
 
 def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
-    config = TrainConfig(**{**FAST, "max_steps": 2}, output_dir=str(tmp_path))
+    config = flat_config(**{**FAST, "max_steps": 2}, output_dir=str(tmp_path))
     helpers.CALLS.update(n=0, interrupt_at=None)
     T.train(config, log=lambda *_: None)
     good = tmp_path / "checkpoint-2" / "state.pt"
@@ -99,10 +100,10 @@ def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
 
 
 def test_a_failing_reward_names_the_step(tmp_path):
-    config = TrainConfig(**{**FAST, "rewards": ["tests.helpers:broken_reward"]}, output_dir=str(tmp_path))
+    config = flat_config(**{**FAST, "rewards": ["tests.helpers:broken_reward"]}, output_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="step 1: reward broken_reward failed on a batch of 16 completions"):
         T.train(config, log=lambda *_: None)
-    config = TrainConfig(**{**FAST, "rewards": ["tests.helpers:broken_reward"], "eval_every": 50, "eval_prompts": 5},
+    config = flat_config(**{**FAST, "rewards": ["tests.helpers:broken_reward"], "eval_every": 50, "eval_prompts": 5},
                          output_dir=str(tmp_path / "eval"))
     with pytest.raises(RuntimeError, match="evaluation at step 0: reward broken_reward failed on a batch of 20 "):
         T.train(config, log=lambda *_: None)
@@ -128,7 +129,7 @@ def test_default_run_learns(tmp_path, memory):
     step stale."""
     if memory == "bf16-adamw8bit":
         pytest.importorskip("torchao")
-    history = T.train(TrainConfig(output_dir=str(tmp_path), log_completions=2, **LEARNS[memory]),
+    history = T.train(flat_config(output_dir=str(tmp_path), log_completions=2, **LEARNS[memory]),
                       log=lambda *_: None)
     rewards = [r["reward"] for r in history]
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
@@ -152,7 +153,7 @@ def test_lora_learns(tmp_path):
     At 5e-3 the run is unstable: the reward dips and three runs of the same math (dense-mask sdpa, per-sequence
     attention, padded micro-batches) ended at 0.531, 0.369 and 0.306 from 0.41-0.44. On the max task's 10-step
     warm start adapters do not learn (0.03 -> 0.06 at lr 5e-3): a base that knows only the format."""
-    history = T.train(TrainConfig(output_dir=str(tmp_path), task="arithmetic", rewards=["accuracy"], sft_steps=300,
+    history = T.train(flat_config(output_dir=str(tmp_path), task="arithmetic", rewards=["accuracy"], sft_steps=300,
                                   prompts_per_step=8, eval_fraction=0.0, eval_every=0, lora_rank=16,
                                   learning_rate=2.5e-3), log=lambda *_: None)
     rewards = [r["reward"] for r in history]
@@ -164,19 +165,19 @@ def test_lora_learns(tmp_path):
 def test_example_configs_are_valid(name):
     """Every example config loads: no unknown keys, no bad values (the GPU ones are not run here)."""
     config = load_config(os.path.join(ROOT, "examples", name))
-    assert config.max_steps > 0
+    assert config.run.max_steps > 0
 
 
 def test_resume_keeps_the_kl_reference(tmp_path):
     """With beta > 0 the reference is the policy as GRPO started, also after --resume (saved in the checkpoint)."""
-    config = TrainConfig(**{**FAST, "max_steps": 2, "beta": 0.1, "learning_rate": 0.05},
+    config = flat_config(**{**FAST, "max_steps": 2, "beta": 0.1, "learning_rate": 0.05},
                          output_dir=str(tmp_path))
     helpers.CALLS.update(n=0, interrupt_at=None)
     T.train(config, log=lambda *_: None)
     state = torch.load(tmp_path / "checkpoint-2" / "state.pt", weights_only=False)
     moved = max((state["model"][k] - state["ref_model"][k]).abs().max().item() for k in state["model"])
     assert moved > 0                                   # the policy left the reference ...
-    resumed = T.train(TrainConfig(**{**FAST, "max_steps": 3, "beta": 0.1, "learning_rate": 0.05},
+    resumed = T.train(flat_config(**{**FAST, "max_steps": 3, "beta": 0.1, "learning_rate": 0.05},
                                   output_dir=str(tmp_path)), resume=True, log=lambda *_: None)
     assert resumed[0]["step"] == 3 and resumed[0]["kl"] > 0     # ... and the resumed run still measures KL to it
     after = torch.load(tmp_path / "checkpoint-3" / "state.pt", weights_only=False)
@@ -191,10 +192,10 @@ def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
         raise MemoryError("out of KV cache")
 
     monkeypatch.setattr(engines.HFEngine, "generate", crash)
-    config = TrainConfig(**{**FAST, "sft_steps": 0, "eval_every": 0}, output_dir=str(tmp_path / "a"))
+    config = flat_config(**{**FAST, "sft_steps": 0, "eval_every": 0}, output_dir=str(tmp_path / "a"))
     with pytest.raises(RuntimeError, match=r"step 1: the hf engine failed to generate for prompts \[.*\]: out of KV"):
         T.train(config, log=lambda *_: None)
-    config = TrainConfig(**{**FAST, "sft_steps": 0, "eval_every": 50}, output_dir=str(tmp_path / "b"))
+    config = flat_config(**{**FAST, "sft_steps": 0, "eval_every": 50}, output_dir=str(tmp_path / "b"))
     with pytest.raises(RuntimeError, match=r"evaluation at step 0: the hf engine failed on 100 held-out problems: "
                                            r"out of KV"):
         T.train(config, log=lambda *_: None)
@@ -203,7 +204,7 @@ def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
 def test_a_local_model_directory_trains(tmp_path):
     """model: a Hugging Face model directory (here the tiny model saved to disk) loads, samples and updates."""
     from grpo_fast.train import tasks
-    from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+    from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
 
     samples = tasks.arithmetic_task(64, seed=0, max_operand=9)
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
@@ -211,7 +212,7 @@ def test_a_local_model_directory_trains(tmp_path):
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    config = TrainConfig(**{**FAST, "sft_steps": 0, "max_steps": 1, "prompt_format": "chat",
+    config = flat_config(**{**FAST, "sft_steps": 0, "max_steps": 1, "prompt_format": "chat",
                             "system_prompt": "Add or subtract.",
                             "rewards": ["tests.helpers:text_length_reward"]},
                          model=str(tmp_path / "model"), output_dir=str(tmp_path / "run"))
@@ -226,8 +227,34 @@ def test_truncated_sampling_trains_over_the_kept_sets(tmp_path):
     the correction): on the first step, sampled from the weights the trainer holds, the ratio is 1, the engine's
     and the trainer's log-probs being over the same kept sets; the loss's entropy is the kept sets' (at most
     ln 8 = 2.08, where the tiny model's whole-vocabulary entropy is about 3.4); the run trains on."""
-    history = T.train(TrainConfig(max_steps=2, top_p=0.9, top_k=8, max_staleness=1, group_size=4, prompts_per_step=4,
+    history = T.train(flat_config(max_steps=2, top_p=0.9, top_k=8, max_staleness=1, group_size=4, prompts_per_step=4,
                                   eval_every=0, output_dir=str(tmp_path)), log=lambda *_: None)
     assert [r["step"] for r in history] == [1, 2]
     assert abs(history[0]["is_ratio_mean"] - 1.0) < 1e-4, history[0]
     assert all(0 < r["entropy"] < 2.08 for r in history), history
+
+
+def test_gspo_trains_from_a_yaml_file(tmp_path, monkeypatch):
+    """GSPO from a config file: the loss gets the loss section (one ratio per sequence), and the weights move."""
+    from grpo_fast.train.update import step
+
+    path = tmp_path / "gspo.yaml"
+    path.write_text("rollout:\n  group_size: 4\n  prompts_per_step: 4\n"
+                    "scoring:\n  rewards: [tests.helpers:text_length_reward]\n"
+                    "loss:\n  loss_type: grpo\n  importance_sampling_level: sequence\n  epsilon_low: 3.0e-4\n"
+                    "  epsilon_high: 4.0e-4\noptimization:\n  num_iterations: 2\nwarm_start:\n  sft_steps: 5\n"
+                    "evaluation:\n  eval_every: 0\nrun:\n  max_steps: 3\n  save_every: 3\n  log_completions: 0\n")
+    seen = []
+    original = step.LOSS_IMPLEMENTATIONS["grpo_fast"]
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["config"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(step.LOSS_IMPLEMENTATIONS, "grpo_fast", spy)
+    history = T.train(load_config(str(path), {"output_dir": str(tmp_path / "run")}), log=lambda *_: None)
+    assert [r["step"] for r in history] == [1, 2, 3] and all(r["grad_norm"] > 0 for r in history)
+    assert seen and {(c.loss_type, c.importance_sampling_level, c.epsilon_low) for c in seen} == {
+        ("grpo", "sequence", 3e-4)}
+    example = load_config(os.path.join(ROOT, "examples", "gspo_tiny_cpu.yaml"))
+    assert (example.loss.importance_sampling_level, example.optimization.num_iterations) == ("sequence", 2)

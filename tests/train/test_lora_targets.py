@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from grpo_fast.train import lora  # noqa: E402
-from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 
 
 def test_a_misspelt_target_names_itself_and_the_models_layers():
@@ -22,7 +22,7 @@ def test_a_misspelt_target_names_itself_and_the_models_layers():
     with pytest.raises(ValueError, match=r"must not name the LM head \('lm_head'\)"):
         lora.check_target_modules(model, SimpleNamespace(lora_target_modules=["q_proj", "lm_head"]))
     pytest.importorskip("peft")
-    from grpo_fast.train.config import TrainConfig
+    from tests.helpers import flat_config
 
     with pytest.raises(ValueError, match=message):            # PEFT alone would adapt q_proj and skip the typo
-        lora.add_adapters(model, TrainConfig(lora_rank=2, lora_target_modules=["q_proj", "vproj", "self_attn.o_proj"]))
+        lora.add_adapters(model, flat_config(lora_rank=2, lora_target_modules=["q_proj", "vproj", "self_attn.o_proj"]))

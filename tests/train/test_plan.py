@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from grpo_fast.train.plan import CARDS, GIB, PRESETS, Job, ModelShape, load_shape, plan, summary
+from grpo_fast.train.plan.memory import CARDS, GIB, PRESETS, Job, ModelShape, load_shape, plan
+from grpo_fast.train.plan.report import summary
 
 
 def test_parameter_count_matches_transformers(tmp_path):
@@ -112,7 +113,7 @@ def test_grpo_fast_chunk_is_the_loss_default_budget_of_each_card():
     import dataclasses
 
     from grpo_fast import chunked
-    from grpo_fast.train.plan import fits, fits_in
+    from grpo_fast.train.plan.memory import fits, fits_in
 
     shape = PRESETS["qwen2.5-1.5b"]
     job = Job(completion_length=32768, engine="hf")                  # 32768 x 151936 bf16 logits: 9.3 GiB
@@ -167,8 +168,9 @@ def test_attention_mask_is_counted_where_it_is_built():
 def test_kept_sets_are_counted_bounded_by_top_k_or_the_vocabulary():
     """Top-k / top-p: every sampled position's kept set (int64 ids and an offset) is in both peaks, at most top_k
     ids a token, the whole vocabulary under top-p alone (and the run's log warns about that); nothing without."""
-    from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.plan import Job, load_shape, log_run_plan, plan
+    from grpo_fast.train.plan.fit import log_run_plan
+    from grpo_fast.train.plan.memory import Job, load_shape, plan
+    from tests.helpers import flat_config
 
     shape = load_shape("qwen2.5-0.5b")
     base = dict(prompt_length=256, completion_length=1024, group_size=8, prompts_per_step=8, engine="hf")
@@ -183,9 +185,9 @@ def test_kept_sets_are_counted_bounded_by_top_k_or_the_vocabulary():
     with pytest.raises(ValueError, match="top_k must be >= 0"):
         Job(**base, top_k=-1)
     lines = []
-    log_run_plan(TrainConfig(top_p=0.95), [{"prompt": "1+1=", "solution": "2"}], torch.device("cpu"), lines.append)
+    log_run_plan(flat_config(top_p=0.95), [{"prompt": "1+1=", "solution": "2"}], torch.device("cpu"), lines.append)
     assert any("top_p=0.95 without top_k" in line and "set top_k" in line for line in lines), lines
     lines.clear()
-    log_run_plan(TrainConfig(top_p=0.95, top_k=64), [{"prompt": "1+1=", "solution": "2"}], torch.device("cpu"),
+    log_run_plan(flat_config(top_p=0.95, top_k=64), [{"prompt": "1+1=", "solution": "2"}], torch.device("cpu"),
                  lines.append)
     assert not any("without top_k" in line for line in lines), lines

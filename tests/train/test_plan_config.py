@@ -8,8 +8,10 @@ import re
 import pytest
 
 from grpo_fast.cli import main as cli
-from grpo_fast.train import plan as P
 from grpo_fast.train.config import TrainConfig, load_config
+from grpo_fast.train.plan import fit
+from grpo_fast.train.plan import memory as P
+from tests.helpers import flat_config
 
 GIB = 2**30
 
@@ -24,25 +26,25 @@ def test_plan_of_a_training_config_is_that_job(tmp_path, capsys):
                      dtype="fp32", optimizer="adamw", gradient_checkpointing=False, loss="naive", beta=0.1,
                      engine="hf", gpu_memory_utilization=0.3, device="cpu")
     assert reported["job"] == dataclasses.asdict(expected)
-    shape = P.training_shape(load_config(str(path)))
+    shape = fit.training_shape(load_config(str(path)))
     assert reported["components"] == {k: int(v) for k, v in P.plan(shape, expected).items()}
     # on CUDA the trainer computes in bf16 autocast over fp32 weights: so does the plan
-    assert P.training_job(load_config(str(path)), 40, "cuda").dtype == "bf16-autocast"
+    assert fit.training_job(load_config(str(path)), 40, "cuda").dtype == "bf16-autocast"
 
 
 def test_training_shape_of_tiny_folders_and_hub_ids(tmp_path):
-    tiny = P.training_shape(TrainConfig())
+    tiny = fit.training_shape(flat_config())
     assert (tiny.hidden_size, tiny.num_layers, tiny.vocab_size, tiny.tie_word_embeddings) == (128, 2, 300, True)
-    assert P.training_shape(TrainConfig(model="Qwen/Qwen2.5-7B-Instruct")) == P.PRESETS["qwen2.5-7b"]
+    assert fit.training_shape(flat_config(model="Qwen/Qwen2.5-7B-Instruct")) == P.PRESETS["qwen2.5-7b"]
     with pytest.raises(ValueError, match="matches no preset"):
-        P.training_shape(TrainConfig(model="someone/unknown-model"))
+        fit.training_shape(flat_config(model="someone/unknown-model"))
 
 
 def test_train_logs_the_plan_before_loading_the_model(tmp_path):
     from grpo_fast.train import loop
 
     logged = []
-    config = TrainConfig(max_steps=1, sft_steps=0, group_size=2, prompts_per_step=2, log_completions=0,
+    config = flat_config(max_steps=1, sft_steps=0, group_size=2, prompts_per_step=2, log_completions=0,
                          output_dir=str(tmp_path / "run"))
     loop.train(config, log=logged.append)
     line = next(line for line in logged if line.startswith("memory plan"))
@@ -50,21 +52,21 @@ def test_train_logs_the_plan_before_loading_the_model(tmp_path):
 
 
 def test_fit_advice_names_a_change_that_makes_the_job_fit():
-    assert P.fit_advice(TrainConfig(), P.training_shape(TrainConfig()), 64, 80 * GIB) is None      # tiny fits
-    config = TrainConfig(model="Qwen/Qwen2.5-1.5B", max_completion_length=16384, gradient_checkpointing=False,
+    assert fit.fit_advice(flat_config(), fit.training_shape(TrainConfig()), 64, 80 * GIB) is None      # tiny fits
+    config = flat_config(model="Qwen/Qwen2.5-1.5B", max_completion_length=16384, gradient_checkpointing=False,
                          micro_batch_size=4)
-    shape = P.training_shape(config)
-    advice = P.fit_advice(config, shape, 512, 80 * GIB)
+    shape = fit.training_shape(config)
+    advice = fit.fit_advice(config, shape, 512, 80 * GIB)
     named = re.search(r"^the plan needs [\d.]+ GiB on this 80.0 GiB card; (\w+): \S+ would make it fit", advice or "")
     assert named, advice                              # 1.5B at 16k without checkpointing does not fit 80 GiB
     key = named.group(1)
-    fixed = dataclasses.replace(config, **{key: dict(P.FIT_CHANGES)[key]})
-    assert P.fit_advice(fixed, shape, 512, 80 * GIB) is None
+    fixed = config.replace(**{key: dict(fit.FIT_CHANGES)[key]})
+    assert fit.fit_advice(fixed, shape, 512, 80 * GIB) is None
     # 7B at 16k on an 80 GB card: no exact change is enough, the memory options are named, every key of one. With
     # the card's 4.9 GiB chunk budget (all 16384 tokens' logits, 4.6 GiB) bf16 + adamw8bit needs 81.3 GiB: LoRA
-    big = TrainConfig(model="Qwen/Qwen2.5-7B", max_completion_length=16384, micro_batch_size=1, engine="vllm")
-    advice = P.fit_advice(big, P.training_shape(big), 512, int(79.1 * GIB))
+    big = flat_config(model="Qwen/Qwen2.5-7B", max_completion_length=16384, micro_batch_size=1, engine="vllm")
+    advice = fit.fit_advice(big, fit.training_shape(big), 512, int(79.1 * GIB))
     assert "dtype: bf16 with optimizer: adamw with lora_rank: 64 would make it fit" in advice, advice
     assert advice.endswith("(it changes the numerics or what is trained)")
-    fixed = dataclasses.replace(big, dtype="bf16", optimizer="adamw", lora_rank=64)
-    assert P.fit_advice(fixed, P.training_shape(big), 512, int(79.1 * GIB)) is None
+    fixed = big.replace(dtype="bf16", optimizer="adamw", lora_rank=64)
+    assert fit.fit_advice(fixed, fit.training_shape(big), 512, int(79.1 * GIB)) is None

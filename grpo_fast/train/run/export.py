@@ -21,9 +21,9 @@ import torch
 
 from grpo_fast.models import unwrap
 from grpo_fast.train import lora
-from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.config import saved_config
 from grpo_fast.train.lora import engine_weights
-from grpo_fast.train.model import load_model
+from grpo_fast.train.policy import load_model
 from grpo_fast.train.run import checkpoint
 from grpo_fast.train.run.atomic import atomic_folder
 from grpo_fast.train.update import precision
@@ -86,21 +86,21 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
     if state.get("config") is None or tokenizer is None:
         raise ValueError(f"{folder} was written by an older version without its config and tokenizer: it cannot "
                          "be rebuilt for export")
-    config = TrainConfig(**state["config"])
-    if adapter and not config.lora_rank:
+    config = saved_config(state["config"])
+    if adapter and not config.policy.lora_rank:
         raise ValueError(f"--peft-adapter: the run in {run_dir!r} trained the whole model (lora_rank 0); there are no "
                          "adapters to save")
-    if adapter and config.sft_steps:
-        raise ValueError(f"--peft-adapter: the warm start (sft_steps {config.sft_steps}) trained the base before the "
-                         f"adapters were added, so the adapters alone on {config.model!r} are not the policy; export "
-                         "the merged model only")
+    if adapter and config.warm_start.sft_steps:
+        raise ValueError(f"--peft-adapter: the warm start (sft_steps {config.warm_start.sft_steps}) trained the base "
+                         f"before the adapters were added, so the adapters alone on {config.policy.model!r} are not "
+                         "the policy; export the merged model only")
     # the weights' dtype as trained: the saved base weights', else (LoRA adapters alone) the config's on this machine
     base = [t for name, t in state["model"].items() if ".lora_" not in name and t.is_floating_point()]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = base[0].dtype if base else precision.weights_dtype(precision.resolve(config.dtype, device,
-                                                                                  config.lora_rank))
+    dtype = base[0].dtype if base else precision.weights_dtype(precision.resolve(config.policy.dtype, device,
+                                                                                  config.policy.lora_rank))
     model, tokenizer = load_model(config, [], tokenizer, dtype)
-    if config.lora_rank:
+    if config.policy.lora_rank:
         model = lora.add_adapters(model, config)
     checkpoint.restore_model(model, state)
     return save_model_folder(model, tokenizer, out_dir, adapter=adapter, step=state["step"])

@@ -73,17 +73,17 @@ def gsm8k(num_samples=None) -> list:
 
 
 def load_source(source: str, config, split=None) -> list:
-    """The samples of one source: "max" or "arithmetic" (config.num_prompts problems), "gsm8k", or a dataset file or
-    save_to_disk folder read with config.prompt_column / solution_column (grpo_fast.train.tasks.dataset_files), its
-    GSM8K-style worked solutions cut to their final answer."""
+    """The samples of one source: "max" or "arithmetic" (num_prompts problems), "gsm8k", or a dataset file or
+    save_to_disk folder read with the config's prompt_column / solution_column (grpo_fast.train.tasks.dataset_files),
+    its GSM8K-style worked solutions cut to their final answer."""
     if source == "max":
-        return max_task(config.num_prompts, seed=config.seed, max_operand=config.max_operand)
+        return max_task(config.data.num_prompts, seed=config.run.seed, max_operand=config.data.max_operand)
     if source == "arithmetic":
-        return arithmetic_task(config.num_prompts, seed=config.seed, max_operand=config.max_operand)
+        return arithmetic_task(config.data.num_prompts, seed=config.run.seed, max_operand=config.data.max_operand)
     if source == "gsm8k":
         return gsm8k()
-    samples = dataset_files.load_samples(source, prompt_column=config.prompt_column,
-                                         solution_column=config.solution_column, split=split)
+    samples = dataset_files.load_samples(source, prompt_column=config.data.prompt_column,
+                                         solution_column=config.data.solution_column, split=split)
     return [{**sample, "solution": final_answer(sample["solution"])} for sample in samples]
 
 
@@ -116,26 +116,29 @@ def hold_out(samples: list, fraction: float, seed: int) -> tuple:
 
 
 def load_eval_task(config) -> list:
-    """The problems of config.eval_task, all held out (its eval_split when it is a folder of several splits)."""
-    return load_source(config.eval_task, config, split=config.eval_split if os.path.isdir(config.eval_task) else None)
+    """The problems of config.evaluation.eval_task, all held out (its eval_split when it is a folder of several
+    splits)."""
+    evaluation = config.evaluation
+    return load_source(evaluation.eval_task, config,
+                       split=evaluation.eval_split if os.path.isdir(evaluation.eval_task) else None)
 
 
 def load_task(config) -> tuple:
-    """(training samples, held-out samples) of config.task. The held-out problems are config.eval_task's (see
+    """(training samples, held-out samples) of config.data.task. The held-out problems are eval_task's (see
     load_eval_task), else the eval_split of the task's folder, else eval_fraction of its distinct problems; no
     training sample shares a prompt with them. Raises ValueError when nothing is left to train on."""
-    train_split = config.train_split if os.path.isdir(config.task) else None
-    samples = load_source(config.task, config, split=train_split)
-    if config.eval_task is not None:
+    train_split = config.data.train_split if os.path.isdir(config.data.task) else None
+    samples = load_source(config.data.task, config, split=train_split)
+    if config.evaluation.eval_task is not None:
         held_out = load_eval_task(config)
-    elif config.eval_split is not None:
-        held_out = load_source(config.task, config, split=config.eval_split)
+    elif config.evaluation.eval_split is not None:
+        held_out = load_source(config.data.task, config, split=config.evaluation.eval_split)
     else:
-        samples, held_out = hold_out(samples, config.eval_fraction, config.seed)
+        samples, held_out = hold_out(samples, config.evaluation.eval_fraction, config.run.seed)
     held_keys = {problem_key(s) for s in held_out}
     training = [s for s in samples if problem_key(s) not in held_keys]
     if not training:
-        raise ValueError(f"task {config.task!r}: every problem is among the held-out ones "
+        raise ValueError(f"task {config.data.task!r}: every problem is among the held-out ones "
                          f"({len(held_out)} problems); nothing is left to train on")
     return training, held_out
 
@@ -221,14 +224,14 @@ class StepShare:
 
     @property
     def first_row(self) -> int:
-        return self.rank * (self.config.prompts_per_step // self.world_size)
+        return self.rank * (self.config.rollout.prompts_per_step // self.world_size)
 
     def at(self, step: int) -> tuple:
         """(samples, prompt texts) of this share at `step`. The last step's are kept: the loop and the rollouts
         both ask for a step's prompts, and each draw shuffles the whole sample list."""
         if self._last[0] != step:
-            count = self.config.prompts_per_step // self.world_size
-            chosen = prompts_for_step(self.samples, step, self.config.prompts_per_step, self.config.seed)[
+            count = self.config.rollout.prompts_per_step // self.world_size
+            chosen = prompts_for_step(self.samples, step, self.config.rollout.prompts_per_step, self.config.run.seed)[
                 self.first_row:self.first_row + count]
             self._last = (step, (chosen, [prompt_text(sample, self.tokenizer, self.config) for sample in chosen]))
         return self._last[1]
@@ -240,17 +243,17 @@ class StepShare:
 
 def prompt_text(sample: dict, tokenizer, config) -> str:
     """The text the policy is prompted with: the chat template (prompt_format "chat", or a prompt that is a list of
-    messages) or the plain prompt, with config.system_prompt as the system turn (unless the messages open with
+    messages) or the plain prompt, with config.data.system_prompt as the system turn (unless the messages open with
     one) or a line before it."""
     prompt = sample["prompt"]
-    if config.prompt_format == "chat" or not isinstance(prompt, str):
-        system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    if config.data.prompt_format == "chat" or not isinstance(prompt, str):
+        system = [{"role": "system", "content": config.data.system_prompt}] if config.data.system_prompt else []
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if messages and messages[0]["role"] == "system":      # the dataset's own system turn wins
             system = []
         return tokenizer.apply_chat_template(system + messages, tokenize=False, add_generation_prompt=True)
-    if config.system_prompt:
-        return config.system_prompt + "\n" + sample["prompt"]
+    if config.data.system_prompt:
+        return config.data.system_prompt + "\n" + sample["prompt"]
     return sample["prompt"]
 
 

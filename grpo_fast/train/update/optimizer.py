@@ -48,12 +48,13 @@ def check_optimizer(dtype: str, optimizer: str, lora_rank: int, installed: bool 
 
 def lr_factor(step: int, config) -> float:
     """Linear warm-up over warmup_steps, then cosine or linear decay to 0 at max_steps (or constant)."""
-    if step < config.warmup_steps:
-        return (step + 1) / (config.warmup_steps + 1)
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-    if config.lr_schedule == "cosine":
+    warmup_steps, schedule = config.optimization.warmup_steps, config.optimization.lr_schedule
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    progress = (step - warmup_steps) / max(1, config.run.max_steps - warmup_steps)
+    if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    if config.lr_schedule == "linear":
+    if config.optimization.lr_schedule == "linear":
         return max(0.0, 1.0 - progress)
     return 1.0
 
@@ -121,8 +122,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
 def optimizer_for(policy, config, state):
     """The configured optimizer of the trained parameters and its learning-rate
     schedule, restored from `state` when resuming."""
-    optimizer = make_optimizer(policy.trunk.parameters(), config.optimizer, config.learning_rate,
-                                         config.weight_decay)
+    optimization = config.optimization
+    optimizer = make_optimizer(policy.trunk.parameters(), optimization.optimizer, optimization.learning_rate,
+                               optimization.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     if state is not None:
         restore_optimizer(policy, optimizer, scheduler, state, config)
@@ -143,10 +145,10 @@ def restore_optimizer(policy, optimizer, scheduler, state: dict, config) -> None
                                  options=StateDictOptions(full_state_dict=sharded))
     scheduler.load_state_dict(state["scheduler"])
     for group in optimizer.param_groups:
-        group["initial_lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
-    scheduler.base_lrs = [config.learning_rate] * len(optimizer.param_groups)
+        group["initial_lr"], group["weight_decay"] = config.optimization.learning_rate, config.optimization.weight_decay
+    scheduler.base_lrs = [config.optimization.learning_rate] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):   # this step's rate, new schedule
-        rate = config.learning_rate * factor(scheduler.last_epoch)
+        rate = config.optimization.learning_rate * factor(scheduler.last_epoch)
         if torch.is_tensor(group["lr"]):          # torchao's optimizers hold it as a tensor
             group["lr"].fill_(rate)
         else:

@@ -11,6 +11,7 @@ The loss never sees logits: the decoder gives the final hidden states of the com
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ from typing import Optional
 import torch
 
 import grpo_fast as gf
-from grpo_fast import attention
 from grpo_fast import reference as full_logits
+from grpo_fast.integrations import attention
 from grpo_fast.kept import KeptSet
 from grpo_fast.models import lm_head
 from grpo_fast.train import distributed, lora
@@ -35,8 +36,23 @@ from grpo_fast.train.update.batching import (
 from grpo_fast.train.update.correction import importance_weights
 from grpo_fast.variants import micro_batch_share
 
+
+def full_logits_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
+                     config, transform: gf.LogitTransform, weights: Optional[gf.TokenWeights] = None,
+                     execution=None):
+    """`grpo_fast.reference.grpo_loss` (the full (N, V) logits) called as `grpo_fast.grpo_loss` is: its option
+    groups spread into the reference's keywords (execution has no say over full logits)."""
+    weights, kept = weights or gf.TokenWeights(), transform.kept
+    return full_logits.grpo_loss(
+        hidden, weight, targets, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, bias=bias, config=config,
+        temperature=transform.temperature, logit_scale=transform.scale, logit_softcap=transform.softcap,
+        kept_ids=None if kept is None else kept.ids, kept_offsets=None if kept is None else kept.offsets,
+        num_items_in_batch=weights.num_items_in_batch, is_ratio=weights.is_ratio, loss_weights=weights.loss_weights,
+        entropy_weights=weights.entropy_weights)
+
+
 # the policy loss from hidden states: grpo_fast's, or the full-logits one (for memory and speed comparisons)
-LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": full_logits.grpo_loss}
+LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": full_logits_loss}
 
 
 @dataclass
@@ -66,16 +82,15 @@ class UpdateBatch:
     kept: Optional[KeptSet] = None
 
 
-def micro_kept(batch: UpdateBatch, micro: MicroBatch) -> dict:
-    """The kept_ids / kept_offsets keywords of a micro-batch's loss and log-probs (its rows, its first
-    completion_length positions), or no keywords without kept sets."""
+def micro_kept(batch: UpdateBatch, micro: MicroBatch) -> Optional[KeptSet]:
+    """The kept sets of a micro-batch's loss and log-probs (its rows, its first completion_length positions), or
+    None without kept sets."""
     if batch.kept is None:
-        return {}
+        return None
     columns = batch.completion_ids.shape[1]
     rows = torch.as_tensor(micro.rows, device=batch.kept.ids.device)
     positions = rows[:, None] * columns + torch.arange(micro.completion_length, device=rows.device)
-    kept = batch.kept.select(positions.reshape(-1))
-    return {"kept_ids": kept.ids, "kept_offsets": kept.offsets}
+    return batch.kept.select(positions.reshape(-1))
 
 
 @dataclass
@@ -107,10 +122,11 @@ class Policy:
 
 
 def shares_prompts(config: TrainConfig, model) -> bool:
-    """Whether the update's micro-batches hold each group's prompt once (config.share_prompts): only packed, and
+    """Whether the update's micro-batches hold each group's prompt once (share_prompts): only packed, and
     only where the model runs grpo_fast's own attention, which reads the shared layout (flash-attention and sdpa
     would let the completions of a row attend to each other)."""
-    return config.share_prompts and config.packing and attention.attention_name(model) == attention.NAME
+    batching = config.batching
+    return batching.share_prompts and batching.packing and attention.attention_name(model) == attention.NAME
 
 
 def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.World = distributed.World(),
@@ -122,16 +138,16 @@ def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.Wo
     lengths = batch.attention_mask.sum(1).tolist()
     shared = attention.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length) \
         if share_prompts else None
-    plan = plan_micro_batches(lengths, config.micro_batch_tokens, config.micro_batch_size, shared)
+    plan = plan_micro_batches(lengths, config.batching.micro_batch_tokens, config.batching.micro_batch_size, shared)
     batches = [micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, rows,
-                           packed=config.packing, share_prompts=share_prompts) for rows in plan]
+                           packed=config.batching.packing, share_prompts=share_prompts) for rows in plan]
     count = distributed.all_reduce_max(len(batches), world, batch.input_ids.device)
     return [(batches[min(index, len(batches) - 1)], index < len(batches)) for index in range(count)]
 
 
 def completion_hidden(policy: Policy, micro: MicroBatch, offload: bool = False):
-    """The final hidden states that predict each completion token (b, C, H), and the LM head's weight and logit
-    arguments in the same dtype, the policy's compute dtype (the backbone under autocast for bf16-autocast).
+    """The final hidden states that predict each completion token (b, C, H), and the LM head's weight and the head
+    (head_in's) in the same dtype, the policy's compute dtype (the backbone under autocast for bf16-autocast).
     offload: keep the activations saved for backward in (pinned) CPU memory."""
     device = micro.hidden_index.device
     dtype, autocast = policy.compute(device)
@@ -143,24 +159,22 @@ def completion_hidden(policy: Policy, micro: MicroBatch, offload: bool = False):
 
 
 def head_in(model, dtype: torch.dtype) -> tuple:
-    """(weight, logit kwargs) of the model's LM head with the weight and bias in `dtype`, the dtype of the loss's
-    inputs."""
+    """(weight, head): the model's LM head (grpo_fast.models.LMHead) with its weight and bias in `dtype`, the
+    dtype of the loss's inputs, and that weight; the loss takes bias=head.bias, transform=head.transform(...)."""
     head = lm_head(model)
-    kwargs = head.logit_kwargs()
-    if kwargs["bias"] is not None:
-        kwargs["bias"] = kwargs["bias"].to(dtype)
-    return head.weight.to(dtype), kwargs
+    head = dataclasses.replace(head, weight=head.weight.to(dtype),
+                               bias=None if head.bias is None else head.bias.to(dtype))
+    return head.weight, head
 
 
-def micro_batch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, head_kwargs: dict,
-                         completion_ids: torch.Tensor, mask: torch.Tensor, temperature: float,
-                         kept: Optional[dict] = None) -> torch.Tensor:
-    """(token_logprobs(hidden, weight, completion_ids, temperature=temperature, **head_kwargs, **kept) * mask)
-    .float(): a micro-batch's (b, C) log-probs in fp32, zero off `mask`, outside autocast (the loss's dtype), one
-    GEMM pass; kept: micro_kept's keywords."""
+def micro_batch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, head, completion_ids: torch.Tensor,
+                         mask: torch.Tensor, temperature: float, kept: Optional[KeptSet] = None) -> torch.Tensor:
+    """(token_logprobs(hidden, weight, completion_ids, bias=head.bias, transform=head.transform(temperature, kept))
+    * mask).float(): a micro-batch's (b, C) log-probs in fp32, zero off `mask`, outside autocast (the loss's
+    dtype), one GEMM pass; head: head_in's; kept: micro_kept's."""
     with torch.autocast(hidden.device.type, enabled=False):
-        values = gf.token_logprobs(hidden, weight, completion_ids, **{**head_kwargs, "temperature": temperature},
-                                   **(kept or {}))
+        values = gf.token_logprobs(hidden, weight, completion_ids, bias=head.bias,
+                                   transform=head.transform(temperature, kept))
     return (values * mask).float()
 
 
@@ -172,10 +186,10 @@ def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
     logps = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     batches = micro_batches(batch, config, world, shares_prompts(config, policy.model))
     for micro, _ in batches:                                  # a repeated micro-batch rewrites the same values
-        hidden, weight, kwargs = completion_hidden(policy, micro)
+        hidden, weight, head = completion_hidden(policy, micro)
         logps[micro.rows, :micro.completion_length] = micro_batch_logprobs(
-            hidden, weight, kwargs, micro.completion(batch.completion_ids), micro.completion(batch.loss_mask),
-            config.temperature, micro_kept(batch, micro))
+            hidden, weight, head, micro.completion(batch.completion_ids), micro.completion(batch.loss_mask),
+            config.rollout.temperature, micro_kept(batch, micro))
     return logps
 
 
@@ -189,21 +203,22 @@ def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference
     log-probs would come from are the ones the update's forward runs, so accumulate_gradients computes the ratio
     from that forward's hidden states (batch.sampling_logps), one no-grad pass over the LM head per micro-batch."""
     loss_mask = generation.completion_mask
-    if config.mask_truncated_completions:
+    if config.scoring.mask_truncated_completions:
         loss_mask = loss_mask & ~generation.truncated[:, None]
     batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                         generation.completion_ids, loss_mask, advantages.to(loss_mask.device))
     if generation.kept_ids is not None:
         batch.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
-    correct = generation.sampling_logps is not None and config.importance_sampling != "none"
-    if correct and config.num_iterations == 1:
+    correct = generation.sampling_logps is not None and config.correction.importance_sampling != "none"
+    if correct and config.optimization.num_iterations == 1:
         batch.sampling_logps = generation.sampling_logps
-    elif config.num_iterations > 1 or correct:
+    elif config.optimization.num_iterations > 1 or correct:
         batch.old_logps = completion_logprobs(policy, batch, config, world)
         if correct:
             batch.is_ratio = importance_weights(batch.old_logps, generation.sampling_logps, loss_mask,
-                                                config.importance_sampling, config.importance_sampling_cap,
-                                                config.importance_sampling_min)
+                                                config.correction.importance_sampling,
+                                                config.correction.importance_sampling_cap,
+                                                config.correction.importance_sampling_min)
     if reference_policy is not None:
         batch.ref_logps = completion_logprobs(reference_policy, batch, config)
     return batch
@@ -211,16 +226,16 @@ def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference
 
 @torch.no_grad()
 def own_rollout_correction(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
-                           mask: torch.Tensor, sampling_logps: torch.Tensor, head_kwargs: dict,
-                           config: TrainConfig, kept: Optional[dict] = None) -> torch.Tensor:
+                           mask: torch.Tensor, sampling_logps: torch.Tensor, head,
+                           config: TrainConfig, kept: Optional[KeptSet] = None) -> torch.Tensor:
     """importance_weights(token_logprobs(hidden, weight, completion_ids) * mask, sampling_logps, mask, ...): a
     micro-batch's rollout correction (b, C) fp32 from the hidden states its loss takes, one no-grad GEMM pass over
     the LM head, instead of a forward of the trunk before the update (the same value: the same weights and
     inputs). Rows are whole sequences, so the sequence_* modes see every token of theirs."""
-    logps = micro_batch_logprobs(hidden.detach(), weight.detach(), head_kwargs, completion_ids, mask,
-                                 config.temperature, kept)
-    return importance_weights(logps, sampling_logps, mask, config.importance_sampling,
-                              config.importance_sampling_cap, config.importance_sampling_min)
+    logps = micro_batch_logprobs(hidden.detach(), weight.detach(), head, completion_ids, mask,
+                                 config.rollout.temperature, kept)
+    return importance_weights(logps, sampling_logps, mask, config.correction.importance_sampling,
+                              config.correction.importance_sampling_cap, config.correction.importance_sampling_min)
 
 
 class Fp32GradientSum:
@@ -258,32 +273,32 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     fp32 (the default), gradients of bf16 weights accumulate over micro-batches in fp32 (Fp32GradientSum). With
     batch.sampling_logps set, each micro-batch's rollout correction comes from its own hidden states
     (own_rollout_correction) and fills batch.is_ratio."""
-    loss_config = config.loss_config()
-    loss_function = LOSS_IMPLEMENTATIONS[config.loss_implementation]
+    loss_config = config.loss
+    loss_function = LOSS_IMPLEMENTATIONS[config.optimization.loss_implementation]
     device = batch.loss_mask.device
     totals = distributed.sum_over_ranks({"sequences": batch.input_ids.shape[0],
                                          "tokens": float(batch.loss_mask.sum())}, world, device)
     batches = micro_batches(batch, config, world, shares_prompts(config, policy.model))
     fp32_sum = None
-    if config.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
+    if config.optimization.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
         fp32_sum = Fp32GradientSum(policy.trunk.parameters())
     summed = {"loss": 0.0}
     if batch.sampling_logps is not None:
         batch.is_ratio = torch.ones(batch.loss_mask.shape, dtype=torch.float32, device=device)
     for index, (micro, counts) in enumerate(batches):
-        hidden, weight, head_kwargs = completion_hidden(policy, micro, config.offload_activations)
+        hidden, weight, head = completion_hidden(policy, micro, config.policy.offload_activations)
         mask = micro.completion(batch.loss_mask)
         kept = micro_kept(batch, micro)
         if batch.sampling_logps is not None:
             batch.is_ratio[micro.rows, :micro.completion_length] = own_rollout_correction(
                 hidden, weight, micro.completion(batch.completion_ids), mask, micro.completion(batch.sampling_logps),
-                head_kwargs, config, kept)
+                head, config, kept)
         with torch.autocast(hidden.device.type, enabled=False):
             loss, metrics = loss_function(
                 hidden, weight, micro.completion(batch.completion_ids), batch.advantages[micro.rows], mask,
                 old_logps=micro.completion(batch.old_logps), ref_logps=micro.completion(batch.ref_logps),
-                is_ratio=micro.completion(batch.is_ratio), num_items_in_batch=totals["tokens"],
-                config=loss_config, **{**head_kwargs, "temperature": config.temperature}, **kept,
+                bias=head.bias, config=loss_config, transform=head.transform(config.rollout.temperature, kept),
+                weights=gf.TokenWeights(num_items_in_batch=totals["tokens"], is_ratio=micro.completion(batch.is_ratio)),
             )
         share = micro_batch_share(mask, loss_config, totals["sequences"], totals["tokens"]) if counts else 0.0
         loss = loss * share
@@ -306,7 +321,7 @@ def policy_update(policy: Policy, optimizer, batch: UpdateBatch, config: TrainCo
     not finite never reaches the weights: the step is skipped (metrics["skipped"] = 1) and the gradients dropped.
     Every rank decides alike: both values are already reduced over ranks."""
     summed = accumulate_gradients(policy, batch, config, world)
-    norm = torch.nn.utils.clip_grad_norm_(policy.trunk.parameters(), config.max_grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(policy.trunk.parameters(), config.optimization.max_grad_norm)
     summed["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     finite = math.isfinite(summed["loss"]) and math.isfinite(summed["grad_norm"])
     if finite:

@@ -14,17 +14,18 @@ from grpo_fast.train.update.step import Policy, head_in
 
 
 def supervised_warm_start(model, tokenizer, samples: list, config, log, dtype: str = "fp32") -> float:
-    """config.sft_steps steps of the configured optimizer on the mean negative log-likelihood of the solution
+    """config.warm_start.sft_steps steps of the configured optimizer on the mean negative log-likelihood of the solution
     tokens (the loss from `token_logprobs`, no logits), in the resolved dtype option `dtype`
     (grpo_fast.train.update.precision), computed as the policy update computes. The trainer runs it on the whole model,
     before any LoRA adapters are added. Returns the last loss."""
     # weight decay 0.01: torch AdamW's default, which the warm start has always used
-    optimizer = optim.make_optimizer(model.parameters(), config.optimizer, config.sft_learning_rate, 0.01)
+    optimizer = optim.make_optimizer(model.parameters(), config.optimization.optimizer,
+                                     config.warm_start.sft_learning_rate, 0.01)
     device = next(model.parameters()).device
     compute, autocast = Policy.of(model, dtype).compute(device)
-    rng = random.Random(config.seed)
+    rng = random.Random(config.run.seed)
     loss_value = float("nan")
-    for step in range(config.sft_steps):
+    for step in range(config.warm_start.sft_steps):
         batch = rng.sample(samples, min(32, len(samples)))
         prompts = [prompt_text(s, tokenizer, config) for s in batch]
         full = [p + s["solution"] + tokenizer.eos_token for p, s in zip(prompts, batch)]
@@ -37,13 +38,13 @@ def supervised_warm_start(model, tokenizer, samples: list, config, log, dtype: s
         with torch.autocast(device.type, dtype=compute, enabled=autocast):
             hidden = final_hidden_states(model, ids, mask.long())[:, :-1]
         targets = torch.where(answer[:, 1:], ids[:, 1:], 0)
-        weight, kwargs = head_in(model, compute)
-        logp = gf.token_logprobs(hidden.to(compute), weight, targets, **kwargs)
+        weight, head = head_in(model, compute)
+        logp = gf.token_logprobs(hidden.to(compute), weight, targets, bias=head.bias, transform=head.transform())
         loss = -(logp * answer[:, 1:]).sum() / answer[:, 1:].sum()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
-        if step % 50 == 0 or step == config.sft_steps - 1:
-            log(f"warm start {step + 1}/{config.sft_steps}: loss {loss_value:.3f}")
+        if step % 50 == 0 or step == config.warm_start.sft_steps - 1:
+            log(f"warm start {step + 1}/{config.warm_start.sft_steps}: loss {loss_value:.3f}")
     return loss_value

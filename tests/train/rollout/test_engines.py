@@ -8,11 +8,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.rollout.engines import HFEngine  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.tasks import prompt_ids  # noqa: E402
-from tests.helpers import arithmetic_policy, run_result_script  # noqa: E402
+from tests.helpers import arithmetic_policy, flat_config, run_result_script  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -32,8 +31,7 @@ def test_pack_layout():
 
 
 def test_hf_engine_cuts_at_the_first_eos():
-    from grpo_fast.train.config import TrainConfig
-    from tests.helpers import arithmetic_policy
+    from tests.helpers import arithmetic_policy, flat_config
 
     model, tokenizer, samples = arithmetic_policy(32)
     eos = tokenizer.eos_token_id
@@ -42,7 +40,7 @@ def test_hf_engine_cuts_at_the_first_eos():
     model.lm_head.register_forward_hook(lambda module, inputs, logits: logits.index_add(
         -1, torch.tensor([eos]), torch.full((*logits.shape[:-1], 1), 3.0)))
     prompts = [tokenizer(s["prompt"], add_special_tokens=False)["input_ids"] for s in samples[:3]]
-    config = TrainConfig(group_size=4, max_completion_length=12)
+    config = flat_config(group_size=4, max_completion_length=12)
     torch.manual_seed(0)
     generation = HFEngine(model, tokenizer, config).generate(prompts, seed=0)
     assert generation.input_ids.shape[0] == 12 and generation.sampling_logps is None
@@ -105,7 +103,7 @@ def test_hf_engine_kept_sets_make_the_ratio_one_on_unchanged_weights():
     model, tokenizer, samples = arithmetic_policy(32)
     prompts = prompt_ids([s["prompt"] for s in samples[:3]], tokenizer)
     for fields in (dict(top_p=0.9), dict(top_k=12), dict(top_p=0.9, top_k=12)):
-        config = TrainConfig(group_size=4, max_completion_length=10, **fields)
+        config = flat_config(group_size=4, max_completion_length=10, **fields)
         generation = HFEngine(model, tokenizer, config, sampling_logps=True).generate(prompts, seed=3)
         mask = generation.completion_mask
         kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
@@ -189,7 +187,7 @@ def test_hf_engine_samples_what_the_config_says_whatever_the_folder_sets(tmp_pat
     assert model.generation_config.to_diff_dict().get("output_attentions") is False
     assert ignored_generation_settings(model) == {}
     prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
-    config = TrainConfig(group_size=4, max_completion_length=10, temperature=1.0)
+    config = flat_config(group_size=4, max_completion_length=10, temperature=1.0)
     folders = {}
     for name, settings in (("clean", {}), ("folder", FOLDER_SAMPLING)):
         model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
@@ -199,7 +197,7 @@ def test_hf_engine_samples_what_the_config_says_whatever_the_folder_sets(tmp_pat
         folders[name].lm_head.register_forward_hook(lambda module, inputs, logits: logits.index_add(
             -1, torch.tensor(FAVOURED), torch.full((*logits.shape[:-1], len(FAVOURED)), 4.0)))
         if wrapped == "lora":
-            folders[name] = lora.add_adapters(folders[name], TrainConfig(lora_rank=4))
+            folders[name] = lora.add_adapters(folders[name], flat_config(lora_rank=4))
     assert folders["folder"].generation_config.repetition_penalty == 5.0
     completions = {name: HFEngine(policy, tokenizer, config).generate(prompts, seed=3).completion_ids
                    for name, policy in folders.items()}

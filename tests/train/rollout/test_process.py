@@ -13,13 +13,13 @@ pytest.importorskip("transformers")
 from grpo_fast.kept import KeptSet  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train import tasks  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.rollout import start_process  # noqa: E402
 from grpo_fast.train.rollout.engines import HFEngine  # noqa: E402
 from grpo_fast.train.rollout.generation import EngineError  # noqa: E402
 from grpo_fast.train.rollout.process import split_threads  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, completion_logprobs  # noqa: E402
 from tests import helpers  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
             eval_every=0, max_staleness=1)
@@ -48,13 +48,13 @@ def perturb(model, seed):
 
 def test_config_refuses_what_it_cannot_bound():
     with pytest.raises(ValueError, match="max_staleness must be >= 0, got -1"):
-        TrainConfig(max_staleness=-1)
+        flat_config(max_staleness=-1)
     with pytest.raises(ValueError, match="max_staleness=1 needs a rollout correction .* importance_sampling is "
                                          "'none'"):
-        TrainConfig(max_staleness=1, importance_sampling="none")
+        flat_config(max_staleness=1, importance_sampling="none")
     with pytest.raises(ValueError, match=r"under torchrun \(2 processes\) use max_staleness: 0"):
-        TrainConfig(max_staleness=2).check_world(2)
-    TrainConfig(max_staleness=2).check_world(1)
+        flat_config(max_staleness=2).check_world(2)
+    flat_config(max_staleness=2).check_world(1)
 
 
 def test_the_process_serves_versions_in_order_with_the_trainers_numerics(tmp_path):
@@ -62,7 +62,7 @@ def test_the_process_serves_versions_in_order_with_the_trainers_numerics(tmp_pat
     weights, and its sampling log-probs are the trainer's, top_p 0.9 / top_k 12 included (over the same kept sets
     both: the correction's ratio is 1 on unchanged weights, where the whole vocabulary misses by the kept mass)."""
     model, tokenizer, prompts = tiny_policy()
-    config = TrainConfig(group_size=3, max_completion_length=8, max_staleness=1, top_p=0.9, top_k=12,
+    config = flat_config(group_size=3, max_completion_length=8, max_staleness=1, top_p=0.9, top_k=12,
                          output_dir=str(tmp_path))
     threads = torch.get_num_threads()
     engine = start_process(config, model, tokenizer, max(map(len, prompts)))      # pushes version 0
@@ -99,7 +99,7 @@ def test_the_process_serves_versions_in_order_with_the_trainers_numerics(tmp_pat
 
 def test_engine_failure_and_death_raise_engine_error(tmp_path):
     model, tokenizer, prompts = tiny_policy()
-    config = TrainConfig(group_size=2, max_completion_length=4, max_staleness=1, output_dir=str(tmp_path))
+    config = flat_config(group_size=2, max_completion_length=4, max_staleness=1, output_dir=str(tmp_path))
     engine = start_process(config, model, tokenizer, max(map(len, prompts)))
     engine.requests.put(("weights", 1, {"model.not_a_layer.weight": torch.zeros(2)}))
     engine.submit(0, prompts, seed=1)
@@ -124,10 +124,10 @@ def test_an_asynchronous_run_resumes_after_an_interrupt(tmp_path):
     options = {**FAST, "rewards": ["tests.helpers:counting_reward"]}
     helpers.CALLS.update(n=0, interrupt_at=3)                   # Ctrl-C while scoring step 3
     with pytest.raises(KeyboardInterrupt):
-        T.train(TrainConfig(**options, output_dir=str(tmp_path)), log=lambda *_: None)
+        T.train(flat_config(**options, output_dir=str(tmp_path)), log=lambda *_: None)
     assert os.path.isdir(tmp_path / "checkpoint-2")
     helpers.CALLS.update(interrupt_at=None)
-    resumed = T.train(TrainConfig(**options, output_dir=str(tmp_path)), resume=True, log=lambda *_: None)
+    resumed = T.train(flat_config(**options, output_dir=str(tmp_path)), resume=True, log=lambda *_: None)
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     assert [(r["policy_version"], r["staleness"]) for r in lines] == [(0, 0), (0, 1), (2, 0), (2, 1)]
@@ -142,10 +142,10 @@ def test_a_dead_rollout_process_names_the_step_and_resume_finishes(tmp_path):
     helpers.CALLS.update(n=0, interrupt_at=None, kill_at=3)    # SIGKILL while scoring step 3
     with pytest.raises(T.RunError, match=r"step [34]: the rollout process \(hf engine\) died with exit code -9 .*"
                                          r"the last checkpoint is intact"):
-        T.train(TrainConfig(**options, output_dir=str(tmp_path)), log=lambda *_: None)
+        T.train(flat_config(**options, output_dir=str(tmp_path)), log=lambda *_: None)
     assert os.path.isdir(tmp_path / "checkpoint-2") and not os.path.isdir(tmp_path / "checkpoint-6")
     helpers.CALLS.update(kill_at=None)
-    T.train(TrainConfig(**options, output_dir=str(tmp_path)), resume=True, log=lambda *_: None)
+    T.train(flat_config(**options, output_dir=str(tmp_path)), resume=True, log=lambda *_: None)
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]
 

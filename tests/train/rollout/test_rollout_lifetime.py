@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.rollout.generation import EngineStartError  # noqa: E402
 from grpo_fast.train.rollout.process import RolloutProcess  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_RUN = ["--max-staleness", "1", "--sft-steps", "0", "--max-steps", "10000", "--save-every", "10000",
@@ -153,7 +153,7 @@ def test_the_rollout_process_dies_with_the_trainer_and_leaves_no_shared_memory(t
 
 def test_an_engine_that_cannot_start_is_one_line_naming_the_folder(tmp_path):
     missing = str(tmp_path / "no-model")
-    config = TrainConfig(max_staleness=1, output_dir=str(tmp_path))
+    config = flat_config(max_staleness=1, output_dir=str(tmp_path))
     with pytest.raises(EngineStartError, match=r"^the rollout process could not start its hf engine on "
                                                rf"{missing}: \w*Error: .*{missing}") as caught:
         RolloutProcess(config, missing, torch.float32, 64, torch.device("cpu"))
@@ -165,9 +165,10 @@ def test_a_vllm_engine_that_cannot_start_is_one_line_naming_the_folder(tmp_path)
     code = textwrap.dedent(f"""
         import torch
         from grpo_fast.train.config import TrainConfig
+        from tests.helpers import flat_config
         from grpo_fast.train.rollout.engines import VLLMEngine
         try:
-            VLLMEngine({str(tmp_path / "no-model")!r}, TrainConfig(engine="vllm"), 64, torch.device("cpu"))
+            VLLMEngine({str(tmp_path / "no-model")!r}, flat_config(engine="vllm"), 64, torch.device("cpu"))
         except ValueError as error:
             print("ERROR", type(error).__name__, error)
     """)
@@ -196,7 +197,7 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
         import sys
         from grpo_fast.train import TrainConfig, train
 
-        config = TrainConfig(max_staleness=1, sft_steps=0, max_steps=1, group_size=2, prompts_per_step=2,
+        config = flat_config(max_staleness=1, sft_steps=0, max_steps=1, group_size=2, prompts_per_step=2,
                              eval_every=0, output_dir={str(tmp_path / "run")!r})
         try:
             train(config, log=lambda *_: None)
@@ -222,7 +223,7 @@ def test_a_rollout_process_that_dies_before_it_starts_names_the_main_module(tmp_
         from grpo_fast.train import TrainConfig, train
 
         if __name__ == "__main__":
-            config = TrainConfig(max_staleness=1, sft_steps=0, max_steps=1, group_size=2, prompts_per_step=2,
+            config = flat_config(max_staleness=1, sft_steps=0, max_steps=1, group_size=2, prompts_per_step=2,
                                  eval_every=0, output_dir={str(tmp_path / "run")!r})
             try:
                 train(config, log=lambda *_: None)

@@ -46,14 +46,13 @@ def test_inverse_cdf_never_draws_a_zero_probability_token():
 def test_a_prompts_completions_do_not_depend_on_the_batch():
     """Prompt a, seeded alike, batched with a shorter and with a longer prompt (so under different left
     padding), in fp64: the same completions; the global random state is left alone."""
-    from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.rollout.engines import HFEngine
-    from tests.helpers import arithmetic_policy
+    from tests.helpers import arithmetic_policy, flat_config
 
     model, tokenizer, samples = arithmetic_policy(32)
     model = model.double()
     a, short, long = [5, 9, 3, 7], [4], [6, 2, 8, 1, 1, 3, 5, 2, 9]
-    engine = HFEngine(model, tokenizer, TrainConfig(group_size=3, max_completion_length=10, temperature=1.0))
+    engine = HFEngine(model, tokenizer, flat_config(group_size=3, max_completion_length=10, temperature=1.0))
     state = torch.get_rng_state()
     first = engine.generate([a, short], seed=100)
     second = engine.generate([long, a], seed=99)                    # a is prompt 1: seed 99 + 1

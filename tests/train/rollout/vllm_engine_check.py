@@ -10,12 +10,12 @@ import sys
 import torch
 
 from grpo_fast.train import lora, tasks
-from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.loop import train
-from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
 from grpo_fast.train.rollout.engines import VLLMEngine, make_engine
 from grpo_fast.train.tasks import prompt_ids
 from grpo_fast.train.update.step import Policy, UpdateBatch, completion_logprobs
+from tests.helpers import flat_config
 
 
 def trainer_logprobs(model, generation, config):
@@ -33,19 +33,12 @@ def engine_vs_trainer(engine, model, prompts, seed):
     return (generation.sampling_logps - trainer).abs()[mask].max().item(), generation, trainer
 
 
-def main(output_dir: str) -> None:
-    samples = tasks.arithmetic_task(64, seed=0)
-    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
-    tokenizer.padding_side = "left"
-    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).eval()
-    config = TrainConfig(engine="vllm", vllm_dtype="float32", group_size=3, max_completion_length=8,
-                         output_dir=output_dir)
-    prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
+def check_generation(config, model, tokenizer, prompts, result: dict) -> tuple:
+    """(engine, its first generation): the engine's rows, prompts, lengths and seeds, into `result`."""
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     engine = make_engine(config, model, tokenizer, max(map(len, prompts)))
     # vLLM's CPU worker swaps torch.set_num_threads for a no-op; the engine puts it back, threads unchanged
-    result = {"threads_kept": torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads}
+    result["threads_kept"] = torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
     gap, first, _ = engine_vs_trainer(engine, model, prompts, seed=11)
     result["gap_before"] = gap
     result["rows"] = first.input_ids.shape[0]
@@ -58,7 +51,11 @@ def main(output_dir: str) -> None:
                                zip(first.completion_ids.tolist(), first.completion_mask.sum(1))]
     again = engine.generate(prompts, seed=11)
     result["same_seed_same_samples"] = torch.equal(again.completion_ids, first.completion_ids)
-    # a folder whose generation_config.json sets its own sampling: same seed, same completions
+    return engine, first
+
+
+def folder_with_sampling(model, tokenizer, output_dir: str) -> str:
+    """A model folder whose generation_config.json sets its own sampling (the engine must ignore it)."""
     from transformers import GenerationConfig
 
     folder_settings = GenerationConfig(repetition_penalty=5.0, no_repeat_ngram_size=1, temperature=0.3, top_p=0.5,
@@ -69,8 +66,11 @@ def main(output_dir: str) -> None:
     model.save_pretrained(dirty)
     folder_settings.save_pretrained(dirty)
     tokenizer.save_pretrained(dirty)
-    # (its engine starts last: a second vLLM in this process stops the earlier one's generation)
+    return dirty
 
+
+def check_weight_pushes(engine, model, first, prompts, config, result: dict) -> None:
+    """A moved policy, then LoRA adapters on it, pushed to the engine: the gaps before and after, into `result`."""
     with torch.no_grad():                                   # a different policy: every weight moves
         generator = torch.Generator().manual_seed(1)
         for parameter in model.parameters():
@@ -82,7 +82,7 @@ def main(output_dir: str) -> None:
 
     # LoRA: the engine gets the base with the adapters merged in
     base = trainer_logprobs(model, first, config)
-    adapted = lora.add_adapters(model, TrainConfig(lora_rank=4))
+    adapted = lora.add_adapters(model, flat_config(lora_rank=4))
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_B" in name:                      # PEFT starts B at 0: make the adapters matter
@@ -91,8 +91,48 @@ def main(output_dir: str) -> None:
     engine.sync_weights(adapted)
     result["gap_after_lora_push"], _, _ = engine_vs_trainer(engine, adapted, prompts, seed=11)
 
+
+def check_run_evaluations(output_dir: str, result: dict) -> None:
+    """The LoRA run's evaluations and `grpo-fast eval` on it, into `result`."""
+    # the run's evaluations went through the vLLM engine; `grpo-fast eval --engine vllm` loads the export in one
+    with open(output_dir + "/run/eval.jsonl") as f:
+        result["evals"] = [[r["step"], r["problems"], r["samples"]] for r in map(json.loads, f)]
+    from grpo_fast.train.run import eval_command
+
+    record = eval_command.main(output_dir + "/run", {"engine": "vllm", "vllm_dtype": "float32", "eval_prompts": 10},
+                               log=lambda *_: None)
+    result["cli_eval"] = [record["problems"], record["samples"], 0 <= record["accuracy"] <= 1]
+
+
+def check_async_run(output_dir: str, result: dict) -> None:
+    """The engine in its own process, one step ahead: versions pushed through reload_weights, evaluations there
+    too; top_p 0.9 / top_k 20: the kept sets cross the process with the rollouts."""
+    history = train(flat_config(engine="vllm", vllm_dtype="float32", max_staleness=1, sft_steps=20, max_steps=3,
+                                group_size=4, prompts_per_step=4, eval_every=2, eval_prompts=5, top_p=0.9, top_k=20,
+                                output_dir=output_dir + "/async", log_completions=0), log=lambda *_: None)
+    result["async_versions"] = [[r["step"], r["policy_version"], r["staleness"]] for r in history]
+    result["async_is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
+    with open(output_dir + "/async/eval.jsonl") as f:
+        result["async_evals"] = [[r["step"], r["problems"]] for r in map(json.loads, f)]
+
+
+def main(output_dir: str) -> None:
+    samples = tasks.arithmetic_task(64, seed=0)
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+    tokenizer.padding_side = "left"
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).eval()
+    config = flat_config(engine="vllm", vllm_dtype="float32", group_size=3, max_completion_length=8,
+                         output_dir=output_dir)
+    prompts = prompt_ids([s["prompt"] for s in samples[:4]], tokenizer)
+    result = {}
+    engine, first = check_generation(config, model, tokenizer, prompts, result)
+    dirty = folder_with_sampling(model, tokenizer, output_dir)
+    # (its engine starts last: a second vLLM in this process stops the earlier one's generation)
+    check_weight_pushes(engine, model, first, prompts, config, result)
+
     # two steps of a LoRA run: the engine model is saved merged, and follows the adapters
-    history = train(TrainConfig(engine="vllm", vllm_dtype="float32", sft_steps=20, max_steps=2, group_size=4,
+    history = train(flat_config(engine="vllm", vllm_dtype="float32", sft_steps=20, max_steps=2, group_size=4,
                                 prompts_per_step=4, lora_rank=4, learning_rate=0.05, output_dir=output_dir + "/run",
                                 log_completions=0), log=lambda *_: None)
     # the run's export (output_dir/model, adapters merged) loads in vLLM as a plain model, with the trainer's
@@ -102,30 +142,15 @@ def main(output_dir: str) -> None:
     exported = output_dir + "/run/model"
     exported_model = AutoModelForCausalLM.from_pretrained(exported).eval()
     run_prompts = prompt_ids([s["prompt"] for s in samples[:4]], AutoTokenizer.from_pretrained(exported))
-    exported_engine = VLLMEngine(exported, config, max(map(len, run_prompts)) + config.max_completion_length,
+    exported_engine = VLLMEngine(exported, config, max(map(len, run_prompts)) + config.rollout.max_completion_length,
                                  torch.device("cpu"))
     result["gap_exported"], _, _ = engine_vs_trainer(exported_engine, exported_model, run_prompts, seed=11)
     result["train_steps"] = [r["step"] for r in history]
     result["is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
     result["generation_tokens_per_s"] = [r["generation_tokens_per_s"] for r in history]
-    # the run's evaluations went through the vLLM engine; `grpo-fast eval --engine vllm` loads the export in one
-    with open(output_dir + "/run/eval.jsonl") as f:
-        result["evals"] = [[r["step"], r["problems"], r["samples"]] for r in map(json.loads, f)]
-    from grpo_fast.train.run import evaluate
-
-    record = evaluate.main(output_dir + "/run", {"engine": "vllm", "vllm_dtype": "float32", "eval_prompts": 10},
-                           log=lambda *_: None)
-    result["cli_eval"] = [record["problems"], record["samples"], 0 <= record["accuracy"] <= 1]
-    # the engine in its own process, one step ahead: versions pushed through reload_weights, evaluations there too;
-    # top_p 0.9 / top_k 20: the kept sets cross the process with the rollouts
-    history = train(TrainConfig(engine="vllm", vllm_dtype="float32", max_staleness=1, sft_steps=20, max_steps=3,
-                                group_size=4, prompts_per_step=4, eval_every=2, eval_prompts=5, top_p=0.9, top_k=20,
-                                output_dir=output_dir + "/async", log_completions=0), log=lambda *_: None)
-    result["async_versions"] = [[r["step"], r["policy_version"], r["staleness"]] for r in history]
-    result["async_is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
-    with open(output_dir + "/async/eval.jsonl") as f:
-        result["async_evals"] = [[r["step"], r["problems"]] for r in map(json.loads, f)]
-    folder_engine = VLLMEngine(dirty, config, max(map(len, prompts)) + config.max_completion_length,
+    check_run_evaluations(output_dir, result)
+    check_async_run(output_dir, result)
+    folder_engine = VLLMEngine(dirty, config, max(map(len, prompts)) + config.rollout.max_completion_length,
                                torch.device("cpu"))
     result["folder_sampling_ignored"] = torch.equal(folder_engine.generate(prompts, seed=11).completion_ids,
                                                     first.completion_ids)

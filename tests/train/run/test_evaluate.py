@@ -15,10 +15,11 @@ pytest.importorskip("transformers")
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train import tasks  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.model import train_tokenizer  # noqa: E402
+from grpo_fast.train.policy import train_tokenizer  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
+from grpo_fast.train.run import eval_command  # noqa: E402
 from grpo_fast.train.run import evaluate as E  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=5, save_every=5, group_size=4, prompts_per_step=4, log_completions=0,
             eval_every=2, eval_prompts=6, eval_samples=3)
@@ -55,10 +56,10 @@ def test_hold_out_is_disjoint_reproducible_and_drops_every_copy():
 
 
 def test_eval_task_problems_leave_the_training_set(tmp_path):
-    config = TrainConfig(eval_task="max")                                # the same problems: nothing left
+    config = flat_config(eval_task="max")                                # the same problems: nothing left
     with pytest.raises(ValueError, match="nothing is left to train on"):
         tasks.load_task(config)
-    train, held = tasks.load_task(TrainConfig(task="gsm8k", eval_fraction=0.1))
+    train, held = tasks.load_task(flat_config(task="gsm8k", eval_fraction=0.1))
     assert (len(train), len(held)) == (180, 20)
 
 
@@ -82,7 +83,7 @@ def test_evaluate_scores_each_completion_against_its_problem(eval_reward):
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples])
     # problem 1: 2 of 4 right, problem 2: 0 of 4, problem 3: 4 of 4
     completions = ["2", "3", "2", "5", "1", "1", "1", "1", "6", "6", "6", "6"]
-    config = TrainConfig(eval_samples=4, eval_reward=eval_reward)          # None: exact_match, the first reward
+    config = flat_config(eval_samples=4, eval_reward=eval_reward)          # None: exact_match, the first reward
     record = E.evaluate(ScriptedEngine(tokenizer, completions), samples, tokenizer, config)
     assert record["accuracy"] == pytest.approx(6 / 12)
     assert record["pass@1"] == pytest.approx(6 / 12)
@@ -94,13 +95,13 @@ def test_evaluate_scores_each_completion_against_its_problem(eval_reward):
 
 
 def test_training_writes_eval_jsonl_and_evaluation_does_not_change_training(tmp_path):
-    with_eval = T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "a")), log=lambda *_: None)
+    with_eval = T.train(flat_config(**FAST, output_dir=str(tmp_path / "a")), log=lambda *_: None)
     evals = [json.loads(line) for line in open(tmp_path / "a" / "eval.jsonl")]
     assert [r["step"] for r in evals] == [0, 2, 4, 5]             # before the first step, every 2, after the last
     for record in evals:
         assert record["problems"] == 6 and record["samples"] == 3
         assert 0 <= record["accuracy"] <= record["pass@2"] <= record["pass@3"] <= 1
-    without = T.train(TrainConfig(**{**FAST, "eval_every": 0}, output_dir=str(tmp_path / "b")), log=lambda *_: None)
+    without = T.train(flat_config(**{**FAST, "eval_every": 0}, output_dir=str(tmp_path / "b")), log=lambda *_: None)
     timing = ("seconds", "tokens_per_s", "generation_tokens_per_s", "generation_seconds", "scoring_seconds",
               "update_seconds", "sync_seconds")
     assert [{k: v for k, v in r.items() if k not in timing} for r in with_eval] == \
@@ -116,12 +117,12 @@ def test_training_writes_eval_jsonl_and_evaluation_does_not_change_training(tmp_
     for remove_export in (False, True):
         if remove_export:
             shutil.rmtree(tmp_path / "a" / "model")
-        record = E.main(str(tmp_path / "a"), {}, log=lambda *_: None)
+        record = eval_command.main(str(tmp_path / "a"), {}, log=lambda *_: None)
         assert {k: v for k, v in record.items() if k not in drop} == last
 
 
 def test_eval_cli(tmp_path, capsys):
-    T.train(TrainConfig(**{**FAST, "max_steps": 2, "eval_every": 0}, output_dir=str(tmp_path / "run")),
+    T.train(flat_config(**{**FAST, "max_steps": 2, "eval_every": 0}, output_dir=str(tmp_path / "run")),
             log=lambda *_: None)
     assert cli(["eval", str(tmp_path / "run"), "--num-samples", "2", "--eval-prompts", "3"]) == 0
     out, err = capsys.readouterr()
@@ -140,7 +141,7 @@ def test_eval_cli(tmp_path, capsys):
 def fake_run(run, step: int = 5):
     """A run folder holding only checkpoint-{step}'s step and config (no weights): enough for eval_config."""
     os.makedirs(run / f"checkpoint-{step}")
-    torch.save({"step": step, "config": dataclasses.asdict(TrainConfig(output_dir=str(run)))},
+    torch.save({"step": step, "config": dataclasses.asdict(flat_config(output_dir=str(run)))},
                run / f"checkpoint-{step}" / "state.pt")
 
 
@@ -154,11 +155,11 @@ def test_eval_of_a_run_takes_its_newest_checkpoint_unless_model_is_that_step(tmp
     for record in (None, '{"step": 3}', "not json"):       # an older export, without a record or with another step
         if record is not None:
             (run / "model" / "grpo_fast_export.json").write_text(record)
-        config, model_dir, evaluated = E.eval_config(str(run), {})
+        config, model_dir, evaluated = eval_command.eval_config(str(run), {})
         assert (model_dir, evaluated) == (None, f"checkpoint {run / 'checkpoint-5'} (step 5)")
-        assert config.output_dir == str(run)
+        assert config.run.output_dir == str(run)
     (run / "model" / "grpo_fast_export.json").write_text('{"step": 5}')     # the export of that very checkpoint
-    _, model_dir, evaluated = E.eval_config(str(run), {})
+    _, model_dir, evaluated = eval_command.eval_config(str(run), {})
     assert (model_dir, evaluated) == (str(run / "model"), f"model {run / 'model'} (step 5, the export of "
                                                           f"{run / 'checkpoint-5'})")
 
@@ -189,11 +190,11 @@ def test_eval_errors(tmp_path, capsys):
     assert cli(["eval", str(model_dir)]) == 2
     assert "name the problems with --task" in capsys.readouterr().err
     with pytest.raises(ValueError, match="eval_samples must be > 0"):
-        TrainConfig(eval_samples=0)
+        flat_config(eval_samples=0)
     with pytest.raises(ValueError, match=r"eval_fraction must be a finite number in \[0, 1\)"):
-        TrainConfig(eval_fraction=1.0)
+        flat_config(eval_fraction=1.0)
     with pytest.raises(ValueError, match="eval_split='test' names a split of a dataset folder"):
-        TrainConfig(eval_split="test")
+        flat_config(eval_split="test")
 
 
 def test_a_dataset_folder_trains_on_its_train_split_and_evaluates_on_its_test_split(tmp_path):
@@ -204,7 +205,7 @@ def test_a_dataset_folder_trains_on_its_train_split_and_evaluates_on_its_test_sp
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:50]),
                           "test": datasets.Dataset.from_list(rows[50:])}).save_to_disk(str(tmp_path / "data"))
     options = {**FAST, "max_steps": 2, "eval_every": 2, "eval_prompts": 100, "log_completions": 2}
-    config = TrainConfig(**options, task=str(tmp_path / "data"), prompt_column="messages", solution_column="answer",
+    config = flat_config(**options, task=str(tmp_path / "data"), prompt_column="messages", solution_column="answer",
                          eval_split="test", output_dir=str(tmp_path / "run"))
     train, held = tasks.load_task(config)
     assert [s["solution"] for s in train] == [s["solution"] for s in problems[:50]]
@@ -217,7 +218,7 @@ def test_a_dataset_folder_trains_on_its_train_split_and_evaluates_on_its_test_sp
     assert all(c["prompt"].startswith("<|im_start|>user\nmax(") for c in completions)
     with pytest.raises(ValueError, match=r"no column 'solution' \(solution_column\); columns found: "
                                          r"\['answer', 'messages'\]|columns found: \['messages', 'answer'\]"):
-        tasks.load_task(TrainConfig(task=str(tmp_path / "data"), prompt_column="messages"))
+        tasks.load_task(flat_config(task=str(tmp_path / "data"), prompt_column="messages"))
 
 
 def test_splits_are_checked_with_the_config(tmp_path):
@@ -227,42 +228,42 @@ def test_splits_are_checked_with_the_config(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
                           "validation": datasets.Dataset.from_list(rows[4:])}).save_to_disk(str(tmp_path / "data"))
     with pytest.raises(ValueError, match=r"eval_split='test': .* has the splits \['train', 'validation'\]"):
-        TrainConfig(task=str(tmp_path / "data"), eval_split="test")
+        flat_config(task=str(tmp_path / "data"), eval_split="test")
     with pytest.raises(ValueError, match=r"train_split='training': .* has the splits"):
-        TrainConfig(task=str(tmp_path / "data"), train_split="training")
-    assert tasks.load_task(TrainConfig(task=str(tmp_path / "data"), eval_split="validation"))[1] == rows[4:]
+        flat_config(task=str(tmp_path / "data"), train_split="training")
+    assert tasks.load_task(flat_config(task=str(tmp_path / "data"), eval_split="validation"))[1] == rows[4:]
 
 
 def test_gsm8k_style_worked_solutions_are_cut_to_their_final_answer(tmp_path):
     path = tmp_path / "gsm.jsonl"
     path.write_text(json.dumps({"question": "How many?", "answer": "2 + 3 = <<2+3=5>>5 apples\n#### 1,205"}) + "\n"
                     + json.dumps({"question": "And now?", "answer": "7"}) + "\n")
-    config = TrainConfig(task=str(path), prompt_column="question", solution_column="answer")
-    assert [s["solution"] for s in tasks.load_source(config.task, config)] == ["1205", "7"]
+    config = flat_config(task=str(path), prompt_column="question", solution_column="answer")
+    assert [s["solution"] for s in tasks.load_source(config.data.task, config)] == ["1205", "7"]
 
 
 def test_the_eval_reward_decides_what_is_correct():
     samples = [{"prompt": "1+1=", "solution": "2"}]
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples])
     engine = ScriptedEngine(tokenizer, ["2 apples", "2"])              # math-verify reads 2 in both
-    exact = E.evaluate(engine, samples, tokenizer, TrainConfig(eval_samples=2))
-    lenient = E.evaluate(engine, samples, tokenizer, TrainConfig(eval_samples=2, eval_reward="accuracy"))
+    exact = E.evaluate(engine, samples, tokenizer, flat_config(eval_samples=2))
+    lenient = E.evaluate(engine, samples, tokenizer, flat_config(eval_samples=2, eval_reward="accuracy"))
     assert (exact["accuracy"], lenient["accuracy"]) == (0.5, 1.0)
     unscorable = E.evaluate(ScriptedEngine(tokenizer, ["2", "2"]), [{"prompt": "1+1=", "solution": "??"}],
-                            tokenizer, TrainConfig(eval_samples=2, eval_reward="accuracy"))
+                            tokenizer, flat_config(eval_samples=2, eval_reward="accuracy"))
     assert (unscorable["problems"], unscorable["unscored"]) == (0, 1) and math.isnan(unscorable["accuracy"])
 
 
 def test_a_resumed_run_keeps_each_evaluation_once(tmp_path):
     options, run = {**FAST, "save_every": 2}, tmp_path / "run"
-    T.train(TrainConfig(**{**options, "max_steps": 2}, output_dir=str(run)), log=lambda *_: None)
+    T.train(flat_config(**{**options, "max_steps": 2}, output_dir=str(run)), log=lambda *_: None)
     shutil.copytree(run / "checkpoint-2", tmp_path / "kept")
-    T.train(TrainConfig(**{**options, "max_steps": 4}, output_dir=str(run)), resume=True, log=lambda *_: None)
+    T.train(flat_config(**{**options, "max_steps": 4}, output_dir=str(run)), resume=True, log=lambda *_: None)
     first = [json.loads(line) for line in open(run / "eval.jsonl")]
     assert [r["step"] for r in first] == [0, 2, 4]
     shutil.rmtree(run / "checkpoint-4")                  # back to step 2, with eval.jsonl at step 4
     shutil.copytree(tmp_path / "kept", run / "checkpoint-2")
-    T.train(TrainConfig(**{**options, "max_steps": 4}, output_dir=str(run)), resume=True, log=lambda *_: None)
+    T.train(flat_config(**{**options, "max_steps": 4}, output_dir=str(run)), resume=True, log=lambda *_: None)
     again = [json.loads(line) for line in open(run / "eval.jsonl")]
     drop = ("seconds",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in again] == \

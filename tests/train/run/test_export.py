@@ -9,10 +9,10 @@ pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.model import load_model  # noqa: E402
+from grpo_fast.train.policy import load_model  # noqa: E402
 from grpo_fast.train.run.export import export_run, exported_step  # noqa: E402
 from grpo_fast.train.update.step import Policy, completion_logprobs  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 from tests.train.update.test_batching import rollout  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=2, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
@@ -30,7 +30,7 @@ def logprobs_of(model, config, vocab):
 def test_a_run_exports_a_model_transformers_loads_with_the_same_logprobs(tmp_path, memory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = TrainConfig(**{**FAST, **memory}, output_dir=str(tmp_path / "run"))
+    config = flat_config(**{**FAST, **memory}, output_dir=str(tmp_path / "run"))
     T.train(config, log=lambda *_: None)
     exported = tmp_path / "run" / "model"                  # written at the end of the run
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= set(
@@ -69,7 +69,7 @@ def test_a_lora_run_exports_its_adapters_for_peft(tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = TrainConfig(**{**FAST, "lora_rank": 4, "learning_rate": 0.05, "sft_steps": 0},
+    config = flat_config(**{**FAST, "lora_rank": 4, "learning_rate": 0.05, "sft_steps": 0},
                          output_dir=str(tmp_path / "run"))
     T.train(config, log=lambda *_: None)
     assert cli(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--peft-adapter"]) == 0
@@ -82,11 +82,11 @@ def test_a_lora_run_exports_its_adapters_for_peft(tmp_path, capsys):
     torch.testing.assert_close(logprobs_of(adapted, config, vocab), logprobs_of(merged, config, vocab),
                                rtol=0, atol=1e-5)
 
-    T.train(TrainConfig(**FAST, output_dir=str(tmp_path / "full")), log=lambda *_: None)
+    T.train(flat_config(**FAST, output_dir=str(tmp_path / "full")), log=lambda *_: None)
     assert cli(["export", str(tmp_path / "full"), str(tmp_path / "out2"), "--peft-adapter"]) == 2
     assert "trained the whole model (lora_rank 0)" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out2")
-    T.train(TrainConfig(**{**FAST, "lora_rank": 4, "max_steps": 1, "save_every": 1}, output_dir=str(tmp_path / "ws")),
+    T.train(flat_config(**{**FAST, "lora_rank": 4, "max_steps": 1, "save_every": 1}, output_dir=str(tmp_path / "ws")),
             log=lambda *_: None)
     with pytest.raises(ValueError, match=r"the warm start \(sft_steps 20\) trained the base before the adapters"):
         export_run(str(tmp_path / "ws"), str(tmp_path / "out3"), adapter=True)

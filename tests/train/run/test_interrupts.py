@@ -11,11 +11,11 @@ import torch
 pytest.importorskip("transformers")
 
 from grpo_fast.train import loop as T  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
 from grpo_fast.train.rollout import Rollouts, engines  # noqa: E402
 from grpo_fast.train.run import checkpoint, evaluate, export, record  # noqa: E402
 from grpo_fast.train.update import step as update_step  # noqa: E402
 from tests import helpers  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ STAGES = {
 
 def run(output_dir, resume=False):
     helpers.CALLS.update(n=0, interrupt_at=None)
-    return T.train(TrainConfig(**OPTIONS, output_dir=str(output_dir)), resume=resume, **QUIET)
+    return T.train(flat_config(**OPTIONS, output_dir=str(output_dir)), resume=resume, **QUIET)
 
 
 def final_weights(output_dir):

@@ -12,11 +12,12 @@ pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.train.config import KEYS  # noqa: E402
 from grpo_fast.train.run import checkpoint
 from grpo_fast.train.update import step as update  # noqa: E402
 from grpo_fast.train.update.optimizer import lr_factor  # noqa: E402
 from tests import helpers  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
 FAST = dict(sft_steps=10, max_steps=3, save_every=1, group_size=4, prompts_per_step=4, log_completions=0,
             rewards=["tests.helpers:counting_reward"], eval_every=0)      # the evaluation would count calls too
@@ -25,7 +26,7 @@ QUIET = dict(log=lambda *_: None)
 
 def run(tmp_path, name="run", resume=False, **options):
     helpers.CALLS.update(n=0, interrupt_at=None)
-    return T.train(TrainConfig(**{**FAST, **options}, output_dir=str(tmp_path / name)), resume=resume, **QUIET)
+    return T.train(flat_config(**{**FAST, **options}, output_dir=str(tmp_path / name)), resume=resume, **QUIET)
 
 
 def saved_weights(folder):
@@ -148,7 +149,7 @@ def test_resume_refuses_a_changed_model_or_data_and_applies_other_keys(tmp_path,
     monkeypatch.setattr(T, "policy_update", spy)
     logged = []
     helpers.CALLS.update(n=0, interrupt_at=None)
-    T.train(TrainConfig(**{**FAST, "max_steps": 3, "learning_rate": 2.5e-4, "weight_decay": 0.1},
+    T.train(flat_config(**{**FAST, "max_steps": 3, "learning_rate": 2.5e-4, "weight_decay": 0.1},
                         output_dir=str(tmp_path / "run")), resume=True, log=logged.append)
     assert seen == {"lr": 2.5e-4, "weight_decay": 0.1}
     assert any("learning_rate 0.0005 -> 0.00025" in line for line in logged), logged
@@ -162,7 +163,7 @@ def test_the_checkpoint_keeps_the_tokenizer_the_weights_were_trained_with(tmp_pa
 
 def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
     history = run(tmp_path, max_steps=2, warmup_steps=5, learning_rate=1e-3)
-    assert history[0]["lr"] == pytest.approx(1e-3 * lr_factor(0, TrainConfig(warmup_steps=5)))
+    assert history[0]["lr"] == pytest.approx(1e-3 * lr_factor(0, flat_config(warmup_steps=5)))
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
@@ -197,12 +198,10 @@ def test_cuda_without_cuda_is_one_line_before_anything(tmp_path, capsys):
 
 
 def test_train_help_lists_every_key_with_its_default(capsys):
-    import dataclasses
-
     with pytest.raises(SystemExit):
         cli(["train", "--help"])
     out = capsys.readouterr().out
-    for field in dataclasses.fields(TrainConfig):
+    for field in KEYS.values():
         assert f"  {field.name}: " in out, field.name
     assert "max_grad_norm: float = 1.0" in out
 
@@ -273,7 +272,7 @@ def test_a_deliberate_data_change_resumes_with_accept_changed_data_and_is_named(
     with pytest.raises(ValueError, match="--accept-changed-data true"):
         run(tmp_path, task=str(data), max_steps=2, save_every=1, sft_steps=0, resume=True)
     logged = []
-    history = T.train(TrainConfig(**{**FAST, "task": str(data), "max_steps": 2, "save_every": 1, "sft_steps": 0,
+    history = T.train(flat_config(**{**FAST, "task": str(data), "max_steps": 2, "save_every": 1, "sft_steps": 0,
                                      "accept_changed_data": True}, output_dir=str(tmp_path / "run")),
                       resume=True, log=logged.append)
     assert [r["step"] for r in history] == [2]

@@ -215,11 +215,11 @@ def test_trackio_records_the_scalars_and_the_completions(tmp_path):
 
 def test_a_training_run_reports_its_metrics_and_evaluations_to_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
-    from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.loop import train
+    from tests.helpers import flat_config
 
     output_dir = str(tmp_path / "run")
-    history = train(TrainConfig(sft_steps=5, max_steps=3, save_every=3, group_size=2, prompts_per_step=2,
+    history = train(flat_config(sft_steps=5, max_steps=3, save_every=3, group_size=2, prompts_per_step=2,
                                 eval_every=2, eval_prompts=3, eval_samples=2, log_completions=1,
                                 report_to=["tensorboard"], output_dir=output_dir), log=lambda *_: None)
     accumulator = _events(output_dir)

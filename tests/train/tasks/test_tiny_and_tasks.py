@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_fast.train import tasks
-from grpo_fast.train.model import tiny_qwen2, train_tokenizer
+from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -70,14 +70,14 @@ def test_gsm8k_subset():
 
 
 def test_data_identity_names_what_changed_in_the_file(tmp_path):
-    from grpo_fast.train.config import TrainConfig
+    from tests.helpers import flat_config
 
     rows = [json.dumps({"prompt": f"{a}+{a}=", "solution": str(2 * a)}) for a in range(20)]
     path = tmp_path / "data.jsonl"
 
     def identity(lines, **keys):
         path.write_text("\n".join(lines) + "\n")
-        return tasks.data_identity(*tasks.load_task(TrainConfig(task=str(path), **keys)))
+        return tasks.data_identity(*tasks.load_task(flat_config(task=str(path), **keys)))
 
     saved = identity(rows, eval_fraction=0.2)
     assert len(saved["held_out"]) == 4

@@ -1,4 +1,4 @@
-"""Variable-length attention (grpo_fast.attention): a packed micro-batch costs memory linear in its tokens,
+"""Variable-length attention (grpo_fast.integrations.attention): a packed micro-batch costs memory linear in its tokens,
 computes what each sequence alone computes, and leaves generation and padded batches exactly as sdpa."""
 
 import importlib.util
@@ -10,14 +10,13 @@ from torch.utils._pytree import tree_leaves
 
 pytest.importorskip("transformers")
 
-from grpo_fast import attention  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.integrations import attention  # noqa: E402
 from grpo_fast.train.distributed import HiddenStates  # noqa: E402
-from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update.batching import completion_hidden_states, micro_batch  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients, shares_prompts  # noqa: E402
-from tests.helpers import float64_norms  # noqa: E402
+from tests.helpers import flat_config, float64_norms  # noqa: E402
 
 PROMPTS = [13, 15, 12, 14, 16, 13, 11, 17]
 COMPLETIONS = [17, 12, 19, 11, 15, 18, 10, 14]
@@ -59,7 +58,7 @@ def test_packed_update_builds_no_square_tensor_over_the_packed_tokens():
     model.train()
     batch = rollout()
     tokens = int(batch.attention_mask.sum())
-    config = TrainConfig(packing=True, micro_batch_size=32, max_completion_length=19, gradient_checkpointing=True)
+    config = flat_config(packing=True, micro_batch_size=32, max_completion_length=19, gradient_checkpointing=True)
     with LargestOutput() as recorder:
         accumulate_gradients(Policy.of(model), batch, config)
     assert tokens == 227 and recorder.largest < tokens * tokens, (recorder.op, recorder.largest, tokens * tokens)
@@ -119,7 +118,7 @@ def test_generation_is_sdpa_exactly():
         greedy = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": 63})()
-        config = TrainConfig(group_size=3, max_completion_length=8, temperature=1.0)
+        config = flat_config(group_size=3, max_completion_length=8, temperature=1.0)
         sampled = HFEngine(model, tokenizer, config).generate([[5, 9, 3], [4, 4]], seed=3)
         outputs[name] = (greedy.sequences, torch.stack(greedy.logits), sampled.completion_ids)
     (tokens, logits, sampled), (tokens_varlen, logits_varlen, sampled_varlen) = outputs.values()
@@ -156,7 +155,7 @@ def test_set_through_peft_and_checkpointing_and_the_boundaries_reach_the_attenti
 
     monkeypatch.setattr(attention, "varlen_attention_forward", spy)
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1)
-    model = lora.add_adapters(model, TrainConfig(lora_rank=4))
+    model = lora.add_adapters(model, flat_config(lora_rank=4))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     assert attention.use_varlen_attention(model, "cpu") == attention.NAME           # after both, on the wrapper
@@ -309,9 +308,9 @@ def test_gpt_oss_trains_with_the_attention_key_eager_and_auto_alike():
     results = []
     for choice, packing in (("eager", False), ("auto", True)):
         model = tiny_gpt_oss()
-        config = TrainConfig(attention=choice, packing=packing, micro_batch_size=8, max_completion_length=8,
+        config = flat_config(attention=choice, packing=packing, micro_batch_size=8, max_completion_length=8,
                              gradient_checkpointing=True)
-        name = attention.use_attention(model, config.attention, "cpu")        # as the trainer sets it
+        name = attention.use_attention(model, config.policy.attention, "cpu")        # as the trainer sets it
         assert name == attention.attention_name(model) == ("eager" if choice == "eager" else attention.NAME)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -330,12 +329,12 @@ def test_gpt_oss_trains_with_the_attention_key_eager_and_auto_alike():
 
 def test_the_attention_key_is_checked_in_one_line(monkeypatch):
     with pytest.raises(ValueError, match=r"^attention must be one of \('auto', 'eager', 'sdpa'\), got 'flash'$"):
-        TrainConfig(attention="flash", packing=False)
+        flat_config(attention="flash", packing=False)
     # GPT-OSS's eager masks do not see its position ids: a packed row would attend across its sequences
     with pytest.raises(ValueError, match=r"^packing=True needs attention 'auto' \(transformers' eager does not keep a "
                                          r"packed row's sequences apart in every model\), got attention='eager'; set "
                                          r"packing: false to keep it$"):
-        TrainConfig(attention="eager")
+        flat_config(attention="eager")
     with pytest.raises(ValueError, match=r"^attention='sdpa' would drop the attention sinks of model_type 'gpt_oss', "
                                          r"which its eager attention and vLLM apply; use attention: auto or eager$"):
         attention.use_attention(tiny_gpt_oss(), "sdpa", "cpu")

@@ -5,11 +5,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update.batching import micro_batch, plan_micro_batches  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients, completion_logprobs  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
 
 def test_plan_micro_batches():
@@ -63,9 +63,9 @@ def test_packed_and_cut_match_one_padded_batch(loss_type, cut):
     batch = rollout()
     common = dict(loss_type=loss_type, beta=0.05, max_completion_length=9, epsilon_high=0.28,
                   gradient_checkpointing=False)
-    whole = TrainConfig(**common, packing=False, micro_batch_size=32)
+    whole = flat_config(**common, packing=False, micro_batch_size=32)
     expected_loss, expected = gradients(model, batch, whole)
-    loss, got = gradients(model, batch, TrainConfig(**common, **CUTS[cut]))
+    loss, got = gradients(model, batch, flat_config(**common, **CUTS[cut]))
     # float64 model; the loss's log-probs are fp32 by design, hence fp32-level tolerances (a wrong normalizer is
     # off by a factor, not by 1e-7)
     assert abs(loss - expected_loss) < 1e-6 * max(1.0, abs(expected_loss)), (loss, expected_loss)
@@ -77,7 +77,7 @@ def test_packed_and_cut_match_one_padded_batch(loss_type, cut):
 def test_packed_logprobs_match_padded(cut):
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=1).double()
     batch = rollout(seed=1)
-    expected = completion_logprobs(Policy.of(model), batch, TrainConfig(packing=False, micro_batch_size=32))
-    got = completion_logprobs(Policy.of(model), batch, TrainConfig(**CUTS[cut]))
+    expected = completion_logprobs(Policy.of(model), batch, flat_config(packing=False, micro_batch_size=32))
+    got = completion_logprobs(Policy.of(model), batch, flat_config(**CUTS[cut]))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert (expected[~batch.loss_mask] == 0).all() and (expected[batch.loss_mask] < 0).all()

@@ -10,12 +10,13 @@ import torch
 pytest.importorskip("transformers")
 
 from grpo_fast.train import lora
-from grpo_fast.train.config import TrainConfig, load_config  # noqa: E402
-from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.config import load_config  # noqa: E402
+from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.run import checkpoint
 from grpo_fast.train.update import optimizer as optim  # noqa: E402
 from grpo_fast.train.update import precision  # noqa: E402
 from grpo_fast.train.update.step import Policy, completion_logprobs, policy_update  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 from tests.train.update.test_batching import rollout  # noqa: E402
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
@@ -113,9 +114,9 @@ def test_low_bit_optimizers_round_bf16_weights_stochastically(name):
 # ---------------------------------------------------------------------------------------------- the config's rules
 def test_options_that_do_not_combine_name_both_keys(monkeypatch):
     with pytest.raises(ValueError, match="'adamw-bf16' keeps bf16 states .* dtype is 'fp32'; set dtype: bf16"):
-        TrainConfig(optimizer="adamw-bf16", dtype="fp32")
+        flat_config(optimizer="adamw-bf16", dtype="fp32")
     with pytest.raises(ValueError, match="optimizer 'adamw-bf16' .* lora_rank > 0 trains fp32 adapters"):
-        TrainConfig(optimizer="adamw-bf16", dtype="bf16", lora_rank=8)
+        flat_config(optimizer="adamw-bf16", dtype="bf16", lora_rank=8)
     with pytest.raises(ValueError, match=r"dtype must be one of \('auto', 'fp32', 'bf16-autocast', 'bf16'\), "
                                          r"got 'fp16'"):
         load_config(None, {"dtype": "fp16"})
@@ -127,10 +128,10 @@ def test_options_that_do_not_combine_name_both_keys(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("torchao", "peft")
                         else real_find_spec(name, *a))
     with pytest.raises(ValueError, match=r"optimizer 'adamw8bit' needs torchao, which is not installed: pip install"):
-        TrainConfig(optimizer="adamw8bit")
+        flat_config(optimizer="adamw8bit")
     with pytest.raises(ValueError, match="lora_rank=8 needs peft, which is not installed"):
-        TrainConfig(lora_rank=8)
-    from grpo_fast.train.plan import Job
+        flat_config(lora_rank=8)
+    from grpo_fast.train.plan.memory import Job
 
     Job(optimizer="adamw8bit", lora_rank=8)              # a plan is for any machine: it needs neither library
 
@@ -145,7 +146,7 @@ def test_resolved_dtypes():
 def test_policy_log_probs_in_each_dtype_are_close_to_fp64(dtype):
     net = model(dtype=precision.weights_dtype(dtype))
     batch = rollout()
-    config = TrainConfig(dtype=dtype)
+    config = flat_config(dtype=dtype)
     got = completion_logprobs(Policy.of(net, dtype), batch, config)
     exact = completion_logprobs(Policy.of(copy.deepcopy(net).double(), "auto"), batch, config)
     tolerance = {"fp32": 1e-5, "bf16-autocast": 0.1, "bf16": 0.1}[dtype]        # bf16: 8 bits of mantissa
@@ -155,7 +156,7 @@ def test_policy_log_probs_in_each_dtype_are_close_to_fp64(dtype):
 
 # -------------------------------------------------------------------------------------------------------- LoRA
 def lora_config(**overrides):
-    return TrainConfig(**{"lora_rank": 4, "learning_rate": 1e-2, "max_grad_norm": 1e9, **overrides})
+    return flat_config(**{"lora_rank": 4, "learning_rate": 1e-2, "max_grad_norm": 1e9, **overrides})
 
 
 def peft_model(config, seed=0):
@@ -173,7 +174,7 @@ def test_lora_trains_the_adapters_alone_with_the_head_frozen():
     net = peft_model(config)
     before = {name: param.detach().clone() for name, param in net.named_parameters()}
     policy = Policy.of(net)
-    optimizer = optim.make_optimizer(net.parameters(), "adamw", config.learning_rate, 0.0)
+    optimizer = optim.make_optimizer(net.parameters(), "adamw", config.optimization.learning_rate, 0.0)
     batch = rollout()
     policy_update(policy, optimizer, batch, config)
     changed = {name for name, param in net.named_parameters() if not torch.equal(param, before[name])}
@@ -264,7 +265,7 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(monkeypatch):
         original_add(self)
 
     monkeypatch.setattr(update.Fp32GradientSum, "add", record)
-    accumulate_gradients(Policy.of(model), batch, TrainConfig(micro_batch_size=1, gradient_checkpointing=False,
+    accumulate_gradients(Policy.of(model), batch, flat_config(micro_batch_size=1, gradient_checkpointing=False,
                                                               max_completion_length=8))
     assert len(parts) == 8
     worst, errors, norms = 0.0, {"fp32": 0.0, "bf16": 0.0}, 0.0
@@ -285,6 +286,6 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(monkeypatch):
     # grad_accum_dtype bf16: the sum stays in the bf16 .grad, as a bf16 .grad adds it
     parts.clear()
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(Policy.of(model), batch, TrainConfig(micro_batch_size=1, gradient_checkpointing=False,
+    accumulate_gradients(Policy.of(model), batch, flat_config(micro_batch_size=1, gradient_checkpointing=False,
                                                               max_completion_length=8, grad_accum_dtype="bf16"))
     assert not parts and all(p.grad.dtype == torch.bfloat16 for p in model.parameters())

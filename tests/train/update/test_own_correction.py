@@ -6,12 +6,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.train.config import TrainConfig  # noqa: E402
-from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update import step  # noqa: E402
 from grpo_fast.train.update.correction import importance_weights  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients, update_batch  # noqa: E402
+from tests.helpers import flat_config  # noqa: E402
 
 
 def model():
@@ -42,7 +42,7 @@ def gradients(policy, batch, config):
 @pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
 @pytest.mark.parametrize("micro_batch_size", [13, 3])           # one micro-batch, or groups cut in two
 def test_own_forward_correction_equals_the_separate_forward_in_float64(mode, micro_batch_size, monkeypatch):
-    config = TrainConfig(loss_type="dapo", importance_sampling=mode, importance_sampling_cap=1.02,
+    config = flat_config(loss_type="dapo", importance_sampling=mode, importance_sampling_cap=1.02,
                          importance_sampling_min=0.98, micro_batch_size=micro_batch_size, group_size=2,
                          max_completion_length=9, num_iterations=1, gradient_checkpointing=True)
     policy = Policy.of(model())
@@ -86,7 +86,7 @@ def test_own_forward_correction_equals_the_separate_forward_in_float64(mode, mic
 def test_several_iterations_keep_the_separate_forward():
     """With num_iterations > 1 the later iterations need the sampling policy's log-probs, which only a forward
     before the first update has: the old path stays, and is_ratio is set before the update."""
-    config = TrainConfig(loss_type="dapo", importance_sampling="token_truncate", importance_sampling_cap=1.02,
+    config = flat_config(loss_type="dapo", importance_sampling="token_truncate", importance_sampling_cap=1.02,
                          importance_sampling_min=0.98, micro_batch_size=4, group_size=2, max_completion_length=9,
                          num_iterations=2)
     policy = Policy.of(model())

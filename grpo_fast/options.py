@@ -1,0 +1,106 @@
+"""The option groups of the loss entries beside the loss's own (`LossConfig`, grpo_fast.variants) and the logit
+transform (`LogitTransform`, grpo_fast.numerics): how the sweep runs (`Execution`) and the per-token factors of
+the policy loss (`TokenWeights`); and the one-line error of a keyword that moved into one of the groups.
+
+A leaf beside numerics: it imports torch, numerics and kept only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+BACKEND_NAMES = ("auto", "torch", "triton")       # grpo_fast.backends.BACKENDS, which this leaf cannot import
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the sweep over the vocabulary runs: the result is the same up to rounding whatever these are.
+
+    chunk_bytes: memory budget of one chunk's working set (default 256 MiB on CPU; on CUDA 1/16 of the device's
+        memory within [1 GiB, 8 GiB]: fewer chunks mean less d(weight) accumulator traffic).
+    backend: "auto" (Triton on CUDA when importable, else torch), "torch" or "triton".
+    process_group: for a vocabulary-parallel LM head: weight (and bias) hold this rank's rows of the vocabulary
+        (ranks in order, any sizes); every rank passes the same hidden, targets and the rest, and gets the full
+        log-probs / loss, the full d(hidden) and its own slice's d(weight). Runs the PyTorch backend.
+    Validated on construction: an error names the field, the expected and the actual value.
+    """
+
+    chunk_bytes: Optional[int] = None
+    backend: str = "auto"
+    process_group: Any = None
+
+    def __post_init__(self):
+        chunk_bytes = self.chunk_bytes
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool)
+                                        or chunk_bytes <= 0):
+            raise ValueError(f"chunk_bytes must be a positive int or None (Execution.chunk_bytes), got "
+                             f"{chunk_bytes!r}")
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES} (Execution.backend), got {self.backend!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class TokenWeights:
+    """Per-token factors of the policy loss and its normalizer; tensors (B, T) or (N,) like targets, fp32 /
+    bf16 / fp16, values where the mask is 0 ignored. Each None keeps the loss type's own.
+
+    num_items_in_batch: the dapo / cispo / vespo normalizer (default: the number of mask tokens in this call; pass
+        the global count when accumulating gradients over calls).
+    is_ratio: the rollout importance-sampling correction per token (e.g. vLLM's), a constant factor of the policy
+        term; vespo multiplies it into each sequence's ratio instead.
+    loss_weights: weights of the per-token losses (policy term plus KL) in place of loss_type's reduction: loss =
+        sum(loss_weights * per_token) over the mask. Any engine's normalizer linear in the loss matrix (verl's
+        agg_loss modes, OpenRLHF's means) is such weights; num_items_in_batch is then unused.
+    entropy_weights: weights of the entropy bonus in place of entropy_coef's masked mean: the loss gets
+        -sum(entropy_weights * entropy) over the mask (LossConfig.entropy_coef must stay 0).
+    """
+
+    num_items_in_batch: Any = None
+    is_ratio: Optional[torch.Tensor] = None
+    loss_weights: Optional[torch.Tensor] = None
+    entropy_weights: Optional[torch.Tensor] = None
+
+
+# keyword -> its home, for the keywords the entries took before their options were grouped
+TRANSFORM_MOVES = {
+    "temperature": "transform=LogitTransform(temperature=...)",
+    "logit_scale": "transform=LogitTransform(scale=...)",
+    "logit_softcap": "transform=LogitTransform(softcap=...)",
+    "kept_ids": "transform=LogitTransform(kept=KeptSet(ids, offsets))",
+    "kept_offsets": "transform=LogitTransform(kept=KeptSet(ids, offsets))",
+}
+EXECUTION_MOVES = {name: f"execution=Execution({name}=...)" for name in ("chunk_bytes", "backend", "process_group")}
+WEIGHTS_MOVES = {name: f"weights=TokenWeights({name}=...)"
+                 for name in ("num_items_in_batch", "is_ratio", "loss_weights", "entropy_weights")}
+
+
+def _shown(value) -> str:
+    """A value as one short line: a tensor by its shape and dtype, anything else by a clipped repr."""
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def moved_keywords(fn_name: str, moves: dict) -> Callable:
+    """A decorator: fn, except that a call passing a keyword of `moves` (name -> its new home) raises a one-line
+    TypeError naming the home, e.g. "grpo_loss() got temperature=0.7: it moved to
+    transform=LogitTransform(temperature=...)". functools.wraps keeps fn's signature, docstring and name."""
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            if not moves.keys().isdisjoint(kwargs):
+                name = next(name for name in kwargs if name in moves)
+                raise TypeError(f"{fn_name}() got {name}={_shown(kwargs[name])}: it moved to {moves[name]}")
+            return fn(*args, **kwargs)
+        return checked
+    return decorate
+
+
+def names_moved_keywords(moves: dict) -> Callable:
+    """`moved_keywords` under the decorated function's own name."""
+    return lambda fn: moved_keywords(fn.__name__, moves)(fn)

@@ -1,0 +1,87 @@
+"""The plan as a report: the components of one job, the cards it fits (`grpo-fast plan`'s table or JSON), and
+the one-line summary the trainer logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from grpo_fast import chunked
+from grpo_fast.train.plan.memory import CARDS, GIB, Job, ModelShape, fits, kv_cache_needed, plan
+
+
+@dataclass
+class PlanReport:
+    model: str
+    job: dict
+    parameters: int
+    components: dict
+    kv_cache_needed: int
+    cards: dict = field(default_factory=dict)
+    attention: str = ""
+    training_peak: int = 0
+    generation_peak: int = 0
+
+
+def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
+    estimate = plan(shape, job)                   # with no card: the largest chunk budget
+    cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card],
+                    "training_peak_bytes": int(peak)}
+             for card, (ok, need, peak) in fits(shape, job).items()}
+    return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
+                      components={k: int(v) for k, v in estimate.items()},
+                      kv_cache_needed=kv_cache_needed(shape, job), cards=cards, attention=estimate.attention,
+                      training_peak=int(estimate.training_peak), generation_peak=int(estimate.generation_peak))
+
+
+def format_report(report: PlanReport) -> str:
+    job = report.job
+    lines = [f"{report.model}: {report.parameters / 1e9:.2f}B parameters; prompt {job['prompt_length']} + completion "
+             f"{job['completion_length']} tokens, group {job['group_size']}, micro-batch "
+             f"{job['micro_batch_size']} seq, {job['dtype']}, {job['optimizer']}, checkpointing "
+             f"{'on' if job['gradient_checkpointing'] else 'off'}, "
+             f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}, "
+             f"{'packed' if job.get('packing', True) else 'padded'} micro-batches, attention "
+             f"{report.attention or job.get('attention', 'auto')}", "",
+             f"{'component':<24}{'GiB':>10}"]
+    for name, value in report.components.items():
+        if name == "total":
+            continue
+        lines.append(f"{name:<24}{value / GIB:>10.2f}")
+    lines.append(f"{'peak':<24}{report.components['total'] / GIB:>10.2f}")
+    staleness = job.get("max_staleness", 0)
+    if job["engine"] == "vllm":
+        where = "in its own process" if staleness else "in this process"
+        lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']} {where}: pool = that share of "
+                     f"the card; one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB "
+                     "(less is fine: vLLM queues)")
+    elif staleness:
+        lines.append(f"max_staleness={staleness}: the HF engine's process holds its own weights, KV cache and "
+                     "logits (rollout_*) while the trainer updates")
+    else:
+        lines.append(f"HF generation peak {report.generation_peak / GIB:.2f} GiB (weights, optimizer, reference, "
+                     f"KV cache, one decode step's logits), training peak {report.training_peak / GIB:.2f} GiB: "
+                     "the peak is the higher")
+    if any(result["training_peak_bytes"] != report.components["total"] for result in report.cards.values()):
+        low, high = chunked.CUDA_CHUNK_BYTES_MIN / GIB, chunked.CUDA_CHUNK_BYTES_MAX / GIB
+        lines.append(f"loss_buffers counts the largest default chunk budget; a card's is "
+                     f"1/{1 / chunked.CUDA_CHUNK_FRACTION:g} of its memory within [{low:g}, {high:g}] GiB, "
+                     "and each card below counts its own")
+    lines += ["", "GiB = 2^30 bytes; a card holds the total memory CUDA reports for it"]
+    for card, result in report.cards.items():
+        verdict = "fits" if result["fits"] else "does not fit"
+        lines.append(f"{card:<24}{verdict:>14}  ({result['needed_bytes'] / GIB:.1f} GiB needed of "
+                     f"{result['capacity_bytes'] / GIB:.1f} GiB)")
+    return "\n".join(lines)
+
+
+
+def summary(estimate: dict, largest: int = 3) -> str:
+    """'X GiB at the peak, mostly name a GiB, name b GiB, ...' with the `largest` components, and the attention
+    counted ('; attention grpo_fast_varlen') for a plan() estimate."""
+    parts = sorted(((v, k) for k, v in estimate.items() if k != "total"), reverse=True)[:largest]
+    attention = getattr(estimate, "attention", "")
+    return (f"{estimate['total'] / GIB:.2f} GiB at the peak, mostly " +
+            ", ".join(f"{name} {value / GIB:.2f} GiB" for value, name in parts) +
+            (f"; attention {attention}" if attention else ""))
+

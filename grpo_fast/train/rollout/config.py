@@ -1,0 +1,59 @@
+"""The config section `rollout`: group_size completions for each of prompts_per_step prompts, sampled by the
+`engine`, in turn with the update or (max_staleness k >= 1) k steps ahead of it in a process of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grpo_fast.train.keys import FRACTION, NON_NEGATIVE, POSITIVE, Rule, check_keys, key
+
+ENGINES = ("hf", "vllm")
+VLLM_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class RolloutConfig:
+    """The config section `rollout`. vLLM samples with its own numerics: the `correction` section weighs each
+    token by exp(trainer log-prob - engine log-prob), as it weighs the samples of an older policy (max_staleness)."""
+
+    engine: str = key("hf", '"hf" (model.generate) or "vllm" (offline vLLM in this process, weights pushed after '
+                            "every step)", choices=ENGINES)
+    max_staleness: int = key(0, "0: generate, then update, in turn. k >= 1: the engine runs in its own process and "
+                                "generates the next k steps' rollouts while the trainer updates, from a policy at "
+                                "most k optimizer steps old", NON_NEGATIVE)
+    group_size: int = key(8, "completions per prompt (>= 2: advantages compare them)",
+                          Rule(">= 2 (advantages compare completions)", lambda v: v >= 2))
+    prompts_per_step: int = key(16, "prompts per step, split across processes", POSITIVE)
+    max_completion_length: int = key(6, "tokens sampled per completion at most (and the dr_grpo normalizer unless "
+                                        "loss.max_completion_length is set)", POSITIVE)
+    temperature: float = key(1.0, "sampling temperature", POSITIVE)
+    top_p: float = key(1.0, "nucleus sampling probability mass, in (0, 1]", FRACTION)
+    top_k: int = key(0, "sample among the top_k most likely tokens (0: every token), before top_p. With top_k > 0 "
+                        "or top_p < 1 the engines return each token's kept set and the trainer's log-probs (old, "
+                        "reference, training) are over it; engine 'vllm' needs top_k > 0 then (it bounds the kept "
+                        "sets vLLM returns)", NON_NEGATIVE)
+    ignore_eos: bool = key(False, "sample all max_completion_length tokens of every completion (length tests)")
+    vllm_gpu_memory_utilization: float = key(0.3, "vLLM's share of the GPU memory, in (0, 1]", FRACTION)
+    vllm_dtype: str = key("auto", '"auto" (bfloat16 on a GPU, and on a CPU that computes bf16 natively: AMX or '
+                                  'AVX512-BF16; else float32), "float32" or "bfloat16": the vLLM engine\'s weights '
+                                  "and compute; the rollout correction covers its gap to the trainer's log-probs",
+                          choices=VLLM_DTYPES)
+
+    def __post_init__(self):
+        check_keys(self)
+        if self.top_k == 1:
+            # the kept set is the sampled token alone: its log-prob over the set is 0 under any weights
+            raise ValueError("top_k=1 samples the most likely token: over its kept set of one token every log-prob "
+                             "is 0, so the loss's gradient is exactly zero; set top_k >= 2 (or 0: every token)")
+        if self.engine == "vllm" and self.top_p < 1 and self.top_k == 0:
+            # vLLM hands over kept sets only under a top_k bound; without them the trainer's log-probs would be over
+            # the whole vocabulary and the engine's over the nucleus, off by the kept mass on every token
+            raise ValueError(f"top_p={self.top_p} with engine 'vllm' needs top_k > 0, got top_k=0: vLLM returns the "
+                             "kept set of each token (which the trainer's log-probs must be over, so that the rollout "
+                             "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
+
+    @property
+    def truncates_sampling(self) -> bool:
+        """Whether the engines sample from a truncated distribution (top_k > 0 or top_p < 1): they then return
+        each token's kept set, and every log-prob of the trainer is over it."""
+        return self.top_k > 0 or self.top_p < 1

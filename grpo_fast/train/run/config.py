@@ -1,0 +1,69 @@
+"""The config sections of the run: `evaluation` (the held-out problems, how often and how many answers each) and
+`run` (how long, which seed, and what the output folder gets: metrics, checkpoints, trackers)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from grpo_fast.train.keys import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Rule, check_keys, key
+from grpo_fast.train.run import tracking
+from grpo_fast.train.tasks.config import check_task
+
+
+@dataclass
+class EvaluationConfig:
+    """The config section `evaluation`: held-out problems (never trained on) answered eval_samples times each,
+    before the first step, every eval_every steps and after the last: accuracy and pass@k in eval.jsonl
+    (grpo_fast.train.run.evaluate)."""
+
+    eval_every: int = key(50, "steps between evaluations on the held-out problems (also before the first step and "
+                              "after the last; 0: none)", NON_NEGATIVE)
+    eval_prompts: int = key(100, "held-out problems per evaluation at most", POSITIVE)
+    eval_samples: int = key(4, "completions per held-out problem: accuracy is their mean, pass@k for k up to this",
+                            POSITIVE)
+    eval_reward: Optional[str] = key(None, "the reward that scores an evaluation, 1.0 or more counting as correct "
+                                           "(None: the first of rewards)")
+    eval_task: Optional[str] = key(None, "where the held-out problems come from, as task (arithmetic, gsm8k, a file "
+                                         "or folder); None: eval_split or eval_fraction")
+    eval_split: Optional[str] = key(None, "the held-out split of a save_to_disk folder (e.g. test)")
+    eval_fraction: float = key(0.1, "share of the task's distinct problems held out (never trained on) when neither "
+                                    "eval_task nor eval_split is set", UNIT_INTERVAL)
+
+    def __post_init__(self):
+        if isinstance(self.eval_task, str):              # a path: "~" is the home folder, as in a shell
+            self.eval_task = os.path.expanduser(self.eval_task)
+        check_keys(self)
+        if self.eval_task is not None:
+            check_task(self.eval_task, "eval_task")
+
+
+@dataclass
+class RunConfig:
+    """The config section `run`: output_dir gets metrics.jsonl, eval.jsonl, curves.png, completions.jsonl,
+    checkpoints, model/ (the export) and what the report_to trackers write. A step whose loss or gradient norm is
+    not finite is skipped (the weights stay as they were); max_bad_steps such steps in a row stop the run."""
+
+    max_steps: int = key(300, "GRPO steps", POSITIVE)
+    seed: int = key(0, "seed of the task, the model's initialization and the sampling",
+                    Rule("in [0, 2**32)", lambda v: 0 <= v < 2**32))     # the engines' and numpy's seed range
+    output_dir: str = key("runs/default", "metrics.jsonl, curves.png, completions.jsonl and checkpoints go here")
+    overwrite_output_dir: bool = key(False, "train into a folder that already holds a run (else refused unless "
+                                            "resuming)")
+    save_every: int = key(20, "steps between checkpoints", POSITIVE)
+    accept_changed_data: bool = key(False, "--resume with training data that differs from the checkpoint's (a label "
+                                           "fix, rows added): accepted and named in the log (else refused); the "
+                                           "held-out problems must stay the same")
+    log_completions: int = key(4, "prompts per step whose first completion goes to completions.jsonl", NON_NEGATIVE)
+    report_to: list[str] = key([], "experiment trackers for the metrics: tensorboard, wandb, trackio "
+                                   "(comma-separated; none by default)")
+    max_bad_steps: int = key(3, "non-finite steps in a row (each skipped) that stop the run", AT_LEAST_ONE)
+
+    def __post_init__(self):
+        if isinstance(self.output_dir, str):             # a path: "~" is the home folder, as in a shell
+            self.output_dir = os.path.expanduser(self.output_dir)
+        check_keys(self)
+        if not self.output_dir.strip():
+            raise ValueError(f"output_dir must not be empty, got {self.output_dir!r}")
+        tracking.check_report_to(self.report_to)

