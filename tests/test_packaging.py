@@ -107,12 +107,13 @@ sys.path.insert(0, {str(tmp_path)!r})
 import torch, grpo_fast as gf
 assert gf.__file__.startswith({str(tmp_path)!r}), gf.__file__
 hidden, weight = torch.randn(5, 8), torch.randn(11, 8)
-loss, _ = gf.grpo_loss(hidden, weight, torch.randint(0, 11, (5,)), torch.ones(1), torch.ones(5), backend="torch")
+loss, _ = gf.grpo_loss(hidden, weight, torch.randint(0, 11, (5,)), torch.ones(1), torch.ones(5),
+                       execution=gf.Execution(backend="torch"))
 assert torch.isfinite(loss)
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 try:
-    gf.token_logprobs(hidden, weight, torch.zeros(5, dtype=torch.long), backend="triton")
+    gf.token_logprobs(hidden, weight, torch.zeros(5, dtype=torch.long), execution=gf.Execution(backend="triton"))
 except ImportError as error:
     print("TRITON:", error, file=sys.stderr)
 from grpo_fast.cli import main

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from grpo_fast import chunked
+from grpo_fast.backends import torch_ops
 from grpo_fast.integrations.attention import choose_attention
 from grpo_fast.train.update import optimizer, precision
 
@@ -445,10 +446,15 @@ def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capa
         chunk_bytes = chunked.CUDA_CHUNK_BYTES_MAX if capacity is None else chunked.cuda_chunk_bytes(capacity)
     elif chunk_bytes is None:
         chunk_bytes = chunked.DEFAULT_CHUNK_BYTES_CPU
-    # the chunk's working set per logit: Triton works in place on the GEMM buffer; the PyTorch path (CPU) keeps
-    # the buffer, an fp32 copy when it is not fp32, the probabilities and one temporary
-    per_logit = act_bytes if job.device == "cuda" else act_bytes + (0 if act_bytes == 4 else 4) + 8
-    buffer = min(tokens * v * per_logit, chunk_bytes)
+    if job.device == "cuda":             # Triton works in place on the GEMM buffer
+        buffer = min(tokens * v * act_bytes, chunk_bytes)
+    else:
+        # The PyTorch path sizes its chunk for the buffer, an fp32 copy when it is not fp32 and two fp32
+        # temporaries (torch_ops.bytes_per_logit), but holds the buffer alone: its passes run a block of rows at a
+        # time with at most four block-sized temporaries (torch_ops.row_blocks).
+        budget_per_logit = act_bytes + (0 if act_bytes == 4 else 4) + 8
+        rows = min(tokens, max(1, chunk_bytes // (v * budget_per_logit)))
+        buffer = rows * v * act_bytes + 4 * torch_ops.CPU_BLOCK_BYTES
     return buffer + tokens * 4 * 8 + gradients                             # plus per-token fp32 vectors
 
 
