@@ -55,7 +55,7 @@ def ratio_stats(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor)
 def measure(engine, setting: dict, model, prompts: list, vllm_top_k: int) -> dict:
     """One row: `engine` (started by start_engine) samples under `setting`, the trainer scores the samples."""
     fields = dict(setting)
-    if engine.config.engine == "vllm" and fields.get("top_p", 1.0) < 1 and not fields.get("top_k"):
+    if engine.config.rollout.engine == "vllm" and fields.get("top_p", 1.0) < 1 and not fields.get("top_k"):
         fields["top_k"] = vllm_top_k
     config = engine.config = engine.config.replace(**{"top_p": 1.0, "top_k": 0, **fields})
     engine_name = config.rollout.engine
@@ -128,12 +128,12 @@ def main(argv=None) -> int:
     run_dir = tempfile.mkdtemp(prefix="kept_set_ratio_")
     overrides = {k: v for k, v in (("task", args.task), ("prompt_format", args.prompt_format)) if v is not None}
     # the tiny model gets the trainer's warm start (it stands in for pretraining); a pretrained one runs as shipped
-    overrides["sft_steps"] = TrainConfig.sft_steps if args.model == "tiny" else 0
+    overrides["sft_steps"] = TrainConfig().warm_start.sft_steps if args.model == "tiny" else 0
     base = TrainConfig.from_keys(model=args.model, group_size=args.group_size, max_completion_length=args.tokens,
                                  temperature=args.temperature, vllm_dtype=args.vllm_dtype, eval_every=0,
                                  output_dir=run_dir, **overrides)
     data = load_data(base.replace(engine="hf"), None, log=lambda *a: None)
-    model, tokenizer, longest, _ = load_policy(base, data, None, None, torch.device("cpu"), base.dtype,
+    model, tokenizer, longest, _ = load_policy(base, data, None, None, torch.device("cpu"), base.policy.dtype,
                                                log=lambda *a: None)
     model.eval()
     prompts = tasks.prompt_ids([tasks.prompt_text(s, tokenizer, base) for s in data.samples[:args.prompts]],

@@ -197,8 +197,8 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
         import sys
         from grpo_fast.train import TrainConfig, train
 
-        config = flat_config(max_staleness=1, sft_steps=0, max_steps=1, group_size=2, prompts_per_step=2,
-                             eval_every=0, output_dir={str(tmp_path / "run")!r})
+        config = TrainConfig.from_keys(max_staleness=1, sft_steps=0, max_steps=1, group_size=2,
+                                       prompts_per_step=2, eval_every=0, output_dir={str(tmp_path / "run")!r})
         try:
             train(config, log=lambda *_: None)
         except ValueError as error:             # EngineStartError: the CLI prints it as one line
@@ -223,8 +223,8 @@ def test_a_rollout_process_that_dies_before_it_starts_names_the_main_module(tmp_
         from grpo_fast.train import TrainConfig, train
 
         if __name__ == "__main__":
-            config = flat_config(max_staleness=1, sft_steps=0, max_steps=1, group_size=2, prompts_per_step=2,
-                                 eval_every=0, output_dir={str(tmp_path / "run")!r})
+            config = TrainConfig.from_keys(max_staleness=1, sft_steps=0, max_steps=1, group_size=2,
+                                           prompts_per_step=2, eval_every=0, output_dir={str(tmp_path / "run")!r})
             try:
                 train(config, log=lambda *_: None)
             except ValueError as error:
