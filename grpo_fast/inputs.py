@@ -104,15 +104,20 @@ class PolicyBatch:
     entropy_weights: Optional[torch.Tensor] = None       # (B, T): the caller's weights of the entropy bonus
 
 
+def check_mask(mask, hidden: torch.Tensor) -> None:
+    """mask must be a tensor of hidden.shape[:-1] on hidden's device; every error names it."""
+    check_tensor("mask", mask)
+    if tuple(mask.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"mask must have shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), got {_shape(mask)}")
+    if mask.device != hidden.device:
+        raise ValueError(f"mask must be on {hidden.device} like hidden, got {mask.device}")
+
+
 def policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio, loss_weights=None,
                  entropy_weights=None) -> PolicyBatch:
     """Checks the loss inputs and brings them to (B, T) layout; (N, ...) inputs are one sequence (B = 1)."""
     token_shape = tuple(hidden.shape[:-1])
-    check_tensor("mask", mask)
-    if tuple(mask.shape) != token_shape:
-        raise ValueError(f"mask must have shape {token_shape} (hidden.shape[:-1]), got {_shape(mask)}")
-    if mask.device != hidden.device:
-        raise ValueError(f"mask must be on {hidden.device} like hidden, got {mask.device}")
+    check_mask(mask, hidden)
     if mask.dtype != torch.bool:
         if bool(((mask != 0) & (mask != 1)).any()):
             raise ValueError("mask must hold only 0 and 1 (or be bool)")

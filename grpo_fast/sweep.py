@@ -22,7 +22,7 @@ import torch
 from grpo_fast import backends
 from grpo_fast.backends.base import ChunkOps
 from grpo_fast.chunked import VersionGuard, chunk_plan, chunked_pass, forbid_double_backward
-from grpo_fast.inputs import check_lm_head, check_target_range, check_tensor
+from grpo_fast.inputs import check_lm_head, check_mask, check_target_range
 from grpo_fast.kept import KeptSet, check_kept_set
 from grpo_fast.numerics import LogitTransform, accumulation_dtype
 from grpo_fast.options import Execution
@@ -75,12 +75,7 @@ def option(name: str, value, kind: type):
 
 def _checked_mask(mask, hidden: torch.Tensor) -> torch.Tensor:
     """mask (hidden.shape[:-1], bool or 0/1) as bool, with errors naming it."""
-    token_shape = tuple(hidden.shape[:-1])
-    check_tensor("mask", mask)
-    if tuple(mask.shape) != token_shape:
-        raise ValueError(f"mask must have shape {token_shape} (hidden.shape[:-1]), got {tuple(mask.shape)}")
-    if mask.device != hidden.device:
-        raise ValueError(f"mask must be on {hidden.device} like hidden, got {mask.device}")
+    check_mask(mask, hidden)
     return mask if mask.dtype == torch.bool else mask != 0
 
 
