@@ -7,7 +7,9 @@ A leaf beside numerics: it imports torch, numerics and kept only.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -89,16 +91,42 @@ def _shown(value) -> str:
 def moved_keywords(fn_name: str, moves: dict) -> Callable:
     """A decorator: fn, except that a call passing a keyword of `moves` (name -> its new home) raises a one-line
     TypeError naming the home, e.g. "grpo_loss() got temperature=0.7: it moved to
-    transform=LogitTransform(temperature=...)". functools.wraps keeps fn's signature, docstring and name."""
+    transform=LogitTransform(temperature=...)", and a keyword fn does not take and `moves` does not know raises one
+    naming fn's keywords and the close names of both. functools.wraps keeps fn's signature, docstring and name."""
     def decorate(fn: Callable) -> Callable:
+        parameters = inspect.signature(fn).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        keywords = [name for name, p in parameters.items() if name != "self" and p.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
         @functools.wraps(fn)
         def checked(*args, **kwargs):
             if not moves.keys().isdisjoint(kwargs):
                 name = next(name for name in kwargs if name in moves)
                 raise TypeError(f"{fn_name}() got {name}={_shown(kwargs[name])}: it moved to {moves[name]}")
+            if not takes_any and not parameters.keys() >= kwargs.keys():
+                name = next(name for name in kwargs if name not in parameters)
+                raise TypeError(unknown_keyword(fn_name, name, kwargs[name], keywords, moves))
             return fn(*args, **kwargs)
         return checked
     return decorate
+
+
+def unknown_keyword(fn_name: str, name: str, value, keywords: list, moves: dict) -> str:
+    """The one-line error of a keyword that is neither fn's nor a moved one: fn's keywords, then the close names,
+    a moved one's with where it goes now (e.g. "close: epsilon_low, epsilon_high in config=LossConfig(...)")."""
+    message = (f"{fn_name}() got an unknown keyword argument {name}={_shown(value)}: expected one of "
+               f"{', '.join(keywords)}")
+    close = difflib.get_close_matches(name, [*keywords, *moves], n=4, cutoff=0.6)
+    close += [other for other in [*keywords, *moves] if name in other and other not in close]
+    homes: dict = {}
+    for other in close:
+        home = moves[other].replace(f"{other}=...", "...") if other in moves else None
+        homes.setdefault(home, []).append(other)
+    if homes:
+        message += "; close: " + "; ".join(", ".join(names) + ("" if home is None else f" in {home}")
+                                            for home, names in homes.items())
+    return message
 
 
 def names_moved_keywords(moves: dict) -> Callable:

@@ -74,7 +74,25 @@ def test_unknown_keyword_names_it(config):
     tensors = [inputs[k] for k in TENSORS]
     for make in (lambda: gf.GRPOLoss(config, epsilon=0.2),
                  lambda: gf.grpo_loss(*tensors, config=config, epsilon=0.2)):
-        assert "unexpected keyword argument 'epsilon'" in one_line_type_error(make)
+        message = one_line_type_error(make)
+        assert "unknown keyword argument epsilon=0.2: expected one of " in message
+        assert "epsilon_low, epsilon_high" in message          # what was expected
+
+
+def test_unknown_keyword_of_each_entry_lists_its_keywords():
+    """An unknown keyword of any entry fails with one line: the entry, the keyword and value, the entry's own
+    keywords and the close names (its own, or a moved one's with its new home)."""
+    hidden, weight, targets = torch.zeros(2, 4), torch.zeros(8, 4), torch.zeros(2, dtype=torch.long)
+    message = one_line_type_error(lambda: gf.token_logprobs(hidden, weight, targets, retrun_entropy=True))
+    assert message == ("token_logprobs() got an unknown keyword argument retrun_entropy=True: expected one of "
+                       "hidden, weight, targets, bias, transform, execution, return_entropy, return_sum_pi_squared; "
+                       "close: return_entropy")
+    message = one_line_type_error(lambda: gf.fused_token_loss(hidden, weight, targets, lambda *a: None, temprature=1))
+    assert message.endswith("close: temperature in transform=LogitTransform(...)"), message
+    inputs = make_batch()
+    message = one_line_type_error(lambda: gf.GRPOLoss("grpo")(*[inputs[k] for k in TENSORS], old_logp=None))
+    assert message.startswith("GRPOLoss.forward() got an unknown keyword argument old_logp=None: expected one of ")
+    assert message.endswith("close: old_logps"), message
 
 
 def test_loss_keywords_config_and_function_agree_in_float64():
