@@ -39,12 +39,17 @@ def test_main_ppo_runs_three_steps_with_weights_synced_and_a_gradient(runs, mode
 def test_step_one_is_the_same_in_verls_mode_and_fused(runs):
     """The same rollouts (per-prompt seeds, the same weights and data order) give the same first step: the fused
     loss inside grpo_fast's sweep equals verl's on its full logits, to fp32 rounding (both compute in fp32 here).
-    Step 1's KL is 0 (the reference is the actor): step 2's, from the same rollouts again, is compared too."""
+    Step 1's KL is 0 (the reference is the actor): step 2's, from the same rollouts again, is compared too, within
+    1%: its weights come from one AdamW step, about lr * sign(g) per element, so the fp32 rounding of near-zero
+    gradient elements moves whole elements by up to 2 * lr, and that rounding changes from run to run (likely
+    with the order the rollouts arrive in, which may differ). Two runs of one commit in verl's own mode gave step-2
+    KLs 1.5e-3 apart; a KL left out of the loss, or taken against the rollout policy instead of the reference,
+    reads 0."""
     verl, fused = runs["verl"]["steps"], runs["fused"]["steps"]
-    for step, names in (("1", SHARED), ("2", ("actor/kl_loss",))):
+    for step, names, rel in (("1", SHARED, 1e-5), ("2", ("actor/kl_loss",), 1e-2)):
         for rollout in ("response_length/mean", "critic/score/mean"):     # the same rollouts (their order may differ)
             assert verl[step][rollout] == pytest.approx(fused[step][rollout], rel=1e-6), (step, rollout)
         for name in names:
             want, got = verl[step][name], fused[step][name]
-            assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (step, name, want, got)
+            assert abs(got - want) <= rel * max(abs(want), 1e-3), (step, name, want, got)
     assert verl["2"]["actor/kl_loss"] > 0
