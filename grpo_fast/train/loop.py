@@ -103,7 +103,7 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
     log(f"attention: {attention.use_attention(model, config.policy.attention, device, dtype)}")   # auto: packed rows
     log_ignored_generation_settings(model, log)
     if config.policy.lora_rank:
-        lora.check_target_modules(model, config)  # before the warm start trains anything
+        lora.check_target_modules(model, config.policy.lora_target_modules)  # before the warm start trains anything
     max_prompt_tokens = tasks.longest_prompt(data.samples + data.eval_problems, tokenizer, config)
     tasks.check_context(max_prompt_tokens, config.rollout.max_completion_length, model.config)
     if state is None:

@@ -22,24 +22,25 @@ from grpo_fast.train.distributed import full_state_dict
 ADAPTER = "default"        # PEFT's name for the one adapter the trainer adds
 
 
-def check_target_modules(model: nn.Module, config) -> None:
-    """Raises ValueError when one of config.policy.lora_target_modules names no linear layer of `model` (PEFT would
-    skip it: a typo would leave those layers unadapted), naming it and the model's linear layers, or when one
-    names the LM head. A target is a layer's name (q_proj) or the end of its path (self_attn.q_proj), as in PEFT.
-    Needs no PEFT: run it before anything trains (a warm start comes before the adapters)."""
+def check_target_modules(model: nn.Module, targets: list) -> None:
+    """Raises ValueError when one of `targets` (the policy section's lora_target_modules) names no linear layer of
+    `model` (PEFT would skip it: a typo would leave those layers unadapted), naming it and the model's linear
+    layers, or when one names the LM head. A target is a layer's name (q_proj) or the end of its path
+    (self_attn.q_proj), as in PEFT. Needs no PEFT: run it before anything trains (a warm start comes before the
+    adapters)."""
     layers = [name for name, module in model.named_modules()
               if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"]     # GPT-2's linear layers
 
     def matches(target: str, name: str) -> bool:
         return name == target or name.endswith("." + target)
 
-    unknown = [target for target in config.policy.lora_target_modules if not any(matches(target, n) for n in layers)]
+    unknown = [target for target in targets if not any(matches(target, n) for n in layers)]
     if unknown:
         raise ValueError(f"lora_target_modules {unknown} name no linear layer of the model; its linear layers are "
                          f"{sorted({name.rsplit('.', 1)[-1] for name in layers})}")
     head = model.get_output_embeddings()
     adapted_head = [name for name, module in model.named_modules()
-                    if module is head and any(matches(target, name) for target in config.policy.lora_target_modules)]
+                    if module is head and any(matches(target, name) for target in targets)]
     if adapted_head:
         raise ValueError(f"lora_target_modules must not name the LM head ({adapted_head[0]!r}): the loss reads its "
                          "weight directly; drop it from the list")
@@ -52,7 +53,7 @@ def add_adapters(model: nn.Module, config) -> nn.Module:
     head."""
     from peft import LoraConfig, get_peft_model
 
-    check_target_modules(model, config)
+    check_target_modules(model, config.policy.lora_target_modules)
     alpha = config.policy.lora_alpha if config.policy.lora_alpha is not None else 2.0 * config.policy.lora_rank
     lora_config = LoraConfig(r=config.policy.lora_rank, lora_alpha=alpha, lora_dropout=config.policy.lora_dropout,
                              target_modules=list(config.policy.lora_target_modules), bias="none", task_type="CAUSAL_LM")
