@@ -7,16 +7,16 @@ rows, S_r = kept_ids[kept_offsets[r]:kept_offsets[r + 1]] holding targets[r]:
     sum_pi_squared = z_S.softmax(-1).square().sum()         # only when asked for
 Only the K_r kept logits of a row are read (a gather from the chunk's logits buffer), so the cost is O(K), not
 O(V). The running statistics are logprob_forward's (`_update` with one group), so peaked rows keep the same
-relative accuracy.
+relative accuracy, and the row's max and ln(1 + s_rest) are stored for the gradient pass (launch.RowStats); a
+kept set whose logits are all -inf gives NaN, as the full pass does.
 
 One program per row; its kept ids are walked in BLOCK_K tiles.
 """
 
-import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import compiled, on_device, transform_constants
+from grpo_fast.kernels.launch import RowStats, compiled, on_device, transform_constants
 from grpo_fast.kernels.logprob_forward import _pre_exp, _store_row_stats, _update, _z_scale
 from grpo_fast.kernels.transform import LOG2E, NEG_BIG
 from grpo_fast.kernels.tuning import KEPT
@@ -24,7 +24,7 @@ from grpo_fast.kernels.tuning import KEPT
 
 @triton.jit
 def _kept_logprob_forward_kernel(
-    Logits, Targets, KeptIds, KeptOffsets, Lse, Logp, Entropy, SumSq,
+    Logits, Targets, KeptIds, KeptOffsets, Lse, Logp, Entropy, SumSq, RowMax, LogSum,
     stride_row,
     in_scale, out_scale,
     # Meta-parameters
@@ -58,34 +58,29 @@ def _kept_logprob_forward_kernel(
             tl.reshape(x, [1, BLOCK_K]), group_max, group_sum, group_rest, group_dot, group_sq, scale2,
             COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
     x_target = _pre_exp(y_target, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
-    _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, Lse + row,
-                     Logp + row, Entropy + row, SumSq + row, 1, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
+    _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, row, Lse,
+                     Logp, Entropy, SumSq, RowMax, LogSum, 1, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
 
 
 def kept_logprob_forward(logits, targets, kept_ids, kept_offsets, *, scale=1.0, temperature=1.0, softcap=None,
-                         compute_entropy=True, compute_sum_pi_squared=False):
-    """(lse, logp, entropy) of each row of logits over its kept set, as in the module docstring; with
-    compute_sum_pi_squared, (lse, logp, entropy, sum_pi_squared).
+                         compute_entropy=True, compute_sum_pi_squared=False) -> RowStats:
+    """The statistics of each row of logits over its kept set, as in the module docstring: a `RowStats` (lse, logp,
+    entropy, sum_pi_squared, row_max, log_sum), entropy and sum_pi_squared None unless asked for.
 
     logits: (C, V) fp32 / bf16 / fp16 with unit column stride (any row stride). targets: (C,) integer ids, each in
     its row's kept set. kept_ids (K,) int64 in [0, V), no id twice in a row; kept_offsets (C + 1,) int64 from 0,
-    non-decreasing, every row K >= 1 (the caller checks: grpo_fast.kept.check_kept_set).
-    Returns (lse, logp, entropy or None[, sum_pi_squared]), each (C,) fp32.
+    non-decreasing, every row K >= 1 (the caller checks: grpo_fast.kept.check_kept_set). Each output is (C,) fp32.
     """
     assert logits.ndim == 2 and logits.stride(1) == 1, "logits must be (C, V) with contiguous rows"
     assert targets.shape == logits.shape[:1] and kept_offsets.shape == (logits.shape[0] + 1,)
     num_rows = logits.shape[0]
-    lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    logp = torch.empty_like(lse)
-    entropy = torch.empty_like(lse) if compute_entropy else lse  # unused pointer when not computed
-    sum_sq = torch.empty_like(lse) if compute_sum_pi_squared else lse
-    result = (lse, logp, (entropy if compute_entropy else None)) + ((sum_sq,) if compute_sum_pi_squared else ())
+    stats = RowStats.empty(num_rows, logits.device, compute_entropy, compute_sum_pi_squared)
     if num_rows == 0:
-        return result
+        return stats
     in_scale, out_scale, _ = transform_constants(float(scale), float(temperature), softcap)
     with on_device(logits):
         _kept_logprob_forward_kernel[(num_rows,)](
-            logits, targets.contiguous(), kept_ids.contiguous(), kept_offsets.contiguous(), lse, logp, entropy, sum_sq,
+            logits, targets.contiguous(), kept_ids.contiguous(), kept_offsets.contiguous(), *stats.pointers(),
             logits.stride(0),
             in_scale, out_scale,
             BLOCK_K=KEPT["BLOCK_K"],
@@ -96,4 +91,4 @@ def kept_logprob_forward(logits, targets, kept_ids, kept_offsets, *, scale=1.0, 
             COMPILED=compiled(_kept_logprob_forward_kernel),
             num_warps=KEPT["num_warps"],
         )
-    return result
+    return stats

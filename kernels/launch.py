@@ -1,6 +1,7 @@
 """Host-side helpers shared by the launchers: the device a launch runs on and the logit transform's constants."""
 
 from contextlib import nullcontext
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -8,6 +9,34 @@ import torch
 # then proves 16-byte alignment and issues vector loads and stores (grpo_fast.chunked.padded_width allocates
 # buffers by the same rule; the kernels keep their own copy so as not to import the layer that calls them).
 ROW_ALIGN = 16
+
+
+class RowStats(NamedTuple):
+    """What a stats pass (logprob_forward, kept_logprob_forward) returns, each (C,) fp32: the row's log-sum-exp,
+    target log-prob, entropy and sum_v p_v^2 (None unless asked for), and the two numbers the gradient pass takes
+    its probabilities from: row_max, the largest x of the row (the logit as the exponential sees it: +-y floored at
+    -1e20, or tanh(y * scale / softcap)), and log_sum = ln(sum_v exp(z_v - z_max)) >= 0, so that
+    p = exp((x - row_max) * dz/dx - log_sum) is exact to fp32 relative rounding however large lse is. A row with no
+    finite logit has NaN lse, log-prob, entropy and log_sum."""
+
+    lse: torch.Tensor
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    sum_pi_squared: Optional[torch.Tensor]
+    row_max: torch.Tensor
+    log_sum: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_rows: int, device, compute_entropy: bool, compute_sum_pi_squared: bool) -> "RowStats":
+        def vector():
+            return torch.empty(num_rows, dtype=torch.float32, device=device)
+
+        return cls(vector(), vector(), vector() if compute_entropy else None,
+                   vector() if compute_sum_pi_squared else None, vector(), vector())
+
+    def pointers(self):
+        """The six output pointers of a stats kernel, the lse standing in for those not computed (never written)."""
+        return tuple(self.lse if t is None else t for t in self)
 
 
 def padded_width(vocab_size: int) -> int:

@@ -14,13 +14,16 @@ The work is in base 2 (log2(e) folded into the scale), with the statistics taken
 so that lse = max + ln(1 + s_rest) and entropy = ln(1 + s_rest) - ln(2) t / s keep their relative accuracy when
 the distribution is peaked (tested down to an entropy of 1e-8; lse - E[z] loses all relative accuracy below about
 1e-6 |max z| in fp32). sum_v p_v^2 = q / s^2 with q = sum 4^d, one more running sum (compiled out unless asked).
+The row's max and ln(1 + s_rest) are stored too: the gradient pass takes p relative to the max from them
+(launch.RowStats). A row with no logit above -1e20 (every token banned) has no distribution: its lse, logp and
+entropy are NaN, as torch.log_softmax gives for an all -inf row.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import aligned_rows, compiled, load_width, on_device, transform_constants
+from grpo_fast.kernels.launch import RowStats, aligned_rows, compiled, load_width, on_device, transform_constants
 from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, log1p, nan_max, nan_min, tanh
 from grpo_fast.kernels.tuning import LOGPROB_FORWARD
 
@@ -72,7 +75,7 @@ def _update(x, group_max, group_sum, group_rest, group_dot, group_sq, scale2, CO
     log2(e)."""
     new_max = tl.maximum(group_max, tl.max(x, axis=1))    # maxnum: a NaN in x reaches the sums through e below
     grows = group_max < new_max
-    shift = (group_max - new_max) * scale2                     # <= 0; 0 while the max stands
+    shift = (group_max - new_max) * scale2                     # exact: no fma (0 while the max stands)
     alpha = tl.exp2(shift)
     # Subtract, then scale: exactly 0 at the max, so its e is exactly 1 under any rounding. As x * scale2 -
     # new_max * scale2 this contracted to one fma, whose residual, up to ulp(NEG_BIG * scale2) = 8e12 in a group
@@ -93,7 +96,7 @@ def _update(x, group_max, group_sum, group_rest, group_dot, group_sq, scale2, CO
 
 @triton.jit
 def _logprob_forward_kernel(
-    Logits, Targets, Lse, Logp, Entropy, SumSq,
+    Logits, Targets, Lse, Logp, Entropy, SumSq, RowMax, LogSum,
     V, V_LOAD, V_FULL, stride_row,
     in_scale, out_scale,
     # Meta-parameters
@@ -135,62 +138,63 @@ def _logprob_forward_kernel(
         group_max, group_sum, group_rest, group_dot, group_sq = _update(
             x, group_max, group_sum, group_rest, group_dot, group_sq, scale2, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
     x_target = _pre_exp(y_target, in_scale, HAS_SOFTCAP, NEGATE, COMPILED)
-    _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, Lse + row,
-                     Logp + row, Entropy + row, SumSq + row, groups, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
+    _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, row, Lse,
+                     Logp, Entropy, SumSq, RowMax, LogSum, groups, COMPUTE_ENTROPY, COMPUTE_SUM_SQ)
 
 
 @triton.jit
-def _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, lse_ptr,
-                     logp_ptr, entropy_ptr, sum_sq_ptr, groups: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+def _store_row_stats(group_max, group_sum, group_rest, group_dot, group_sq, x_target, z_scale, scale2, row, Lse,
+                     Logp, Entropy, SumSq, RowMax, LogSum, groups: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
                      COMPUTE_SUM_SQ: tl.constexpr):
-    """Combines the groups' running statistics into the row's lse, target log-prob, entropy and sum p^2, and stores
-    them."""
+    """Combines the groups' running statistics into the row's lse, target log-prob, entropy, sum p^2, max and
+    ln(1 + s_rest), and stores them."""
     # Combine the groups relative to the row max. 1 + s_rest of the row: the rest of the first group holding the
     # max, plus its other elements at the max (ties: then s >= 2 and nothing is lost), plus every other group.
     row_max = tl.max(group_max, axis=0)                       # maxnum: group maxima are never NaN
-    shift = (group_max - row_max) * scale2
+    shift = (group_max - row_max) * scale2                    # exact: no fma (0 for the groups at the max)
     weight = tl.exp2(shift)                                   # groups that saw no column: 2^(NEG_BIG) = 0
     sum_exp = tl.sum(group_sum * weight, axis=0)
     index = tl.arange(0, groups)
     first = tl.min(tl.where(group_max == row_max, index, groups), axis=0)
     ties = tl.floor(group_sum - group_rest + 0.5) - 1.0      # an integer: both sums hold the same small terms
     sum_rest = tl.sum(tl.where(index == first, group_rest + ties, group_sum * weight), axis=0)
-    log_sum = log1p(sum_rest)                                 # ln(sum exp(z - max)), accurate near 0
-    tl.store(lse_ptr, row_max * z_scale + log_sum)
+    # ln(sum exp(z - max)), accurate near 0. A row whose every x is at the NEG_BIG floor (all -inf: every token
+    # banned) has no distribution: NaN, which every output below carries, as torch's log_softmax gives.
+    has_logit = row_max > NEG_BIG
+    log_sum = tl.where(has_logit, log1p(sum_rest), float("nan"))
+    tl.store(RowMax + row, row_max)
+    tl.store(LogSum + row, log_sum)
+    tl.store(Lse + row, row_max * z_scale + log_sum)
     # x_target is the target's x evaluated apart from the loop's copy: min'd with the max, so that logp <= 0 even
     # if the compiler rounded the two evaluations differently (a NaN passes)
-    tl.store(logp_ptr, (nan_min(x_target, row_max) - row_max) * z_scale - log_sum)
+    tl.store(Logp + row, (nan_min(x_target, row_max) - row_max) * z_scale - log_sum)
     if COMPUTE_ENTROPY:
         # sum 2^d d relative to the row max; groups of weight 0 left out (their shift times their sum may be huge)
         dot = tl.sum(tl.where(weight > 0.0, weight * (group_dot + group_sum * shift), 0.0), axis=0)
-        tl.store(entropy_ptr, log_sum - LN2 * dot / sum_exp)
+        tl.store(Entropy + row, log_sum - LN2 * dot / sum_exp)
     if COMPUTE_SUM_SQ:
         # q / s^2: both sums relative to the row max, over the same terms
         sum_sq = tl.sum(group_sq * (weight * weight), axis=0)
-        tl.store(sum_sq_ptr, sum_sq / (sum_exp * sum_exp))
+        tl.store(SumSq + row, tl.where(has_logit, sum_sq / (sum_exp * sum_exp), float("nan")))
 
 
 def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None, compute_entropy=True,
-                    padded=False, compute_sum_pi_squared=False):
-    """(lse, logp, entropy) of each row of logits, as in the module docstring; with compute_sum_pi_squared,
-    (lse, logp, entropy, sum_pi_squared).
+                    padded=False, compute_sum_pi_squared=False) -> RowStats:
+    """The statistics of each row of logits, as in the module docstring: a `RowStats` (lse, logp, entropy,
+    sum_pi_squared, row_max, log_sum), entropy and sum_pi_squared None unless asked for.
 
     logits: (C, V) fp32 / bf16 / fp16 with unit column stride (any row stride).
     targets: (C,) integer ids in [0, V), any stride.
     padded: the columns between V and the row's padded width (V rounded up to 16) are scratch the kernel may
         read: rows stay 16-byte aligned and loads vectorized when V is not a multiple of 16.
-    Returns (lse, logp, entropy or None[, sum_pi_squared]), each (C,) fp32.
+    Each output is (C,) fp32.
     """
     assert logits.ndim == 2 and logits.stride(1) == 1, "logits must be (C, V) with contiguous rows"
     assert targets.shape == logits.shape[:1] and targets.device == logits.device
     num_rows, vocab_size = logits.shape
-    lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    logp = torch.empty_like(lse)
-    entropy = torch.empty_like(lse) if compute_entropy else lse  # unused pointer when not computed
-    sum_sq = torch.empty_like(lse) if compute_sum_pi_squared else lse
-    result = (lse, logp, (entropy if compute_entropy else None)) + ((sum_sq,) if compute_sum_pi_squared else ())
+    stats = RowStats.empty(num_rows, logits.device, compute_entropy, compute_sum_pi_squared)
     if num_rows == 0:
-        return result
+        return stats
     in_scale, out_scale, _ = transform_constants(float(scale), float(temperature), softcap)
     block = LOGPROB_FORWARD["BLOCK_V"]
     width = load_width(logits, padded)
@@ -199,7 +203,7 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
     group = 16 // logits.element_size() if aligned_rows(logits) else 1
     with on_device(logits):
         _logprob_forward_kernel[(num_rows,)](
-            logits, targets.contiguous(), lse, logp, entropy, sum_sq,
+            logits, targets.contiguous(), *stats.pointers(),
             vocab_size, width, vocab_size // block * block, logits.stride(0),
             in_scale, out_scale,
             BLOCK_V=block,
@@ -213,4 +217,4 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
             NUM_STAGES=LOGPROB_FORWARD["num_stages"],
             num_warps=LOGPROB_FORWARD["num_warps"],
         )
-    return result
+    return stats

@@ -1,6 +1,6 @@
-"""Device helpers shared by the kernels: the soft-cap's tanh, a division without range checks, log1p, and the base-2
-constants of the streaming loops. The logit transform is z = softcap * tanh(y * scale / softcap) / T, with its
-constants from launch.transform_constants."""
+"""Device helpers shared by the kernels: the soft-cap's tanh, a division without range checks, log1p, 1 - e^x, and
+the base-2 constants of the streaming loops. The logit transform is z = softcap * tanh(y * scale / softcap) / T,
+with its constants from launch.transform_constants."""
 
 import triton
 import triton.language as tl
@@ -58,3 +58,13 @@ def log1p(x):
     u = 1.0 + x
     rounded = u - 1.0                                   # x as 1 + x kept it
     return tl.where(rounded == 0.0, x, tl.log(u) * (x / tl.where(rounded == 0.0, 1.0, rounded)))
+
+
+@triton.jit
+def one_minus_exp(x):
+    """1 - e^x (-expm1(x)) for x <= 0, to full relative accuracy where it is small: a sure token's 1 - p from its
+    log-prob, where 1 - exp(logp) would cancel to the rounding of p. Taylor's series above -0.25 (the first term
+    left out is 1.5e-9 of the sum there), 1 - e^x below, where it is at least 0.22. NaN passes."""
+    series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (
+        1.0 / 720.0 + x * (1.0 / 5040.0)))))))
+    return tl.where(x > -0.25, series, 1.0 - tl.exp(x))

@@ -109,6 +109,37 @@ def assert_close(actual, expected, rtol, atol=0.0, name=""):
     assert err <= rtol * scale + atol, f"{name}: max error {err:.3e} > {rtol:.1e} x max |expected| {scale:.3e}"
 
 
+def exact_token_grads(y, targets, transform, g_logp, g_entropy, kept=None):
+    """(dL/dy, logp) in float64 for logits y (rows, V) under a LogitTransform (its kept set given apart, as a
+    KeptSet or None) and L = sum(g_logp * logp + g_entropy * entropy), exact for tokens the policy is sure of:
+    torch's float64 log_softmax and its backward take 1 - p as the difference of two numbers near 1, 0.4% off at
+    z = 40 (ulp(1) = 2e-16 against 1 - p = 3e-14). Here every term is relative to the row's max: s_rest = the sum
+    of exp(z - max) but for one max, logp = z_t - max - log1p(s_rest), 1 - p_t = -expm1(logp), each to float64's
+    relative rounding (tests/kernels/test_sure_tokens.py checks it against torch's autograd where that is exact)."""
+    g_logp, g_entropy = g_logp.double(), g_entropy.double()
+    y = y.double()
+    x = y * transform.scale
+    if transform.softcap is not None:
+        x = transform.softcap * torch.tanh(x / transform.softcap)
+    z = x / transform.temperature
+    dz_dy = torch.full_like(y, transform.scale / transform.temperature)
+    if transform.softcap is not None:
+        dz_dy = dz_dy * (1 - (x / transform.softcap) ** 2)
+    keep = torch.ones_like(y, dtype=torch.bool) if kept is None else kept.dense(y.shape[1])
+    z = z.masked_fill(~keep, float("-inf"))
+    rows = torch.arange(y.shape[0])
+    shifted = z - z.amax(1, keepdim=True)
+    rest = shifted.exp()
+    rest[rows, shifted.argmax(1)] = 0.0
+    logp_all = shifted - rest.sum(1, keepdim=True).log1p()
+    probs = logp_all.exp()
+    entropy = -(probs * logp_all.masked_fill(~keep, 0.0)).sum(1, keepdim=True)
+    logp = logp_all[rows, targets]
+    dz = -probs * (g_logp[:, None] + g_entropy[:, None] * (logp_all.masked_fill(~keep, 0.0) + entropy))
+    dz[rows, targets] = g_logp * -torch.expm1(logp) - g_entropy * logp.exp() * (logp + entropy[:, 0])
+    return dz * dz_dy, logp
+
+
 # ------------------------------------------------- the loss entries' option groups from flat keywords
 _TRANSFORM_FIELDS = {"temperature": "temperature", "logit_scale": "scale", "logit_softcap": "softcap"}
 _EXECUTION_FIELDS = ("chunk_bytes", "backend", "process_group")

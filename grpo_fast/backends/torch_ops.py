@@ -127,7 +127,8 @@ def stats_(buffer, targets, transform, need_entropy, need_sum_pi_squared=False) 
         rest = below_max.mul_(probs).sum(dim=-1, keepdim=True).neg_().add_(maxima_past_first)
         torch.add(rest, 1.0, out=sum_exp[rows])
         probs.div_(sum_exp[rows])
-        log_sum = rest.log1p()                                 # ln s
+        # ln s; NaN for a row with no logit above the floor (all -inf: no distribution), as log_softmax gives
+        log_sum = torch.where(m > NEG_BIG, rest.log1p(), float("nan"))
         row_max[rows] = m
         lse[rows] = (m + log_sum).squeeze(1)
         logp[rows] = (target_logit - m - log_sum).squeeze(1)
@@ -138,13 +139,25 @@ def stats_(buffer, targets, transform, need_entropy, need_sum_pi_squared=False) 
     return ChunkState(None, None, lse, logp, entropy, sum_pi_squared, row_max, sum_exp, keeps_probs)
 
 
-def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, onehot=None) -> None:
-    """buffer <- dL/dy = (g (onehot - p) - g_H p (z - lse + H)) * dz/dy, a block of rows at a time.
+def target_grad(g_logp, logp, target_probs, g_entropy, entropy):
+    """dL/dz at each row's target: g (1 - p) - g_H p (logp + H), with 1 - p = -expm1(logp) (= s_rest / s when the
+    target is the max). For a token the policy is sure of, 1 - p is below ulp(1): from p itself it would be 0 or
+    off by the rounding of p, which is then the whole gradient of the row; from the log-prob it keeps its relative
+    accuracy, and the row's gradients sum to 0. Elementwise over matching shapes."""
+    grad = g_logp * -torch.expm1(logp)
+    if g_entropy is not None:
+        grad = grad - g_entropy * target_probs * (logp + entropy)
+    return grad
 
-    onehot: the (C,) values added at the targets' columns, default g_logp (a vocabulary slice that does not
-    hold a row's target passes 0 for it). p and z come from the state when it keeps them whole, else from what
-    stats_ left in the buffer: p itself (then p (z - lse) = p log p), or z, from which p is recomputed."""
-    onehot = g_logp if onehot is None else onehot
+
+def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, owned=None) -> None:
+    """buffer <- dL/dy = (g (onehot - p) - g_H p (z - lse + H)) * dz/dy, a block of rows at a time, the target's
+    own term from its log-prob (target_grad).
+
+    owned: (C,) bool, the rows whose target column lies in this buffer (a vocabulary slice that does not hold a
+    row's target passes False, and its column targets[r] is then an ordinary one); None: every row. p and z come
+    from the state when it keeps them whole, else from what stats_ left in the buffer: p itself (then p (z - lse) =
+    p log p), or z, from which p is recomputed."""
     blocks = row_blocks(buffer)
     if state.holds_probs:
         scratch = block_scratch(buffer, blocks, 0 if g_entropy is None else 1)
@@ -154,13 +167,23 @@ def dlogits_(buffer, state, targets, g_logp, g_entropy, transform, onehot=None) 
     for rows in blocks:
         g_entropy_rows = None if g_entropy is None else g_entropy[rows, None]
         args = (buffer[rows], state, rows, targets[rows, None], g_logp[rows, None], g_entropy_rows,
-                onehot[rows, None], transform, [t[: rows.stop - rows.start] for t in scratch])
+                None if owned is None else owned[rows, None], transform, [t[: rows.stop - rows.start] for t in scratch])
         (dlogits_from_probs_ if state.holds_probs else dlogits_from_logits_)(*args)
 
 
-def dlogits_from_probs_(out, state, rows, targets, g_logp, g_entropy, onehot, transform, scratch) -> None:
-    """dlogits_ of a block whose buffer rows hold p (no soft-cap): -p (g + g_H (log p + H)) + onehot."""
+def _write_target_grad_(dz, state, rows, targets, target_probs, g_logp, g_entropy, owned) -> None:
+    """dz[r, targets[r]] <- target_grad of the block's rows (where owned)."""
+    entropy = None if g_entropy is None else state.entropy[rows, None]
+    grad = target_grad(g_logp, state.logp[rows, None], target_probs, g_entropy, entropy)
+    if owned is not None:
+        grad = torch.where(owned, grad, dz.gather(1, targets))
+    dz.scatter_(1, targets, grad)
+
+
+def dlogits_from_probs_(out, state, rows, targets, g_logp, g_entropy, owned, transform, scratch) -> None:
+    """dlogits_ of a block whose buffer rows hold p (no soft-cap): -p (g + g_H (log p + H)), the target's own."""
     probs = out
+    target_probs = probs.gather(1, targets)
     if g_entropy is None:
         probs.mul_(-g_logp)
     else:
@@ -169,14 +192,14 @@ def dlogits_from_probs_(out, state, rows, targets, g_logp, g_entropy, onehot, tr
         log_p = torch.clamp(probs, min=torch.finfo(probs.dtype).tiny, out=scratch[0]).log_()
         coef = log_p.add_(state.entropy[rows, None]).mul_(g_entropy).add_(g_logp)
         probs.mul_(coef).neg_()
-    probs.scatter_add_(1, targets, onehot)
+    _write_target_grad_(probs, state, rows, targets, target_probs, g_logp, g_entropy, owned)
     if transform.scale / transform.temperature != 1.0:
         probs.mul_(transform.scale / transform.temperature)
 
 
-def dlogits_from_logits_(out, state, rows, targets, g_logp, g_entropy, onehot, transform, scratch) -> None:
+def dlogits_from_logits_(out, state, rows, targets, g_logp, g_entropy, owned, transform, scratch) -> None:
     """dlogits_ of a block from z: the state's (vocabulary-parallel), the buffer's (fp32 / fp64) or the buffer's
-    logits transformed again; p the state's, or exp(z - m) / s."""
+    logits transformed again; p the state's, or exp(z - m) / s; the target's own term from its log-prob."""
     if state.probs is not None:
         z, probs = state.logits[rows], state.probs[rows]
     else:
@@ -190,11 +213,12 @@ def dlogits_from_logits_(out, state, rows, targets, g_logp, g_entropy, onehot, t
         factor = torch.mul(z, transform.temperature / transform.softcap, out=scratch[1]).square_().neg_().add_(1)
     if probs is None:                                      # z is spent: p takes its place
         probs = z.sub_(state.row_max[rows]).exp_().div_(state.sum_exp[rows])
+    target_probs = probs.gather(1, targets)
     if coef is None:
         probs.mul_(-g_logp)
     else:
         probs.mul_(coef).neg_()
-    probs.scatter_add_(1, targets, onehot)
+    _write_target_grad_(probs, state, rows, targets, target_probs, g_logp, g_entropy, owned)
     if factor is not None:
         probs.mul_(factor)
     if transform.scale / transform.temperature != 1.0:
@@ -234,7 +258,7 @@ def kept_stats_(buffer, targets, transform, need_entropy, kept, need_sum_pi_squa
     first = torch.full((num_rows,), num_kept, dtype=torch.long, device=z.device).scatter_reduce_(
         0, rows, torch.where(shifted == 0, position, num_kept), "amin")
     rest = stat.clone().index_add_(0, rows, shifted.exp().index_fill_(0, first, 0.0))
-    log_sum = rest.log1p()
+    log_sum = torch.where(row_max > NEG_BIG, rest.log1p(), float("nan"))     # a set of -inf logits: NaN
     probs = (shifted - log_sum.index_select(0, rows)).exp_()
     is_target = cols == targets.index_select(0, rows)
     logp = stat.clone().index_add_(0, rows, torch.where(is_target, shifted, 0.0)) - log_sum
@@ -245,15 +269,20 @@ def kept_stats_(buffer, targets, transform, need_entropy, kept, need_sum_pi_squa
 
 def kept_dlogits_(buffer, state: KeptState, g_logp, g_entropy, transform) -> None:
     """buffer <- dL/dy: (g 1[j = target] - p^S_j (g + g_H (z_j - lse_S + H_S))) dz/dy at the kept ids, 0 elsewhere
-    (the tokens off the kept set do not enter the kept-set distribution)."""
+    (the tokens off the kept set do not enter the kept-set distribution); the target's own term from its log-prob
+    (target_grad)."""
     rows, z = state.rows, state.logits
     g_rows = g_logp.index_select(0, rows)
+    g_entropy_ids = entropy_ids = None
     if g_entropy is None:
         coef = g_rows
     else:
+        g_entropy_ids, entropy_ids = g_entropy.index_select(0, rows), state.entropy.index_select(0, rows)
         centred = z - (state.lse - state.entropy).index_select(0, rows)
-        coef = centred.mul_(g_entropy.index_select(0, rows)).add_(g_rows)
-    dz = torch.where(state.is_target, g_rows, 0.0) - state.probs * coef
+        coef = centred.mul_(g_entropy_ids).add_(g_rows)
+    dz = state.probs * coef
+    dz = torch.where(state.is_target, target_grad(g_rows, state.logp.index_select(0, rows), state.probs,
+                                                  g_entropy_ids, entropy_ids), dz.neg_())
     if transform.softcap is not None:
         dz.mul_(1 - (z * (transform.temperature / transform.softcap)).square_())
     dz.mul_(transform.scale / transform.temperature)

@@ -29,6 +29,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from grpo_fast.kernels.launch import RowStats
 from grpo_fast.variants import LossConfig, TokenTerms
 
 # The kernel modules (the package re-exports their launchers under the same names).
@@ -85,10 +86,9 @@ def variants():
                                                     temperature=0.7, padded=padded)
 
                 def grad(vocab=vocab, padded=padded, softcap=softcap, targets=targets, dtype=dtype):
-                    vectors = torch.rand(4, 4)
-                    dlogits.dlogits_(_buffer(4, vocab, dtype, padded), targets, vectors[0], vectors[1],
-                                     entropy=vectors[2], g_entropy=vectors[3], softcap=softcap, temperature=0.7,
-                                     padded=padded)
+                    vectors = torch.rand(7, 4)
+                    dlogits.dlogits_(_buffer(4, vocab, dtype, padded), targets, RowStats(*vectors[:6]), vectors[6],
+                                     g_entropy=vectors[3], softcap=softcap, temperature=0.7, padded=padded)
 
                 yield "logprob_forward", label, logprob_forward._logprob_forward_kernel, stats
                 yield "dlogits", label, dlogits._dlogits_kernel, grad
@@ -117,9 +117,9 @@ def variants():
 
                 def kept_grad(vocab=vocab, padded=padded, softcap=softcap, targets=targets, dtype=dtype,
                               kept_ids=kept_ids, kept_offsets=kept_offsets):
-                    vectors = torch.rand(4, 4)
+                    vectors = torch.rand(7, 4)
                     kept_dlogits.kept_dlogits_(_buffer(4, vocab, dtype, padded), targets, kept_ids, kept_offsets,
-                                               vectors[0], vectors[1], entropy=vectors[2], g_entropy=vectors[3],
+                                               RowStats(*vectors[:6]), vectors[6], g_entropy=vectors[3],
                                                softcap=softcap, temperature=0.7, padded=padded)
 
                 yield "kept_logprob_forward", label, kept_logprob_forward._kept_logprob_forward_kernel, kept_stats
@@ -185,9 +185,10 @@ KERNEL_FILES = {name for name in os.listdir(KERNEL_DIR) if name.endswith(".py")}
 def instruction_sources(ptx: str):
     """(opcode, "file.py:line") of each PTX instruction, the line being the innermost one of grpo_fast's kernel
     files in its .loc's inlining chain: a tl.max reduction is Triton's standard.py inlined at the kernel's line,
-    which is the one reported. Triton 3.6 writes the chain in a comment (`.loc 2 21 25 // transform.py:21:25 @[
-    dlogits.py:60:19 @[ ... ] ]`); 3.9 one level per .loc (`.loc 3 196 12, function_name ..., inlined_at 3 216
-    16`), the parent's own parent on an earlier .loc of that location."""
+    which is the one reported; code at line 0 (the compiler's own) is reported at the real line before it. Triton
+    3.6 writes the chain in a comment (`.loc 2 21 25 // transform.py:21:25 @[ dlogits.py:60:19 @[ ... ] ]`); 3.9
+    one level per .loc (`.loc 3 196 12, function_name ..., inlined_at 3 216 16`), the parent's own parent on an
+    earlier .loc of that location."""
     files = {number: os.path.basename(path) for number, path in re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx,
                                                                             re.M)}
     parents = {}                                  # (file, line, column) -> where it was inlined (3.9's form)
@@ -208,16 +209,19 @@ def instruction_sources(ptx: str):
                 parent = parents.get(at)
         return chain
 
-    chain = None
+    source = None
     for line in ptx.splitlines():
         if re.match(r"\s*\.loc\s", line):
-            chain = chain_of(line)
+            # Line 0 is code the compiler made without a line of its own (a libdevice function's body inlined at
+            # a call, the branch after a loop): it belongs to the real line before it, so that an fma or a maxnum
+            # there is checked against a line that says what it may be, never against an empty one.
+            real = next((f"{name}:{number}" for name, number in chain_of(line) if name in KERNEL_FILES), None)
+            if real is None or not real.endswith(":0"):
+                source = real
             continue
         op = re.match(r"\s*([a-z][\w.:]*)\s", line)
-        if op and chain:
-            source = next((f"{name}:{number}" for name, number in chain if name in KERNEL_FILES), None)
-            if source is not None:
-                yield op.group(1), source
+        if op and source is not None:
+            yield op.group(1), source
 
 
 def arithmetic_sources(ptx: str) -> dict:

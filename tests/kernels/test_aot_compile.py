@@ -121,12 +121,13 @@ def test_sum_pi_squared_adds_at_most_two_instructions_per_element(reports):
 
 
 def source_line(location: str) -> str:
-    """The text of "file.py:line" in grpo_fast's kernel folder ("" for line 0, the compiler's own)."""
+    """The text of "file.py:line" in grpo_fast's kernel folder. Never line 0: the audit reports the compiler's own
+    code at the real line before it (aot_compile.instruction_sources), so that no instruction is checked against
+    an empty line, which would declare nothing and hide an fma."""
     from grpo_fast import kernels
 
     name, number = location.split(":")
-    if int(number) == 0:
-        return ""
+    assert int(number) > 0, f"{location}: an instruction without a real source line"
     with open(os.path.join(os.path.dirname(kernels.__file__), name)) as f:
         return f.read().splitlines()[int(number) - 1]
 
@@ -159,4 +160,4 @@ def test_no_contraction_on_lines_that_must_be_exact(reports):
         if name.endswith(".py"):
             with open(os.path.join(os.path.dirname(kernels.__file__), name)) as f:
                 marked += f.read().count("# exact: no fma")
-    assert marked >= 1
+    assert marked >= 3                 # the stats kernel's d and its two shifts

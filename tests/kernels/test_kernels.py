@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 from grpo_fast.backends import torch_ops  # noqa: E402
 from grpo_fast.kernels import dlogits_, logprob_forward  # noqa: E402
 from grpo_fast.kernels.launch import compiled  # noqa: E402
-from grpo_fast.kernels.transform import tanh  # noqa: E402
+from grpo_fast.kernels.transform import one_minus_exp, tanh  # noqa: E402
 from grpo_fast.numerics import LogitTransform  # noqa: E402
 
 
@@ -32,20 +32,21 @@ def test_kernels_match_torch_passes(dtype, rtol, vocab, transform):
 
     expected_buffer = logits.double()          # the torch passes in float64: the oracle
     state = torch_ops.stats_(expected_buffer, targets, transform, need_entropy=True)
-    lse, logp, entropy = logprob_forward(logits, targets, scale=transform.scale,
-                                         temperature=transform.temperature, softcap=transform.softcap)
+    stats = logprob_forward(logits, targets, scale=transform.scale, temperature=transform.temperature,
+                            softcap=transform.softcap)
+    lse, logp, entropy = stats[:3]
     assert_close(lse, state.lse, rtol, name="lse")
     assert_close(logp, state.logp, rtol, atol=rtol, name="logp")
     assert_close(entropy, state.entropy, rtol, atol=rtol, name="entropy")
 
     torch_ops.dlogits_(expected_buffer, state, targets, g_logp.double(), g_entropy.double(), transform)
     poisoned = logits.clone()
-    dlogits_(poisoned, targets, lse, g_logp, entropy=entropy, g_entropy=g_entropy, scale=transform.scale,
+    dlogits_(poisoned, targets, stats, g_logp, g_entropy=g_entropy, scale=transform.scale,
              temperature=transform.temperature, softcap=transform.softcap)
     assert_close(poisoned, expected_buffer, rtol, name="dlogits")
 
-    _, logp_only, none = logprob_forward(logits, targets, compute_entropy=False, scale=transform.scale,
-                                         temperature=transform.temperature, softcap=transform.softcap)
+    _, logp_only, none, *_ = logprob_forward(logits, targets, compute_entropy=False, scale=transform.scale,
+                                             temperature=transform.temperature, softcap=transform.softcap)
     assert none is None
     assert torch.equal(logp_only, logp)
 
@@ -70,15 +71,17 @@ def test_sum_pi_squared_over_tiles_and_kept_sets(dtype, rtol, transform):
     probs = torch.softmax(z / transform.temperature, -1)
     kw = dict(scale=transform.scale, temperature=transform.temperature, softcap=transform.softcap)
     plain = logprob_forward(logits, targets, **kw)
-    *stats, sum_pi_squared = logprob_forward(logits, targets, compute_sum_pi_squared=True, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(stats, plain))
+    stats = logprob_forward(logits, targets, compute_sum_pi_squared=True, **kw)
+    sum_pi_squared = stats.sum_pi_squared
+    assert plain.sum_pi_squared is None
+    assert all(torch.equal(a, b) for a, b in zip(stats, plain) if b is not None)
     assert_close(sum_pi_squared, probs.square().sum(-1), rtol, name="sum_pi_squared")
 
     kept = torch.rand(rows, vocab, generator=gen) < 0.1            # about 1200 ids a row: 5 tiles of 256
     kept[torch.arange(rows), targets.cpu()] = True
     ids = kept.nonzero()[:, 1].to(DEVICE)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), kept.sum(1).cumsum(0)]).to(DEVICE)
-    *_, kept_sum = kept_logprob_forward(logits, targets, ids, offsets, compute_sum_pi_squared=True, **kw)
+    kept_sum = kept_logprob_forward(logits, targets, ids, offsets, compute_sum_pi_squared=True, **kw).sum_pi_squared
     kept_probs = torch.softmax((z / transform.temperature).masked_fill(~kept.to(DEVICE), float("-inf")), -1)
     assert_close(kept_sum, kept_probs.square().sum(-1), rtol, name="kept sum_pi_squared")
 
@@ -87,9 +90,9 @@ def test_dlogits_without_entropy_gradient():
     logits = torch.randn(3, 100).to(DEVICE)
     targets = torch.tensor([0, 50, 99]).to(DEVICE)
     g_logp = torch.tensor([1.0, -2.0, 0.5]).to(DEVICE)
-    lse, _, _ = logprob_forward(logits, targets, compute_entropy=False)
+    stats = logprob_forward(logits, targets, compute_entropy=False)
     expected = g_logp[:, None] * (torch.nn.functional.one_hot(targets, 100) - logits.softmax(-1))
-    dlogits_(logits, targets, lse, g_logp)
+    dlogits_(logits, targets, stats, g_logp)
     assert_close(logits, expected, 1e-5)
 
 
@@ -157,12 +160,11 @@ def test_padded_rows_match_unpadded_and_keep_the_padding_out(dtype, softcap):
     kw = dict(temperature=0.8, softcap=softcap)
     expected = logprob_forward(logits, targets.contiguous(), **kw)
     actual = logprob_forward(padded, targets, padded=True, **kw)
-    for name, a, e in zip(("lse", "logp", "entropy"), actual, expected):
-        assert_close(a, e, 1e-6, name=name)
-    lse, _, entropy = expected
+    for name in ("lse", "logp", "entropy", "row_max", "log_sum"):
+        assert_close(getattr(actual, name), getattr(expected, name), 1e-6, name=name)
     g_logp, g_entropy = torch.randn(2, rows, generator=gen).to(DEVICE)
-    dlogits_(logits, targets.contiguous(), lse, g_logp, entropy=entropy, g_entropy=g_entropy, **kw)
-    dlogits_(padded, targets, lse, g_logp, entropy=entropy, g_entropy=g_entropy, padded=True, **kw)
+    dlogits_(logits, targets.contiguous(), expected, g_logp, g_entropy=g_entropy, **kw)
+    dlogits_(padded, targets, expected, g_logp, g_entropy=g_entropy, padded=True, **kw)
     assert_close(padded, logits, 1e-6 if dtype == torch.float32 else 1e-3, name="dlogits")
     assert torch.all(storage[:rows, vocab:] == 0)
     assert torch.isnan(storage[rows]).all()                       # the row after the buffer is untouched
@@ -206,10 +208,10 @@ def test_launchers_run_on_the_tensors_device(monkeypatch):
         monkeypatch.setattr(module, "on_device", lambda t: seen.append(t) or nullcontext())
     logits = torch.randn(3, 40).to(DEVICE)
     targets = torch.tensor([1, 2, 3]).to(DEVICE)
-    lse, logp, _ = logprob_forward(logits, targets)
-    dlogits_(logits, targets, lse, logp)
+    stats = logprob_forward(logits, targets)
+    dlogits_(logits, targets, stats, stats.logp)
     terms = TokenTerms(LossConfig(), advantages=torch.ones(3).to(DEVICE), weights=torch.ones(3).to(DEVICE))
-    policy_grad(logp, terms)
+    policy_grad(stats.logp, terms)
     assert [t is logits for t in seen[:2]] == [True, True] and seen[2] is not None and len(seen) == 3
 
 
@@ -231,3 +233,23 @@ def test_tanh_is_accurate_to_fp32_where_the_series_hands_over():
 def _tanh_kernel(X, Y, n, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(Y + offs, tanh(tl.load(X + offs, mask=offs < n), COMPILED), mask=offs < n)
+
+
+def test_one_minus_exp_keeps_relative_accuracy_near_zero():
+    """1 - e^x, a sure token's 1 - p from its log-prob, to 1e-6 of its own size from x = -1e-30 to -30 (the series
+    above -0.25, 1 - e^x below, where it is at least 0.22) under the interpreter's and the GPU's arithmetic: 1 - p
+    from p itself would be 0 below x = -6e-8. -inf gives 1, NaN passes."""
+    x = torch.cat([-torch.logspace(-30, 1.5, 4000), torch.tensor([-0.25, 0.0, float("-inf"), float("nan")])])
+    x = x.to(DEVICE)
+    y = torch.empty_like(x)
+    _one_minus_exp_kernel[(1,)](x, y, x.numel(), BLOCK=4096)
+    exact = -torch.expm1(x.double())
+    relative = ((y.double() - exact).abs() / exact.abs().clamp(min=1e-300))[:-3]
+    assert relative.max() < 1e-6, relative.max()
+    assert y[-3:-1].tolist() == [0.0, 1.0] and torch.isnan(y[-1])
+
+
+@triton.jit
+def _one_minus_exp_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, one_minus_exp(tl.load(X + offs, mask=offs < n)), mask=offs < n)

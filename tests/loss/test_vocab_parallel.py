@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 import grpo_fast as gf
 from grpo_fast.kept import kept_set_from_mask
-from tests.helpers import free_port, grouped
+from tests.helpers import exact_token_grads, free_port, grouped
 
 CASES = [dict(loss_type=name) for name in ("grpo", "bnpo", "dapo", "cispo", "sapo")] + [
     dict(loss_type="dr_grpo", max_completion_length=8, beta=0.1, entropy_coef=0.01),
@@ -135,6 +135,29 @@ def run_kept(sizes, rank, group):
     torch.testing.assert_close(w.grad, w_full.grad[start:start + size], rtol=1e-9, atol=1e-12)
 
 
+def run_sure_tokens(sizes, rank, group):
+    """fp32 rows peaked at 15 ... 40 through this rank's slice of an identity head (d(hidden) = dL/dlogits): each
+    row's gradient within 1e-4 of its own exact float64 value, as on one device (the slices' statistics are
+    relative to the global max, so a sure token's 1 - p resolves below ulp(1))."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = sum(sizes)
+    y = torch.randn(5, vocab, generator=gen, dtype=torch.float64)
+    targets = torch.tensor([0, 5, 20, vocab - 1, 14])         # in the first, the middle and the last slice
+    y[torch.arange(5), targets] = torch.tensor([15.0, 20.0, 25.0, 30.0, 40.0], dtype=torch.float64)
+    y = y.float()
+    for transform in (gf.LogitTransform(), gf.LogitTransform(temperature=0.05)):
+        g_logp, g_entropy = torch.randn(2, 5, generator=gen)
+        hidden = (y * transform.temperature).requires_grad_()
+        start, size = sum(sizes[:rank]), sizes[rank]
+        logp, entropy = gf.token_logprobs(hidden, torch.eye(vocab)[start:start + size], targets, transform=transform,
+                                          return_entropy=True, execution=gf.Execution(process_group=group))
+        ((logp * g_logp).sum() + (entropy * g_entropy).sum()).backward()
+        expected, expected_logp = exact_token_grads(hidden.detach(), targets, transform, g_logp, g_entropy)
+        errors = (hidden.grad.double() - expected).abs().amax(1) / expected.abs().amax(1)
+        assert errors.max() <= 1e-4, errors
+        assert ((logp.double() - expected_logp).abs() <= 1e-5 * expected_logp.abs()).all(), (logp, expected_logp)
+
+
 def worker(rank, world, port, sizes):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -143,6 +166,7 @@ def worker(rank, world, port, sizes):
             run_case(case, sizes, rank, dist.group.WORLD)
         run_logprobs(sizes, rank, dist.group.WORLD)
         run_kept(sizes, rank, dist.group.WORLD)
+        run_sure_tokens(sizes, rank, dist.group.WORLD)
         with pytest.raises(ValueError, match=r"targets must lie in \[0, V\) = \[0, 37\)"):
             hidden, weight, _, targets, _, _, _, _ = inputs()
             start, size = sum(sizes[:rank]), sizes[rank]
