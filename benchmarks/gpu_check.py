@@ -11,12 +11,12 @@ implementations (wheels in --wheels are installed first, without dependencies); 
 the budget; (3) correctness against the float64 reference on the same rounded inputs (every loss family, V in
 VOCABS, 3+ chunks with a ragged last one, old log-probs near the clip band, strided targets), within
 CORRECTNESS_SHARE of the time left, the first vocabulary of each dtype always; (4) on GPU one chunk buffer of
-more than 2^31 elements; (5) the time of each pass of one chunk at the headline shape; (6) end to end at the
-other shapes. Rows left when --budget is spent are skipped and say so.
+more than 2^31 elements, its rows padded; (5) the time of each pass of one chunk at the headline shape; (6) end to
+end at the other shapes. Rows left when --budget is spent are skipped and say so.
 OUT_DIR gets gpu_check.json (everything) and SUMMARY.md (the at most 30 lines printed last), both rewritten after
 every phase and every end-to-end row, so that a crash or a timeout keeps what was measured. Exit status 1 when a
-correctness row fails. The kernel tests then run on the same GPU with KERNEL_TESTS (from a source checkout);
-benchmarks/gpu_window.sh runs both in one command.
+correctness row fails. The kernel tests run on the same GPU with KERNEL_TESTS (from a source checkout);
+benchmarks/gpu_window.sh runs both in one command, the kernel tests first and in parallel.
 """
 
 import argparse
@@ -62,17 +62,26 @@ FP32_TOL = 1e-5                                 # max error / max |reference|, e
 # the entropy gradient at 1.6-2.3x (V >= 5000), dlogits x 1.01 at 1.3-3.9x, fp32 -> bf16 by truncation up to 1.5x.
 # The fp32 rows (1e-5) are the sharp check of the math; these catch what only half precision does.
 HALF_RATIO, HALF_FLOOR, HALF_CAP = 1.25, 1e-3, 2e-2
-HEADLINE = Shape(16384, 3584, 151936)                              # Qwen2.5-7B head, 16k completion tokens
-SHAPES = [HEADLINE, Shape(4096, 3584, 151936), Shape(65536, 3584, 151936), Shape(16384, 896, 151936),
-          Shape(16384, 2304, 256000)]
+# Qwen2.5-7B's LM head (hidden 3584, 152064 rows: its tokenizer's 151,665 ids padded; the models up to 3B have
+# 151936 rows), 16k completion tokens
+HEADLINE = Shape(16384, 3584, 152064)
+SHAPES = [HEADLINE, Shape(4096, 3584, 152064), Shape(65536, 3584, 152064),
+          Shape(16384, 896, 151936),                              # Qwen2.5-0.5B's head
+          Shape(16384, 2304, 256000)]                             # Gemma 2 2B's head
 PEERS = ["naive", "trl", "liger"]
 # The regression cases of the GPU-only bugs first: a window that runs out of time cuts the tail.
-KERNEL_TESTS = ("python -m pytest tests/kernels/test_gpu_numerics.py tests/kernels/test_kernels.py "
-                "tests/loss/test_kept.py tests/loss/test_logprobs.py tests/loss/test_loss.py -q")
+KERNEL_TESTS = ("python -m pytest tests/kernels/test_sure_tokens.py tests/kernels/test_gpu_numerics.py "
+                "tests/kernels/test_kernels.py tests/loss/test_kept.py tests/loss/test_logprobs.py "
+                "tests/loss/test_loss.py -q")
+# Under compute-sanitizer's memcheck (benchmarks/gpu_window.sh, when time is left): the row layouts (padded,
+# strided, V just below a tile) and the kept sets' gathers and scatters, where an index goes out of bounds first.
+SANITIZER_TESTS = ("python -m pytest tests/kernels/test_gpu_numerics.py -q -k "
+                   "'triton and (layouts or kept_sets or against_float64)'")
 SUMMARY_LINES = 30
 FORCED_CHUNKS = 4                  # the headline's multi-chunk row: what the fp32 d(weight) accumulator costs
 CORRECTNESS_SHARE = 0.5            # of the time left when the correctness rows start
-BIG_BUFFER_MIN_S = 45              # the > 2^31 buffer check needs about this much (a fresh process, 16k x 152k)
+BIG_BUFFER = (43008, 50257)        # tokens x V of the > 2^31 buffer row: 43008 x 50272 padded = 2.16e9 elements
+BIG_BUFFER_MIN_S = 45              # that check needs about this much (a fresh process, 4.3 GB of bf16 logits)
 
 
 def install_wheels(folder, log=print) -> None:
@@ -331,8 +340,11 @@ def row_line(row) -> str:
     return f"{'ok  ' if row['ok'] else 'FAIL'} {where} {row['metric']} error/tol: {errors} ({row['chunks']})"
 
 
-def big_buffer(device, backend, tokens=16384, hidden_size=256, vocab=151936, dtype=torch.bfloat16) -> dict:
-    """token_logprobs through one (16384, 151936) chunk buffer, > 2^31 elements, against float64 in row slices."""
+def big_buffer(device, backend, tokens=BIG_BUFFER[0], hidden_size=256, vocab=BIG_BUFFER[1],
+               dtype=torch.bfloat16) -> dict:
+    """token_logprobs through one chunk buffer of more than 2^31 elements, its rows padded (V = 50257, not a
+    multiple of 16, so the kernels read and write the padding columns at offsets past 2^31), against float64 in
+    row slices."""
     inputs = correctness_inputs(1, tokens, hidden_size, vocab, dtype, device, seed=31, sample=False)
     ops = backends.resolve(backend, torch.device(device))
     fused = dict(chunk_bytes=chunk_bytes_for(tokens, vocab, dtype, ops), backend=backend)
@@ -345,7 +357,9 @@ def big_buffer(device, backend, tokens=16384, hidden_size=256, vocab=151936, dty
     exact = {k: torch.cat([p[k] for p in parts], 1) for k in ("logp", "entropy", "dhidden")}
     exact["dweight"] = sum(p["dweight"] for p in parts)
     errors = {k: {"error": norm_error(ours[k], exact[k]), "tol": HALF_CAP} for k in exact}
-    return {"case": "buffer > 2^31", "metric": "norm", "chunks": f"1 x {tokens} x {vocab} = {tokens * vocab:.2e}",
+    width = chunked.padded_width(vocab)
+    return {"case": "buffer > 2^31", "metric": "norm",
+            "chunks": f"1 x {tokens} x {vocab} padded to {width} = {tokens * width:.2e}",
             "errors": errors, "ok": all(e["error"] <= e["tol"] for e in errors.values())}
 
 
@@ -540,7 +554,7 @@ def summary(env, checks, passes, e2e, notes=(), unfinished=None) -> list:
     if passes and not e2e:
         lines.append(f"passes of one chunk of {passes[0]['chunk_rows']} tokens of {passes[0]['shape']}: "
                      + ", ".join(f"{p['pass']} {p['ms']:.3f} ms" for p in passes))
-    return lines[:SUMMARY_LINES - 1] + [f"kernel tests on this GPU next: {KERNEL_TESTS}"]
+    return lines[:SUMMARY_LINES - 1] + [f"kernel tests on this GPU (gpu_window.sh: in parallel): {KERNEL_TESTS}"]
 
 
 class Report:

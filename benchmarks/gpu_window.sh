@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
 # One GPU window in one command, on a machine with no package registry:
 #   benchmarks/gpu_window.sh OUT_DIR [WHEELS_DIR]
-# (1) the machine (nvidia-smi, versions) into OUT_DIR/environment.txt; (2) installs grpo_fast editable without
-# dependencies, and those wheels of WHEELS_DIR whose package the environment lacks (trl, liger-kernel, datasets,
-# pytest, ...); (3) gpu_check with a budget, under a hard timeout; (4) the kernel tests (gpu_check.KERNEL_TESTS)
-# under a timeout, into OUT_DIR/kernel_tests.txt; (5) verl's main_ppo for 2 steps (examples/verl_grpo.py) where
-# verl, vLLM and Ray import and time is left (a longer WINDOW_S), into OUT_DIR/verl_grpo.txt. gpu_check rewrites
-# gpu_check.json and SUMMARY.md after every phase, and every step appends to OUT_DIR/window.log as it goes, so a
-# crash or a timeout keeps what was measured.
-# The whole window stays within WINDOW_S seconds (default 420: with the machine's start, about 9 of a
-# 15-minute GPU lease, which leaves room to run a shortened window again).
+# Phases in order of value, all inside WINDOW_S seconds (default 420: with the machine's start, about 8 minutes of
+# a 15-minute GPU lease, which leaves room to run the window again):
+#   1. environment   nvidia-smi, versions, the commit: OUT_DIR/environment.txt
+#   2. install       grpo_fast editable without dependencies, and those wheels of WHEELS_DIR whose package the
+#                    environment lacks (trl, liger-kernel, datasets, ...)
+#   3. kernel tests  gpu_check.KERNEL_TESTS in parallel (pytest-xdist workers, a per-test timeout, -rfE; in one
+#                    process, and said so, where xdist or pytest-timeout does not import): kernel_tests.txt
+#   4. gpu_check     correctness and timings within a budget, under a hard timeout: gpu_check.json, SUMMARY.md
+#   5. memcheck      compute-sanitizer --tool memcheck over gpu_check.SANITIZER_TESTS (layouts, kept sets), where
+#                    the tool is found and time is left: memcheck.txt
+#   6. verl          main_ppo for 2 steps (examples/verl_grpo.py) where verl, vLLM and Ray import and time is left
+#                    (a longer WINDOW_S): verl_grpo.txt
+# Each phase gets what it asks for or what is left, whichever is less; one that cannot have its minimum is skipped
+# and says why. As each phase ends, its line goes into OUT_DIR/phases.tsv (phase, status, seconds, result) and
+# window.log, so a crash or a timeout keeps what was done and nothing is cut silently.
 #
 # Settings (environment variables):
-#   GRPO_FAST_COMMIT      the commit this tree is (default: git's; a copy of the tree sent to a GPU machine has
-#                         no .git, so pass it: GRPO_FAST_COMMIT=$(git rev-parse HEAD) on the machine that sends it)
+#   GRPO_FAST_COMMIT      the commit this tree is (default: git's; a copy of the tree without .git gets
+#                         "tree <id>", the git tree id of its files (benchmarks/tree_id.py), which names the
+#                         commit: git log --all --format='%H %T' | grep <id>)
 #   PYTHON                the interpreter (default python3)
-#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 180)
-#   GPU_CHECK_TIMEOUT     hard limit of the gpu_check phase (default 230)
+#   WINDOW_S              the whole window's seconds (default 420)
+#   KERNEL_TESTS          the kernel test command as it is (default: gpu_check.KERNEL_TESTS with the flags above)
+#   KERNEL_TESTS_TIMEOUT  the phase's limit in seconds (default 150); TEST_WORKERS (default: the CPUs, at most 8),
+#                         TEST_TIMEOUT per test (default 120)
+#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 150); GPU_CHECK_TIMEOUT its hard limit
+#                         (default the budget + 40)
 #   GPU_CHECK_ARGS        more gpu_check flags, e.g. "--device cpu --backend torch --quick" (a CPU dry run)
-#   KERNEL_TESTS          the kernel test command (default: gpu_check.KERNEL_TESTS, run verbosely)
-#   KERNEL_TESTS_TIMEOUT  its limit in seconds (default 160, less if the window has less left)
+#   SANITIZER             the compute-sanitizer to run (default: the one on PATH); SANITIZER_TIMEOUT (default 100)
 #   VERL_GRPO_TIMEOUT     the limit of the verl main_ppo run (default 240; skipped when less is left)
 #   SKIP_INSTALL=1        use the environment as it is (a development checkout that is installed already)
 #   INSTALL_DRY_RUN=1     log the install commands instead of running them (to try the script on a dev machine)
@@ -35,24 +45,44 @@ PY=${PYTHON:-python3}
 WINDOW_S=${WINDOW_S:-420}
 START=$SECONDS
 LOG="$OUT/window.log"
+PHASES="$OUT/phases.tsv"
 export PYTHONUNBUFFERED=1                     # every row reaches the log as it is printed
 
 log() { echo "[gpu_window $(date -u +%H:%M:%S) +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
-# Which code ran: results without it cannot be compared with anything. gpu_check records it too (environment).
-if GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null); then
-  CHANGED="$(git status --porcelain 2>/dev/null | wc -l) paths changed"
-else
-  GIT_COMMIT="" CHANGED="no .git here: changes unknown"
-fi
-export GRPO_FAST_COMMIT=${GRPO_FAST_COMMIT:-${GIT_COMMIT:-unknown (no .git here and GRPO_FAST_COMMIT unset)}}
 left() { echo $((WINDOW_S - (SECONDS - START))); }
+# grant WANT MIN: the seconds a phase may run: WANT or what is left less 5 s of bookkeeping, whichever is less;
+# 0 when that is under MIN
+grant() {
+  local want=$1 min=$2 have=$(($(left) - 5))
+  [ "$want" -gt "$have" ] && want=$have
+  [ "$want" -lt "$min" ] && want=0
+  echo "$want"
+}
+# done_phase NAME STATUS SECONDS RESULT: a line in phases.tsv and in the log, written as the phase ends
+done_phase() {
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$PHASES"
+  log "$1: $2 in $3 s: $4"
+}
+printf 'phase\tstatus\tseconds\tresult\n' >"$PHASES"
 install() {                                   # install LIMIT_S ARGS...: pip install, or its dry run
   local limit=$1; shift
   if [ "${INSTALL_DRY_RUN:-0}" = 1 ]; then log "dry run: $PY -m pip install $*"; return 0; fi
   timeout "$limit" "$PY" -m pip install "$@" >>"$LOG" 2>&1
 }
 
-# (1) the machine, before anything can fail
+# 1. the machine and the commit, before anything can fail: results that do not say which code ran cannot be
+# compared with anything (gpu_check records the commit too). A copy of the tree without .git is named by its git
+# tree id, the carried wheels left out.
+T0=$SECONDS
+if GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null); then
+  CHANGED="$(git status --porcelain 2>/dev/null | wc -l) paths changed"
+elif TREE=$("$PY" benchmarks/tree_id.py . ${WHEELS:+--exclude "$WHEELS"} 2>>"$LOG"); then
+  GIT_COMMIT="tree $TREE"
+  CHANGED="no .git here: the commit of this tree is the one git log --all --format='%H %T' | grep $TREE names"
+else
+  GIT_COMMIT="" CHANGED="no .git here, and no tree id"
+fi
+export GRPO_FAST_COMMIT=${GRPO_FAST_COMMIT:-${GIT_COMMIT:-unknown}}
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $GRPO_FAST_COMMIT, $CHANGED"
@@ -67,11 +97,14 @@ install() {                                   # install LIMIT_S ARGS...: pip ins
     "cuda", torch.version.cuda, "triton", triton.__version__, "gpu", torch.cuda.is_available()
     and torch.cuda.get_device_name())'
 } >"$OUT/environment.txt" 2>&1
-log "commit $GRPO_FAST_COMMIT; environment: $(grep -m1 -E '^python' "$OUT/environment.txt")"
+done_phase environment ok $((SECONDS - T0)) "commit $GRPO_FAST_COMMIT; $(grep -m1 -E '^python' "$OUT/environment.txt")"
 
-# (2) install: grpo_fast editable, then only the wheels whose distribution is missing (the image's own pytest,
+# 2. install: grpo_fast editable, then only the wheels whose distribution is missing (the image's own pytest,
 # say, stays as it is: replacing it could break its plugins)
-if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+T0=$SECONDS
+if [ "${SKIP_INSTALL:-0}" = 1 ]; then
+  done_phase install skipped 0 "SKIP_INSTALL=1: the environment as it is"
+else
   if [ -n "$WHEELS" ]; then
     MISSING=$("$PY" - "$WHEELS" <<'EOF'
 import glob, os, re, sys
@@ -86,14 +119,14 @@ EOF
 )
     if [ -n "$MISSING" ]; then
       log "installing wheels: $(echo $MISSING | xargs -n1 basename | tr '\n' ' ')"
-      install 120 -q --no-deps --no-index $MISSING \
+      install "$(grant 120 10)" -q --no-deps --no-index $MISSING \
         || log "wheel install failed (exit $?): the rows that need them say so"
     else
       log "wheels: every package in $WHEELS is installed already"
     fi
   fi
   log "pip install --no-deps --no-build-isolation -e ."
-  install 120 -q --no-deps --no-build-isolation -e . || log "editable install failed (exit $?)"
+  install "$(grant 120 10)" -q --no-deps --no-build-isolation -e . || log "editable install failed (exit $?)"
   if ! "$PY" -c "import grpo_fast.kernels, grpo_fast.benchmarks.gpu_check" >>"$LOG" 2>&1; then
     # Without the install, pyproject's package-dir mapping (kernels/ -> grpo_fast.kernels, benchmarks/ ->
     # grpo_fast.benchmarks) is rebuilt from links in this copy of the tree, with its root on the path: pytest puts
@@ -103,57 +136,111 @@ EOF
     [ -e grpo_fast/benchmarks ] || ln -s ../benchmarks grpo_fast/benchmarks
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  "$PY" -c 'import importlib.util as u; print("importable:", {m: bool(u.find_spec(m)) for m in
-    ("grpo_fast", "trl", "liger_kernel", "datasets", "pytest")})' 2>&1 | tee -a "$OUT/environment.txt" >>"$LOG"
+  IMPORTABLE=$("$PY" -c 'import importlib.util as u; print("importable:", {m: bool(u.find_spec(m)) for m in
+    ("grpo_fast", "trl", "liger_kernel", "datasets", "pytest", "xdist", "pytest_timeout")})' 2>&1)
+  echo "$IMPORTABLE" >>"$OUT/environment.txt"
+  done_phase install ok $((SECONDS - T0)) "$IMPORTABLE"
 fi
 
-# (3) gpu_check: it writes OUT/gpu_check.json and OUT/SUMMARY.md after every phase
-CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-230}
-[ "$CHECK_TIMEOUT" -gt "$(($(left) - 30))" ] && CHECK_TIMEOUT=$(($(left) - 30))
-log "gpu_check, budget ${GPU_CHECK_BUDGET:-180} s, timeout $CHECK_TIMEOUT s"
-timeout -k 10 "$CHECK_TIMEOUT" "$PY" -m grpo_fast.benchmarks.gpu_check "$OUT" --budget "${GPU_CHECK_BUDGET:-180}" \
-  ${GPU_CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
-CHECK_STATUS=$?
-log "gpu_check exit status $CHECK_STATUS (0 pass, 1 a correctness row failed, 124/137 timed out)"
-rm -f "$OUT"/*.tmp                            # a write cut short by the timeout
-
-# (4) the kernel tests on the same GPU, whatever gpu_check found
-TESTS=${KERNEL_TESTS:-"$("$PY" -c 'from grpo_fast.benchmarks.gpu_check import KERNEL_TESTS; print(KERNEL_TESTS)' \
-  2>>"$LOG") -vv --tb=short -p no:cacheprovider"}
+# 3. the kernel tests on this GPU, in parallel: each worker compiles its share of the ~150 kernel specializations
+T0=$SECONDS
+if [ -n "${KERNEL_TESTS:-}" ]; then
+  TESTS=$KERNEL_TESTS
+else
+  TESTS="$("$PY" -c 'from grpo_fast.benchmarks.gpu_check import KERNEL_TESTS; print(KERNEL_TESTS)' 2>>"$LOG") \
+-p no:cacheprovider -rfE"
+  if "$PY" -c "import xdist" 2>/dev/null; then
+    TESTS="$TESTS -n ${TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); [ "$n" -gt 8 ] && n=8; echo "$n")}"
+  else
+    log "kernel tests: pytest-xdist does not import here: one process"
+  fi
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    TESTS="$TESTS --timeout ${TEST_TIMEOUT:-120}"
+  else
+    log "kernel tests: pytest-timeout does not import here: no limit per test, only the phase's"
+  fi
+fi
 TESTS=${TESTS/#python /$PY }
-TEST_TIMEOUT=${KERNEL_TESTS_TIMEOUT:-160}
-[ "$TEST_TIMEOUT" -gt "$(($(left) - 5))" ] && TEST_TIMEOUT=$(($(left) - 5))
-if [ "$TEST_TIMEOUT" -lt 20 ]; then
-  log "kernel tests: skipped, $(left) s left in the window" | tee "$OUT/kernel_tests.txt"
+TEST_TIMEOUT=$(grant "${KERNEL_TESTS_TIMEOUT:-150}" 20)
+if [ "$TEST_TIMEOUT" = 0 ]; then
+  echo "skipped: $(left) s left in the window" >"$OUT/kernel_tests.txt"
   TEST_STATUS=skipped
+  done_phase "kernel tests" skipped 0 "$(left) s left in the window, 20 needed"
 else
   log "kernel tests, timeout $TEST_TIMEOUT s: $TESTS"
   echo "$TESTS" >"$OUT/kernel_tests.txt"
   timeout -k 10 "$TEST_TIMEOUT" $TESTS >>"$OUT/kernel_tests.txt" 2>&1
   TEST_STATUS=$?
-  log "kernel tests exit status $TEST_STATUS (0 pass, 1 failures, 124/137 timed out):" \
-    "$(tail -n 1 "$OUT/kernel_tests.txt")"
+  done_phase "kernel tests" "exit $TEST_STATUS" $((SECONDS - T0)) \
+    "$(tail -n 1 "$OUT/kernel_tests.txt") (0 pass, 1 failures, 124/137 timed out)"
 fi
 
-# (5) verl's main_ppo for 2 GRPO steps with vLLM rollouts and grpo_fast fused (examples/verl_grpo.py), where verl,
-# vLLM and Ray import and VERL_GRPO_TIMEOUT (default 240) seconds are left in the window; else the reason is logged
+# 4. gpu_check: it rewrites OUT/gpu_check.json and OUT/SUMMARY.md after every phase of its own
+T0=$SECONDS
+BUDGET=${GPU_CHECK_BUDGET:-150}
+WANT=${GPU_CHECK_TIMEOUT:-$((BUDGET + 40))}
+CHECK_TIMEOUT=$(grant "$WANT" $((WANT < 60 ? WANT : 60)))
+[ "$CHECK_TIMEOUT" -gt 40 ] && [ "$BUDGET" -gt $((CHECK_TIMEOUT - 30)) ] && BUDGET=$((CHECK_TIMEOUT - 30))
+if [ "$CHECK_TIMEOUT" = 0 ]; then
+  CHECK_STATUS=skipped
+  done_phase gpu_check skipped 0 "$(left) s left in the window, 60 needed"
+else
+  log "gpu_check, budget $BUDGET s, timeout $CHECK_TIMEOUT s"
+  timeout -k 10 "$CHECK_TIMEOUT" "$PY" -m grpo_fast.benchmarks.gpu_check "$OUT" --budget "$BUDGET" \
+    ${GPU_CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
+  CHECK_STATUS=$?
+  rm -f "$OUT"/*.tmp                          # a write cut short by the timeout
+  done_phase gpu_check "exit $CHECK_STATUS" $((SECONDS - T0)) \
+    "$(head -n 1 "$OUT/SUMMARY.md" 2>/dev/null || echo 'no SUMMARY.md') (0 pass, 1 a row failed, 124/137 timed out)"
+fi
+
+# 5. compute-sanitizer's memcheck over the layout and kept-set tests: an out-of-bounds read or write, which a
+# passing test can hide. The caching allocator is off, so that the end of a tensor is the end of an allocation.
+T0=$SECONDS
+SANITIZER=${SANITIZER:-$(command -v compute-sanitizer)}
+MEMCHECK_TIMEOUT=$(grant "${SANITIZER_TIMEOUT:-100}" 45)
+if [ -z "$SANITIZER" ]; then
+  echo "skipped: compute-sanitizer not found" >"$OUT/memcheck.txt"
+  done_phase memcheck skipped 0 "compute-sanitizer not found"
+elif [ "$MEMCHECK_TIMEOUT" = 0 ]; then
+  echo "skipped: $(left) s left in the window" >"$OUT/memcheck.txt"
+  done_phase memcheck skipped 0 "$(left) s left in the window, 45 needed"
+else
+  MEMCHECK=$("$PY" -c 'from grpo_fast.benchmarks.gpu_check import SANITIZER_TESTS; print(SANITIZER_TESTS)' \
+    2>>"$LOG")
+  MEMCHECK="$SANITIZER --tool memcheck --error-exitcode 1 --print-limit 20 ${MEMCHECK/#python /$PY } -x -p no:cacheprovider"
+  echo "$MEMCHECK" >"$OUT/memcheck.txt"
+  log "memcheck, timeout $MEMCHECK_TIMEOUT s: $MEMCHECK"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$MEMCHECK_TIMEOUT" bash -c "$MEMCHECK" >>"$OUT/memcheck.txt" 2>&1
+  MEMCHECK_STATUS=$?
+  done_phase memcheck "exit $MEMCHECK_STATUS" $((SECONDS - T0)) \
+    "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.txt" || tail -n 1 "$OUT/memcheck.txt") (0 clean, 124/137 timed out)"
+fi
+
+# 6. verl's main_ppo for 2 GRPO steps with vLLM rollouts and grpo_fast fused (examples/verl_grpo.py), where verl,
+# vLLM and Ray import and VERL_GRPO_TIMEOUT (default 240) seconds are left in the window; else the reason
+T0=$SECONDS
 VERL_TIMEOUT=${VERL_GRPO_TIMEOUT:-240}
 if ! MISSING_VERL=$("$PY" -c 'import importlib.util as u; import sys; missing = [m for m in ("verl", "vllm", "ray")
     if not u.find_spec(m)]; print(" ".join(missing)); sys.exit(bool(missing))' 2>&1); then
-  log "verl main_ppo: skipped, not importable: $MISSING_VERL" | tee "$OUT/verl_grpo.txt"
-elif [ "$(left)" -lt "$VERL_TIMEOUT" ]; then
-  log "verl main_ppo: skipped, $(left) s left in the window, $VERL_TIMEOUT s needed" | tee "$OUT/verl_grpo.txt"
+  echo "skipped: not importable: $MISSING_VERL" >"$OUT/verl_grpo.txt"
+  done_phase verl skipped 0 "not importable: $MISSING_VERL"
+elif [ "$(grant "$VERL_TIMEOUT" "$VERL_TIMEOUT")" = 0 ]; then
+  echo "skipped: $(left) s left in the window, $VERL_TIMEOUT s needed" >"$OUT/verl_grpo.txt"
+  done_phase verl skipped 0 "$(left) s left in the window, $VERL_TIMEOUT s needed"
 else
   log "verl main_ppo, 2 steps, timeout $VERL_TIMEOUT s: examples/verl_grpo.py $OUT/verl_grpo"
   timeout -k 10 "$VERL_TIMEOUT" "$PY" examples/verl_grpo.py "$OUT/verl_grpo" trainer.total_training_steps=2 \
     >"$OUT/verl_grpo.txt" 2>&1
-  log "verl main_ppo exit status $? (0 pass): $(tail -n 1 "$OUT/verl_grpo.txt")"
+  VERL_STATUS=$?
   rm -rf "$OUT/verl_grpo/checkpoints" "$OUT/verl_grpo/model"    # the step's log stays, the weights go
+  done_phase verl "exit $VERL_STATUS" $((SECONDS - T0)) "$(tail -n 1 "$OUT/verl_grpo.txt") (0 pass)"
 fi
 
 GPU=$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")' \
   2>/dev/null | tr 'A-Z ' 'a-z-')
-log "done in $((SECONDS - START)) s; commit OUT_DIR's files under benchmarks/results/${GPU:-gpu}/"
+log "done in $((SECONDS - START)) s of $WINDOW_S; commit OUT_DIR's files under benchmarks/results/${GPU:-gpu}/"
 [ -f "$OUT/SUMMARY.md" ] && cat "$OUT/SUMMARY.md"
+cat "$PHASES"
 echo "gpu_check: $CHECK_STATUS, kernel tests: $TEST_STATUS; $(tail -n 1 "$OUT/kernel_tests.txt")"
 [ "$CHECK_STATUS" = 0 ] && [ "$TEST_STATUS" = 0 ]

@@ -28,7 +28,7 @@ import torch
 from grpo_fast.benchmarks.implementations import IMPLEMENTATIONS, Batch, kept_set
 from grpo_fast.benchmarks.profiling import GemmCounter, machine_name, peak_rss_bytes, start_peak_rss
 
-GPU_HEADS = [(896, 151936), (3584, 151936), (2304, 256000)]         # Qwen2.5-0.5B, Qwen2.5-7B, Gemma-2-2B
+GPU_HEADS = [(896, 151936), (3584, 152064), (2304, 256000)]         # Qwen2.5-0.5B, Qwen2.5-7B, Gemma-2-2B
 GPU_TOKENS = [1024, 4096, 16384, 65536]
 CPU_HEADS = [(512, 32768), (1024, 65536)]
 CPU_TOKENS = [1024, 2048, 4096, 8192]

@@ -15,7 +15,7 @@ from grpo_fast.variants import LossConfig, TokenTerms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-CHUNK, HIDDEN, VOCAB = (4096, 3584, 151936) if DEVICE == "cuda" else (256, 512, 32768)
+CHUNK, HIDDEN, VOCAB = (4096, 3584, 152064) if DEVICE == "cuda" else (256, 512, 32768)
 BACKENDS = ["torch"] + (["triton"] if DEVICE == "cuda" and backends.triton_available() else [])
 TRANSFORM = LogitTransform(scale=1.0, softcap=None, temperature=0.9)
 
