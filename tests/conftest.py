@@ -10,7 +10,7 @@
 import pytest
 
 from tests import gpu_arithmetic
-from tests.helpers import BACKENDS
+from tests.helpers import BACKENDS, interpreter_numpy_problem
 
 
 def pytest_addoption(parser):
@@ -20,6 +20,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    problem = interpreter_numpy_problem()
+    if problem:
+        pytest.exit(problem, returncode=4)
     config.addinivalue_line("markers", "triton_path: every test of the module runs a Triton kernel")
     arithmetic = config.getoption("--gpu-arithmetic")
     if arithmetic is not None:

@@ -18,6 +18,32 @@ if not torch.cuda.is_available():
 from grpo_fast.backends import triton_available  # noqa: E402
 
 BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
+# Triton 3.6's CPU interpreter turns (1,)-shaped arrays into Python scalars, which numpy 2.4 refuses ("only
+# 0-dimensional arrays can be converted to Python scalars"): every kernel test fails there. Triton 3.7 and later run
+# on numpy 2.4 (seen with 2.4.6).
+INTERPRETER_NUMPY = {"triton_below": "3.7", "numpy_below": "2.4"}
+
+
+def interpreter_numpy_problem(triton_version=None, numpy_version=None):
+    """One line naming the numpy the kernel tests need, when Triton's CPU interpreter runs them (no GPU) and this
+    Triton and numpy do not work together; None when they do, or when the kernels are compiled (a GPU)."""
+    from packaging.version import Version
+
+    if torch.cuda.is_available() and triton_version is None:
+        return None
+    try:
+        import numpy
+        import triton
+    except ImportError:
+        return None
+    triton_version = Version(triton_version or triton.__version__)
+    numpy_version = Version(numpy_version or numpy.__version__)
+    if triton_version < Version(INTERPRETER_NUMPY["triton_below"]) and \
+            numpy_version >= Version(INTERPRETER_NUMPY["numpy_below"]):
+        return (f"Triton {triton_version}'s CPU interpreter needs numpy < {INTERPRETER_NUMPY['numpy_below']}, and this "
+                f"environment has numpy {numpy_version}: pip install -c constraints-cpu.txt numpy (2.3.5), or Triton "
+                f">= {INTERPRETER_NUMPY['triton_below']}")
+    return None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the repository
 

@@ -149,3 +149,15 @@ def test_the_repository_root_on_sys_path_does_not_shadow_hugging_faces_kernels(t
     else:
         assert lines["found"] == os.path.join(ROOT, "kernels", "__init__.py") + " False", lines
     assert lines["ours"].endswith(os.path.join("kernels", "__init__.py") + " True"), lines
+
+
+def test_the_kernel_tests_name_the_numpy_triton_36s_interpreter_needs():
+    """Triton 3.6's CPU interpreter fails every kernel test on numpy 2.4 and later: the test run stops with one
+    line naming the numpy it needs, and says nothing where the pair works."""
+    from tests.helpers import interpreter_numpy_problem
+
+    line = interpreter_numpy_problem("3.6.0", "2.4.6")
+    assert line.startswith("Triton 3.6.0's CPU interpreter needs numpy < 2.4, and this environment has numpy 2.4.6")
+    assert "\n" not in line
+    assert interpreter_numpy_problem("3.6.0", "2.3.5") is None
+    assert interpreter_numpy_problem("3.7.1", "2.4.6") is None
