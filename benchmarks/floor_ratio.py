@@ -5,7 +5,8 @@ python -m benchmarks.floor_ratio --shape 2048x512x32768 --threads 2 --rounds 7
 Per round, interleaved: the floor (logits = h W^T, d(hidden) = dlogits W, d(weight) = dlogits^T h by torch.mm
 into preallocated buffers; floor_alloc: the same into fresh tensors, as `grpo-fast bench` times it), the naive
 full-logits loss (grpo_fast.reference) with its backward, the fused loss (grpo_loss, dapo with a KL term, the torch
-backend, all tokens in one chunk) with its backward, and the torch backend's two per-chunk passes alone (stats_
+backend, all tokens in one chunk; fused_default: in the chunks of the default budget, as a caller gets them) with
+its backward, and the torch backend's two per-chunk passes alone (stats_
 then dlogits_ on a chunk of logits, the logits GEMM untimed). The minimum over rounds is the number to compare
 (the machine may be shared); the median is printed beside it. Ratios are to the preallocated floor.
 """
@@ -76,12 +77,13 @@ def naive_step(inputs):
     return step
 
 
-def fused_step(inputs):
+def fused_step(inputs, default_chunks=False):
+    """The fused loss and its backward: all tokens in one chunk, or (default_chunks) the default chunk budget."""
     tokens, vocab = inputs["mask"].numel(), inputs["weight"].shape[0]
     # the whole batch in one chunk: rows padded to 16 elements, bytes per logit as the backend counts them
     one_chunk = tokens * (vocab + 16) * backends.resolve("torch", torch.device("cpu")).bytes_per_logit(
         inputs["hidden"].dtype)
-    execution = gf.Execution(chunk_bytes=one_chunk, backend="torch")
+    execution = gf.Execution(chunk_bytes=None if default_chunks else one_chunk, backend="torch")
 
     def step():
         loss, _ = gf.grpo_loss(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"],
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
     tokens, hidden_size, vocab = (int(part) for part in args.shape.lower().split("x"))
     inputs = make_inputs(tokens, hidden_size, vocab, getattr(torch, args.dtype))
     steps = {"floor": floor_step(inputs), "floor_alloc": floor_alloc_step(inputs), "naive": naive_step(inputs),
-             "fused": fused_step(inputs), "passes": passes_step(inputs)}
+             "fused": fused_step(inputs), "fused_default": fused_step(inputs, default_chunks=True),
+             "passes": passes_step(inputs)}
     times: dict = {name: [] for name in steps}
     for step in steps.values():           # warm-up: thread pools, first-call paths, the heap at this shape
         step()
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
           f"(torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
     for name, values in times.items():
         best = min(values)
-        print(f"{name:11s} min {best:7.3f} s  median {statistics.median(values):7.3f} s  "
+        print(f"{name:13s} min {best:7.3f} s  median {statistics.median(values):7.3f} s  "
               f"min / floor {best / floor:5.2f}")
     return 0
 

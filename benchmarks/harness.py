@@ -386,6 +386,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed repeats (default 5 on GPU, 3 on CPU)")
     parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>)")
     parser.add_argument("--time-budget", type=seconds, default=None, help="seconds after which rows are skipped")
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
 
 
 def main(args) -> int:
@@ -397,6 +398,10 @@ def main(args) -> int:
     if "floor" not in names:
         names = ["floor", *names]
     out = args.out or os.path.join("benchmarks", "results", "gpu" if cuda else "cpu")
+    if not getattr(args, "overwrite", False) and os.path.isfile(os.path.join(out, "bench.json")):
+        print(f"grpo-fast bench: {os.path.join(out, 'bench.json')} exists: pass --overwrite to replace it, or "
+              "another --out", file=sys.stderr)
+        return 2
     problem = unwritable(out)
     if problem:                          # found now, not after an hour of measurements
         print(f"grpo-fast bench: --out must be a folder that can be created and written, got {out!r}: {problem}",

@@ -65,14 +65,28 @@ def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops: Chunk
     return max(1, chunk_bytes // bytes_per_row)
 
 
+def balanced_rows(tokens: int, rows: int) -> int:
+    """Tokens per chunk when a chunk may hold at most `rows`: as many chunks as that takes, all of one size (the
+    last at most one token short). A chunk as large as the budget allows would leave a ragged last one and a buffer
+    larger than the tokens need: 2048 tokens at 682 rows are four chunks either way, and 512 rows a chunk hold
+    them in a buffer a quarter smaller."""
+    if tokens <= rows:
+        return max(tokens, 1)
+    chunks = -(-tokens // rows)
+    return -(-tokens // chunks)
+
+
 def chunk_plan(hidden, weight, chunk_bytes, backend, ops=None) -> tuple[ChunkOps, int, int]:
-    """(ops, chunk_bytes, rows) of a chunked pass of hidden (N, H) against weight (V, H): the backend `backend` on
-    hidden's device unless `ops` is given, the default budget when chunk_bytes is None, the tokens per chunk."""
+    """(ops, chunk_bytes, rows) of a chunked pass of hidden (..., H) (its tokens the rows of the pass) against
+    weight (V, H): the backend `backend` on hidden's device unless `ops` is given, the default budget when
+    chunk_bytes is None, the tokens per chunk (the fewest chunks the budget allows, of equal size:
+    balanced_rows)."""
     if ops is None:
         ops = backends.resolve(backend, hidden.device)
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(hidden.device)
-    return ops, chunk_bytes, chunk_rows(ops.chunk_vocab(weight.shape[0]), hidden.dtype, chunk_bytes, ops)
+    rows = chunk_rows(ops.chunk_vocab(weight.shape[0]), hidden.dtype, chunk_bytes, ops)
+    return ops, chunk_bytes, balanced_rows(hidden.numel() // max(hidden.shape[-1], 1), rows)
 
 
 def padded_width(vocab_size: int) -> int:

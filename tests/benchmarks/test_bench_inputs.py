@@ -66,6 +66,16 @@ def test_bench_refuses_an_output_folder_it_cannot_write(tmp_path, capsys, nothin
     assert harness.unwritable(str(tmp_path / "new" / "folder")) is None and (tmp_path / "new" / "folder").is_dir()
 
 
+def test_bench_keeps_results_already_there_unless_told(tmp_path, capsys, nothing_runs):
+    """Committed results are never replaced by default: a bench.json in --out stops the run before it measures,
+    naming --overwrite."""
+    (tmp_path / "bench.json").write_text("{}")
+    assert main(["bench", "--device", "cpu", "--shapes", "8x4x10", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"grpo-fast bench: {tmp_path / 'bench.json'} exists: pass --overwrite to "
+                                       "replace it, or another --out\n")
+    assert (tmp_path / "bench.json").read_text() == "{}"
+
+
 @pytest.fixture
 def in_process(monkeypatch):
     # Rows measured in this process, at tiny shapes: no subprocess, well under a second each.
@@ -79,7 +89,7 @@ def test_bench_exits_non_zero_when_a_measured_row_failed(tmp_path, capsys, monke
         raise RuntimeError("shape mismatch")
 
     monkeypatch.setitem(IMPLEMENTATIONS, "broken", Implementation("broken", broken))
-    argv = ["bench", "--device", "cpu", "--shapes", "32x8x50", "--repeats", "1", "--out", str(tmp_path)]
+    argv = ["bench", "--device", "cpu", "--shapes", "32x8x50", "--repeats", "1", "--out", str(tmp_path), "--overwrite"]
     assert main([*argv, "--impls", "broken"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         "grpo-fast bench: 1 of 2 rows failed: 32x8x50 broken: RuntimeError: shape mismatch")

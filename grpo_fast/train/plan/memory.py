@@ -446,14 +446,16 @@ def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capa
         chunk_bytes = chunked.CUDA_CHUNK_BYTES_MAX if capacity is None else chunked.cuda_chunk_bytes(capacity)
     elif chunk_bytes is None:
         chunk_bytes = chunked.DEFAULT_CHUNK_BYTES_CPU
+    # the chunks are of equal size, as few as the budget allows (chunked.balanced_rows)
     if job.device == "cuda":             # Triton works in place on the GEMM buffer
-        buffer = min(tokens * v * act_bytes, chunk_bytes)
+        rows = chunked.balanced_rows(tokens, max(1, chunk_bytes // (v * act_bytes)))
+        buffer = rows * v * act_bytes
     else:
         # The PyTorch path sizes its chunk for the buffer, an fp32 copy when it is not fp32 and two fp32
         # temporaries (torch_ops.bytes_per_logit), but holds the buffer alone: its passes run a block of rows at a
         # time with at most four block-sized temporaries (torch_ops.row_blocks).
         budget_per_logit = act_bytes + (0 if act_bytes == 4 else 4) + 8
-        rows = min(tokens, max(1, chunk_bytes // (v * budget_per_logit)))
+        rows = chunked.balanced_rows(tokens, max(1, chunk_bytes // (v * budget_per_logit)))
         buffer = rows * v * act_bytes + 4 * torch_ops.CPU_BLOCK_BYTES
     return buffer + tokens * 4 * 8 + gradients                             # plus per-token fp32 vectors
 
