@@ -177,8 +177,13 @@ def test_a_copy_without_git_names_its_commit_by_tree_id(tmp_path):
     the same files, which names the commit; the carried wheels folder is no part of it."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs git and this repository's .git")
-    index = tmp_path / "index"
-    git = {**os.environ, "GIT_INDEX_FILE": str(index)}
+    # the working tree's files as git would commit them, hashed into a scratch index and object folder (the
+    # repository's own objects only read)
+    objects = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-path", "objects"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "objects").mkdir()
+    git = {**os.environ, "GIT_INDEX_FILE": str(tmp_path / "index"), "GIT_OBJECT_DIRECTORY": str(tmp_path / "objects"),
+           "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects}
     subprocess.run(["git", "add", "-A"], cwd=ROOT, env=git, check=True)
     expected = subprocess.run(["git", "write-tree"], cwd=ROOT, env=git, capture_output=True, text=True,
                               check=True).stdout.strip()
