@@ -57,6 +57,10 @@ def test_components_behave():
     lora_fp32_base = plan(shape, Job(lora_rank=16))                 # bf16-autocast keeps the weights in fp32
     assert lora_fp32_base["weights"] > short["weights"] and lora_fp32_base["autocast_weight_copies"] == 0
     assert plan(shape, Job(beta=0.04))["reference_model"] == short["weights"]
+    # with LoRA the KL reference is the policy with its adapters off, as train builds it: no copy (it planned one)
+    lora_kl = plan(shape, Job(lora_rank=16, dtype="bf16", beta=0.04))
+    assert lora_kl["reference_model"] == 0 and lora_kl["total"] == lora["total"] + lora_kl["no_grad_pass"] - \
+        lora["no_grad_pass"]
     # per trained parameter: AdamW 8 bytes (fp32 moments), 12 with bf16 weights (an fp32 master copy too),
     # 8-bit AdamW 2, bf16-state AdamW 4 (both round bf16 weights stochastically: no master)
     n = shape.num_parameters()

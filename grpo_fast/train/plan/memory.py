@@ -345,7 +345,9 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
         "gradients": trainable * trainable_bytes,
         "fp32_gradient_sum": fp32_sum,
         "optimizer": trainable * state_bytes,
-        "reference_model": params * param_bytes if job.beta > 0 else 0,
+        # the KL reference is a frozen copy of the policy, but with LoRA the policy with its adapters off
+        # (grpo_fast.train.policy.frozen_reference): no copy
+        "reference_model": params * param_bytes if job.beta > 0 and not job.lora_rank else 0,
         "autocast_weight_copies": params * 2 if autocast_copies and job.device == "cuda" else 0,
         **_micro_batch_peak(shape, job, capacity, attention),
         "kv_cache": 0,
