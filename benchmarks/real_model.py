@@ -64,10 +64,10 @@ def gsm8k_prompts(tokenizer, count: int) -> list:
 def plain_generate(model, tokenizer, prompts: list, group_size: int, tokens: int):
     """A call(seed) of one `model.generate` over the prompts' left-padded rows, group_size each, sampling at
     temperature 1 with transformers' own sampler and exactly `tokens` new tokens."""
-    longest, pad = max(map(len, prompts)), tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (longest - len(ids)) + list(ids) for ids in prompts for _ in range(group_size)])
-    attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts
-                                   for _ in range(group_size)])
+    from grpo_fast.train.rollout.engines import left_padded
+
+    pad = tokenizer.pad_token_id
+    input_ids, attention_mask = left_padded(prompts, group_size, pad)       # the HF engine's own batch
 
     @torch.no_grad()
     def call(seed):

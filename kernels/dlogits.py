@@ -16,7 +16,7 @@ that it resolves below ulp(1) and each row's gradients sum to 0 to the rounding 
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import RowStats, compiled, load_width, on_device, transform_constants
+from grpo_fast.kernels.launch import RowStats, compiled, load_width, negates, on_device, transform_constants
 from grpo_fast.kernels.logprob_forward import _pre_exp, _z_scale
 from grpo_fast.kernels.transform import LN2, LOG2E, one_minus_exp
 from grpo_fast.kernels.tuning import DLOGITS
@@ -102,7 +102,7 @@ def dlogits_(logits, targets, stats: RowStats, g_logp, *, g_entropy=None, scale=
             in_scale, out_scale, grad_scale,
             BLOCK_V=DLOGITS["BLOCK_V"],
             HAS_SOFTCAP=softcap is not None,
-            NEGATE=softcap is None and in_scale < 0,
+            NEGATE=negates(softcap, in_scale),
             HAS_GRAD_ENTROPY=has_grad_entropy,
             COMPILED=compiled(_dlogits_kernel),
             num_warps=DLOGITS["num_warps"],

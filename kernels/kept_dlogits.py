@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from grpo_fast.kernels.dlogits import grad_logits
-from grpo_fast.kernels.launch import RowStats, compiled, load_width, on_device, transform_constants
+from grpo_fast.kernels.launch import RowStats, compiled, load_width, negates, on_device, transform_constants
 from grpo_fast.kernels.tuning import KEPT
 
 
@@ -85,7 +85,7 @@ def kept_dlogits_(logits, targets, kept_ids, kept_offsets, stats: RowStats, g_lo
             BLOCK_K=KEPT["BLOCK_K"],
             BLOCK_V=KEPT["BLOCK_V"],
             HAS_SOFTCAP=softcap is not None,
-            NEGATE=softcap is None and in_scale < 0,
+            NEGATE=negates(softcap, in_scale),
             HAS_GRAD_ENTROPY=has_grad_entropy,
             COMPILED=compiled(_kept_dlogits_kernel),
             num_warps=KEPT["num_warps"],

@@ -16,7 +16,7 @@ One program per row; its kept ids are walked in BLOCK_K tiles.
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import RowStats, compiled, on_device, transform_constants
+from grpo_fast.kernels.launch import RowStats, compiled, negates, on_device, transform_constants
 from grpo_fast.kernels.logprob_forward import _pre_exp, _store_row_stats, _update, _z_scale
 from grpo_fast.kernels.transform import LOG2E, NEG_BIG
 from grpo_fast.kernels.tuning import KEPT
@@ -85,7 +85,7 @@ def kept_logprob_forward(logits, targets, kept_ids, kept_offsets, *, scale=1.0, 
             in_scale, out_scale,
             BLOCK_K=KEPT["BLOCK_K"],
             HAS_SOFTCAP=softcap is not None,
-            NEGATE=softcap is None and in_scale < 0,
+            NEGATE=negates(softcap, in_scale),
             COMPUTE_ENTROPY=compute_entropy,
             COMPUTE_SUM_SQ=compute_sum_pi_squared,
             COMPILED=compiled(_kept_logprob_forward_kernel),

@@ -81,6 +81,12 @@ def on_device(tensor: torch.Tensor):
     return torch.cuda.device(tensor.device) if tensor.is_cuda else nullcontext()
 
 
+def negates(softcap, in_scale: float) -> bool:
+    """Whether the kernels take x = -y (a negative scale without a soft-cap), so that x increases with z: the stats
+    and gradient passes must decide alike, since the gradient pass reads the stats pass's max of x."""
+    return softcap is None and in_scale < 0
+
+
 def transform_constants(scale: float, temperature: float, softcap):
     """(in_scale, out_scale, grad_scale) of `grpo_fast.kernels.transform.transform`, divisions done once here."""
     if softcap is None:

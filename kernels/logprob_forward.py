@@ -23,7 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_fast.kernels.launch import RowStats, aligned_rows, compiled, load_width, on_device, transform_constants
+from grpo_fast.kernels.launch import (
+    RowStats,
+    aligned_rows,
+    compiled,
+    load_width,
+    negates,
+    on_device,
+    transform_constants,
+)
 from grpo_fast.kernels.transform import LN2, LOG2E, NEG_BIG, log1p, nan_max, nan_min, tanh
 from grpo_fast.kernels.tuning import LOGPROB_FORWARD
 
@@ -209,7 +217,7 @@ def logprob_forward(logits, targets, *, scale=1.0, temperature=1.0, softcap=None
             BLOCK_V=block,
             GROUP=group,
             HAS_SOFTCAP=softcap is not None,
-            NEGATE=softcap is None and in_scale < 0,
+            NEGATE=negates(softcap, in_scale),
             BF16_PAIRS=group > 1 and logits.dtype == torch.bfloat16,
             COMPILED=compiled(_logprob_forward_kernel),
             COMPUTE_ENTROPY=compute_entropy,

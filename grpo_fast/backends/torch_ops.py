@@ -49,6 +49,12 @@ CPU_BLOCK_BYTES = 4 << 20
 BLOCKS_OFF_CPU = 4
 
 
+def log_sum_exp_shifted(row_max: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """ln s = log1p(s - 1) of rows whose exp(z - max) sum to s, s - 1 = `rest` summed without one maximum's own 1;
+    NaN where the row's max is at the NEG_BIG floor (every logit -inf: no distribution, as log_softmax gives)."""
+    return torch.where(row_max > NEG_BIG, rest.log1p(), float("nan"))
+
+
 def transformed_(buffer, transform, out=None) -> torch.Tensor:
     """z = softcap(y * scale) / temperature, floored at NEG_BIG, in place when the buffer is fp32 / fp64 (else an
     fp32 copy, into out when given)."""
@@ -127,8 +133,7 @@ def stats_(buffer, targets, transform, need_entropy, need_sum_pi_squared=False) 
         rest = below_max.mul_(probs).sum(dim=-1, keepdim=True).neg_().add_(maxima_past_first)
         torch.add(rest, 1.0, out=sum_exp[rows])
         probs.div_(sum_exp[rows])
-        # ln s; NaN for a row with no logit above the floor (all -inf: no distribution), as log_softmax gives
-        log_sum = torch.where(m > NEG_BIG, rest.log1p(), float("nan"))
+        log_sum = log_sum_exp_shifted(m, rest)                # ln s
         row_max[rows] = m
         lse[rows] = (m + log_sum).squeeze(1)
         logp[rows] = (target_logit - m - log_sum).squeeze(1)
@@ -258,7 +263,7 @@ def kept_stats_(buffer, targets, transform, need_entropy, kept, need_sum_pi_squa
     first = torch.full((num_rows,), num_kept, dtype=torch.long, device=z.device).scatter_reduce_(
         0, rows, torch.where(shifted == 0, position, num_kept), "amin")
     rest = stat.clone().index_add_(0, rows, shifted.exp().index_fill_(0, first, 0.0))
-    log_sum = torch.where(row_max > NEG_BIG, rest.log1p(), float("nan"))     # a set of -inf logits: NaN
+    log_sum = log_sum_exp_shifted(row_max, rest)
     probs = (shifted - log_sum.index_select(0, rows)).exp_()
     is_target = cols == targets.index_select(0, rows)
     logp = stat.clone().index_add_(0, rows, torch.where(is_target, shifted, 0.0)) - log_sum

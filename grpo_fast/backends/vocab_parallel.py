@@ -60,7 +60,7 @@ def _row_stats(row_max, sums, need_entropy, need_sum_pi_squared) -> _RowStats:
     relative accuracy. A row with no logit above the floor (all -inf) gets NaN."""
     count, below, dot, target_shift = sums[:4]
     rest = below + (count - 1)
-    log_sum = torch.where(row_max > torch_ops.NEG_BIG, rest.log1p(), float("nan"))
+    log_sum = torch_ops.log_sum_exp_shifted(row_max, rest)
     sum_exp = rest + 1
     return _RowStats(
         lse=row_max + log_sum,

@@ -31,6 +31,17 @@ from grpo_fast.train.rollout.sampling import PromptSeededSampler
 from grpo_fast.train.run.atomic import atomic_folder
 
 
+def left_padded(prompt_ids: list, n: int, pad: int, device=None) -> tuple:
+    """(input_ids, attention_mask), (len(prompt_ids) x n, longest) int64: each prompt n times in a row, left-padded
+    with `pad` (mask 0 there), the batch one `generate` call takes."""
+    longest = max(map(len, prompt_ids))
+    input_ids = torch.tensor([[pad] * (longest - len(ids)) + list(ids) for ids in prompt_ids for _ in range(n)],
+                             dtype=torch.long, device=device)
+    attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompt_ids
+                                   for _ in range(n)], dtype=torch.long, device=device)
+    return input_ids, attention_mask
+
+
 class HFEngine:
     """`model.generate` with sampling on the policy being trained: all of a call's prompts in one left-padded batch,
     each prompt's rows drawn from a stream seeded with seed + its index (rollout.sampling.PromptSeededSampler), so
@@ -55,10 +66,7 @@ class HFEngine:
         device = next(self.model.parameters()).device
         longest = max(map(len, prompt_ids))
         pad = tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (longest - len(ids)) + list(ids) for ids in prompt_ids for _ in range(n)],
-                                 dtype=torch.long, device=device)
-        attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompt_ids
-                                       for _ in range(n)], dtype=torch.long, device=device)
+        input_ids, attention_mask = left_padded(prompt_ids, n, pad, device)
         sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, config.rollout.temperature,
                                       config.rollout.top_p, config.rollout.top_k)
         was_training = self.model.training
