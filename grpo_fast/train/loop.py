@@ -115,7 +115,7 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
         model = lora.add_adapters(model, config)
     if state is None:
         return model, tokenizer, max_prompt_tokens, 0
-    start_step = checkpoint.restore_model(model, state)
+    start_step = checkpoint.restore_model(model, state, folder)
     log(f"resumed from {folder} at step {start_step}")
     return model, tokenizer, max_prompt_tokens, start_step
 

@@ -178,5 +178,10 @@ def frozen_reference(model, config, state):
         return None
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if state is not None and state.get("ref_model") is not None:
-        ref_model.load_state_dict(state["ref_model"])
+        try:
+            ref_model.load_state_dict(state["ref_model"])
+        except RuntimeError as error:             # load_state_dict's report: one line per mismatch
+            reasons = [line.strip() for line in str(error).splitlines()[1:] if line.strip()] or [str(error)]
+            raise ValueError(f"--resume: the checkpoint's KL reference (ref_model) does not fit this model "
+                             f"({reasons[0][:200]})") from None
     return ref_model

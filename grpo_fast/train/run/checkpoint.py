@@ -21,6 +21,7 @@ from grpo_fast.train import distributed, lora
 from grpo_fast.train.config import flat_values
 from grpo_fast.train.run import signals
 from grpo_fast.train.run.atomic import PREVIOUS, atomic_folder, complete_version
+from grpo_fast.train.run.errors import RunError
 
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
 # dtype, its adapters, its warm start), the optimizer's state, the prompts each step draws and how rewards are
@@ -34,12 +35,12 @@ RESUME_FIXED = ("model", "task", "prompt_column", "solution_column", "train_spli
 def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> str:
     """Writes `state` (see `training_state`) as output_dir/checkpoint-{step}/state.pt (and the tokenizer beside
     it), whole or not at all (grpo_fast.train.run.atomic), so a crash or a full disk never leaves a broken
-    checkpoint; older ones are then removed. Refuses (RuntimeError) weights that are not finite, keeping the last
+    checkpoint; older ones are then removed. Refuses (RunError) weights that are not finite, keeping the last
     good one."""
     bad = [name for name, tensor in state.get("model", {}).items()
            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
     if bad:
-        raise RuntimeError(f"not saving checkpoint-{step}: {len(bad)} weight tensors are not finite (first: "
+        raise RunError(f"not saving checkpoint-{step}: {len(bad)} weight tensors are not finite (first: "
                            f"{bad[0]}); the last good checkpoint in {output_dir} is kept")
     final = os.path.join(output_dir, f"checkpoint-{step}")
     try:
@@ -97,27 +98,96 @@ def training_state(policy, optimizer, scheduler, ref_model=None, rng=None, confi
             "config": None if config is None else dataclasses.asdict(config), "data": data}
 
 
-def latest_checkpoint(output_dir: str):
-    """The newest complete checkpoint folder in output_dir (checkpoint-N, or the complete previous version a cut
-    replace left as checkpoint-N.old), or None."""
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = [step for step in map(checkpoint_step, names) if step is not None]
-    return complete_version(os.path.join(output_dir, f"checkpoint-{max(steps)}")) if steps else None
-
-
-def load_latest(output_dir: str):
-    """(folder, state) of the newest checkpoint in output_dir, or (None, None) when there is none."""
-    folder = latest_checkpoint(output_dir)
-    if folder is None:
-        return None, None
+def _complete(folder) -> bool:
+    """Whether `folder` is a checkpoint folder with a non-empty state.pt (what save_checkpoint leaves)."""
     path = os.path.join(folder, "state.pt")
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def checkpoint_entries(output_dir: str) -> list:
+    """The checkpoint entries of output_dir, newest step first: for each step its folder, or the complete previous
+    version a cut replace left as checkpoint-N.old, or whatever else holds the name (a file, an empty folder)."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted({step for step in map(checkpoint_step, names) if step is not None}, reverse=True)
+    entries = []
+    for step in steps:
+        name = os.path.join(output_dir, f"checkpoint-{step}")
+        entries.append(complete_version(name) or (name if os.path.lexists(name) else name + PREVIOUS))
+    return entries
+
+
+def latest_checkpoint(output_dir: str):
+    """The newest complete checkpoint folder in output_dir (checkpoint-N with its state.pt, or the complete
+    previous version a cut replace left as checkpoint-N.old), or None."""
+    return next((entry for entry in checkpoint_entries(output_dir) if _complete(entry)), None)
+
+
+# what training_state writes: key -> (accepted types, what it should be)
+STATE_KEYS = {"step": (int, "a step number"), "model": (dict, "the weights by name"),
+              "optimizer": (dict, "the optimizer's state"), "scheduler": (dict, "the scheduler's state"),
+              "torch_rng": (torch.Tensor, "torch's random state"), "python_rng": (tuple, "Python's random state")}
+
+
+def state_problem(state, required=("step",)) -> str | None:
+    """What makes `state` (a loaded state.pt) unusable as a checkpoint, in a few words, or None: not a dict, a
+    `required` key missing, a key of the wrong type, weights that are not tensors or not finite (save_checkpoint
+    never writes those: the file was replaced or damaged)."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a checkpoint's dict"
+    for key, (kind, what) in STATE_KEYS.items():
+        if key not in state:
+            if key in required:
+                return f"it has no {key!r} ({what})"
+            continue
+        if not isinstance(state[key], kind) or (key == "step" and (isinstance(state[key], bool) or state[key] < 0)):
+            return f"its {key!r} is {type(state[key]).__name__} {str(state[key])[:40]!r}, not {what}"
+    for group in ("model", "ref_model"):
+        tensors = state.get(group) or {}
+        if not isinstance(tensors, dict):
+            return f"its {group!r} is a {type(tensors).__name__}, not the weights by name"
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                return f"its {group} weight {name!r} is a {type(tensor).__name__}, not a tensor"
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return f"its {group} weight {name!r} is not finite"
+    return None
+
+
+def _unusable(output_dir: str, entry: str, problem: str):
+    """ValueError "`problem`; what to do": resume from the next complete checkpoint once `entry` is moved aside,
+    or restore it."""
+    older = next((other for other in checkpoint_entries(output_dir) if other != entry and _complete(other)), None)
+    remedy = (f"{older} is complete: move {entry} out of {output_dir} to resume from it" if older else
+              "restore it from a copy, or start a new run without --resume in another output_dir")
+    return ValueError(f"{problem}; {remedy}")
+
+
+def load_latest(output_dir: str, required=("step",)):
+    """(folder, state) of the newest checkpoint in output_dir, or (None, None) when there is none. ValueError on
+    one line when the newest is not a usable checkpoint (a file or an empty folder by its name, a state.pt that is
+    empty, cut short, not a checkpoint's or without a `required` key of STATE_KEYS), naming it and the complete
+    checkpoint to use instead if any: an older one is never taken silently (the next save would remove the newer
+    entry)."""
+    entries = checkpoint_entries(output_dir)
+    if not entries:
+        return None, None
+    folder = entries[0]
+    path = os.path.join(folder, "state.pt")
+    if not os.path.isdir(folder):
+        raise _unusable(output_dir, folder, f"checkpoint {folder} is not a folder")
+    if not os.path.isfile(path):
+        raise _unusable(output_dir, folder, f"checkpoint {folder} has no state.pt (it holds "
+                       f"{sorted(os.listdir(folder))[:4] or 'nothing'})")
     try:
-        return folder, torch.load(path, weights_only=False, map_location="cpu")
+        state = torch.load(path, weights_only=False, map_location="cpu")
     except Exception as error:                     # empty, truncated or overwritten: torch's errors name no file
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(f"checkpoint {path} cannot be read ({type(error).__name__}: {reason[:120]}); it was cut "
-                         f"short or damaged after it was written: restore it from a copy, or start a new run "
-                         f"without --resume in another output_dir") from None
+        raise _unusable(output_dir, folder, f"checkpoint {path} cannot be read ({type(error).__name__}: "
+                        f"{reason[:120]}); it was cut short or damaged after it was written") from None
+    problem = state_problem(state, required)
+    if problem:
+        raise _unusable(output_dir, folder, f"checkpoint {path} is not a checkpoint's state: {problem}")
+    return folder, state
 
 
 def resume_changes(saved: dict, config) -> dict:
@@ -137,36 +207,54 @@ def resume_changes(saved: dict, config) -> dict:
 
 
 def load_tokenizer(folder: str):
-    """The tokenizer a checkpoint saved beside its state, or None (checkpoints of older versions)."""
+    """The tokenizer a checkpoint saved beside its state, or None (checkpoints of older versions). ValueError
+    naming the folder and its missing files when the saved tokenizer cannot be loaded."""
     if not os.path.exists(os.path.join(folder, "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as error:                    # transformers' errors run to many lines and name no file
+        missing = [name for name in ("tokenizer.json", "tokenizer_config.json")
+                   if not os.path.isfile(os.path.join(folder, name))]
+        what = f"{', '.join(missing)} missing" if missing else f"{type(error).__name__}: " + \
+            (str(error).strip().splitlines() or [""])[0][:120]
+        raise ValueError(f"checkpoint {folder}: the tokenizer saved with it cannot be loaded ({what}); copy the "
+                         f"files back from the model the run started from, or restore the checkpoint") from None
 
 
-def restore_model(model, state: dict) -> int:
+def restore_model(model, state: dict, folder: str = "(in memory)") -> int:
     """Loads the weights (of a LoRA model: the adapters, and the base when saved) and the random states of
-    `state` (the RNG continues where the run stopped); returns the number of steps done."""
-    if lora.is_peft(model):                       # adapters only: the base is the model as loaded
-        result = model.load_state_dict(state["model"], strict=False)
-        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
-        missing = sorted(trainable & set(result.missing_keys))
-        if missing or result.unexpected_keys:
-            raise ValueError(f"the checkpoint's adapters do not fit this model: missing {missing[:3]}, unexpected "
-                             f"{sorted(result.unexpected_keys)[:3]}")
-    else:
-        model.load_state_dict(state["model"])
-    torch.set_rng_state(state["torch_rng"].cpu())
-    random.setstate(state["python_rng"])
+    `state` (the RNG continues where the run stopped); returns the number of steps done. ValueError naming
+    `folder` when the weights do not fit the model (shapes, names) or the random states are not ones."""
+    try:
+        if lora.is_peft(model):                       # adapters only: the base is the model as loaded
+            result = model.load_state_dict(state["model"], strict=False)
+            trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+            missing = sorted(trainable & set(result.missing_keys))
+            if missing or result.unexpected_keys:
+                raise ValueError(f"checkpoint {folder}: its adapters do not fit this model: missing {missing[:3]}, "
+                                 f"unexpected {sorted(result.unexpected_keys)[:3]}")
+        else:
+            model.load_state_dict(state["model"])
+    except RuntimeError as error:                 # load_state_dict's report: one line per mismatch
+        reasons = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+        raise ValueError(f"checkpoint {folder}: its weights do not fit this model ({len(reasons)} mismatches; "
+                         f"first: {(reasons or [str(error)])[0][:200]})") from None
+    try:
+        torch.set_rng_state(state["torch_rng"].cpu())
+        random.setstate(state["python_rng"])
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"checkpoint {folder}: its random states cannot be restored ({error})") from None
     return state["step"]
 
 
 def require_latest(run_dir: str, needed_by: str, remedy: str = "a run writes one every save_every steps and at "
-                   "its end") -> tuple:
+                   "its end", required=("step",)) -> tuple:
     """(folder, state) of the newest checkpoint in run_dir; ValueError "`needed_by`: no checkpoint in run_dir
     (`remedy`)" when there is none: the one error of every command that needs one (resume, export, eval)."""
-    folder, state = load_latest(run_dir)
+    folder, state = load_latest(run_dir, required)
     if state is None:
         raise ValueError(f"{needed_by}: no checkpoint in {run_dir!r} ({remedy})")
     return folder, state
@@ -177,7 +265,8 @@ def resume_point(config, resume: bool, log):
     checkpoint, and a checkpoint whose model or data this config changes; logs the keys it changes."""
     if not resume:
         return None, None
-    folder, state = require_latest(config.run.output_dir, "--resume", "drop --resume to start a new run")
+    folder, state = require_latest(config.run.output_dir, "--resume", "drop --resume to start a new run",
+                                   required=tuple(STATE_KEYS))
     if state.get("config") is None:
         log(f"{folder} holds no config (an older version wrote it): resuming without comparing keys")
     else:

@@ -81,7 +81,7 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
     check_target(out_dir)
     if not os.path.isdir(run_dir):
         raise ValueError(f"run folder {run_dir!r} does not exist")
-    folder, state = checkpoint.require_latest(run_dir, "export")
+    folder, state = checkpoint.require_latest(run_dir, "export", required=("step", "model"))
     tokenizer = checkpoint.load_tokenizer(folder)
     if state.get("config") is None or tokenizer is None:
         raise ValueError(f"{folder} was written by an older version without its config and tokenizer: it cannot "
@@ -102,5 +102,5 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
     model, tokenizer = load_model(config, [], tokenizer, dtype)
     if config.policy.lora_rank:
         model = lora.add_adapters(model, config)
-    checkpoint.restore_model(model, state)
+    checkpoint.restore_model(model, state, folder)
     return save_model_folder(model, tokenizer, out_dir, adapter=adapter, step=state["step"])

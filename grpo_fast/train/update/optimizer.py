@@ -140,10 +140,15 @@ def restore_optimizer(policy, optimizer, scheduler, state: dict, config) -> None
     # set_optimizer_state_dict first runs a dummy step to create the states, and the dummy step of an optimizer
     # that rounds stochastically draws random numbers: the resumed run's random streams must not see it
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        set_optimizer_state_dict(policy.trunk, optimizer, state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=sharded))
-    scheduler.load_state_dict(state["scheduler"])
+    try:
+        with torch.random.fork_rng(devices=devices):
+            set_optimizer_state_dict(policy.trunk, optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=sharded))
+        scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:      # a state.pt that is not this run's
+        reason = (str(error).splitlines() or [""])[0][:160]
+        raise ValueError(f"--resume: the checkpoint's optimizer or scheduler state does not fit this model "
+                         f"({type(error).__name__}: {reason})") from None
     for group in optimizer.param_groups:
         group["initial_lr"], group["weight_decay"] = config.optimization.learning_rate, config.optimization.weight_decay
     scheduler.base_lrs = [config.optimization.learning_rate] * len(optimizer.param_groups)

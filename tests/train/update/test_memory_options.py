@@ -236,7 +236,7 @@ def test_lora_checkpoint_holds_the_adapters_and_restores_them():
     # with a warm start the base changed: it is saved too
     assert len(checkpoint.training_state(policy, optimizer, scheduler, config=lora_config(sft_steps=5))["model"]) \
         == len(net.state_dict())
-    with pytest.raises(ValueError, match="the checkpoint's adapters do not fit this model: missing"):
+    with pytest.raises(ValueError, match="its adapters do not fit this model: missing"):
         checkpoint.restore_model(lora.add_adapters(model(), lora_config(lora_target_modules=["q_proj", "o_proj"])),
                                  {**state, "step": 1})
 
