@@ -212,8 +212,7 @@ def export_model(model, tokenizer, config: TrainConfig, world, steps_done: int) 
     collective under FSDP2; rank 0 writes)."""
     weights = lora.engine_weights(model)
     if world.is_main:
-        export.save_model_folder(model, tokenizer, os.path.join(config.run.output_dir, "model"), weights,
-                                 replace=True, step=steps_done)
+        export.save_final_model(model, tokenizer, config.run.output_dir, weights, steps_done)
     distributed.barrier(world)
 
 

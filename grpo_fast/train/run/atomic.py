@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -34,6 +35,30 @@ def complete_version(folder: str) -> Optional[str]:
     return folder + PREVIOUS if os.path.isdir(folder + PREVIOUS) else None
 
 
+def write_error(error: BaseException) -> Optional[OSError]:
+    """The operating system's error behind a failed write, or None: `error` itself when it is an OSError, the
+    OSError it was raised while handling (torch's zip writer meets a full disk as an OSError, then raises a
+    RuntimeError "unexpected pos" while closing), or the one a library's message quotes (safetensors:
+    "I/O error: No space left on device (os error 28)")."""
+    seen, chain = error, 0
+    while seen is not None and chain < 8:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen
+        quoted = re.search(r"\(os error (\d+)\)", str(seen))
+        if quoted:
+            return OSError(int(quoted[1]), os.strerror(int(quoted[1])))
+        seen, chain = seen.__cause__ or seen.__context__, chain + 1
+    return None
+
+
+def free_gib(path: str) -> float:
+    """The free space, in GiB, of the filesystem holding `path` (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free / 2**30
+    except OSError:
+        return 0.0
+
+
 def _replace(temporary: str, folder: str) -> None:
     """`temporary` (complete) becomes `folder`; a complete copy exists on disk at every instant (see the module)."""
     previous = folder + PREVIOUS
@@ -49,7 +74,8 @@ def atomic_folder(folder: str, replace: bool = False):
     """Yields an empty temporary folder beside `folder`; on a clean exit it becomes `folder`. replace: an existing
     `folder` is replaced once the new one is complete; otherwise an existing `folder` is a FileExistsError before
     anything is written. On any error (KeyboardInterrupt included) inside the block the temporary folder is removed
-    and the error raised; `folder` is untouched. A Ctrl-C or SIGTERM during the replace is delivered after it."""
+    and the error raised (as the OSError behind it when a library wrapped one: `write_error`); `folder` is
+    untouched. A Ctrl-C or SIGTERM during the replace is delivered after it."""
     folder = folder.rstrip("/")
     if not replace and os.path.lexists(folder):
         raise FileExistsError(f"{folder!r} already exists")
@@ -58,8 +84,11 @@ def atomic_folder(folder: str, replace: bool = False):
     os.makedirs(temporary)
     try:
         yield temporary
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
+        disk = write_error(error) if isinstance(error, Exception) else None
+        if disk is not None and disk is not error:           # a full disk is an OSError, whatever wrote the file
+            raise disk from error
         raise
     with interrupts_deferred():
         _replace(temporary, folder)

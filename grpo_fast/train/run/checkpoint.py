@@ -20,7 +20,7 @@ import torch
 from grpo_fast.train import distributed, lora
 from grpo_fast.train.config import flat_values
 from grpo_fast.train.run import signals
-from grpo_fast.train.run.atomic import PREVIOUS, atomic_folder, complete_version
+from grpo_fast.train.run.atomic import PREVIOUS, atomic_folder, complete_version, free_gib
 from grpo_fast.train.run.errors import RunError
 
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
@@ -54,14 +54,19 @@ def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> 
     except OSError as error:
         kept = latest_checkpoint(output_dir)
         raise OSError(error.errno, f"checkpoint-{step} could not be written in {output_dir!r} "
-                      f"({error.strerror or error}; {shutil.disk_usage(output_dir).free / 2**30:.2f} GiB free); "
-                      + (f"the last good checkpoint, {kept}, is kept" if kept else "no checkpoint was kept")) \
-            from error
+                      f"({error.strerror or error}; {free_gib(output_dir):.2f} GiB free); "
+                      + (f"the last good checkpoint, {kept}, is kept (each takes {_mib(kept):.1f} MiB, and a save "
+                         "needs room for the new one beside it)" if kept else "no checkpoint was kept")) from error
     with signals.interrupts_deferred():                       # keep only the newest complete checkpoint
         for name in os.listdir(output_dir):
             if checkpoint_step(name) is not None and name != os.path.basename(final):
                 shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     return final
+
+
+def _mib(folder: str) -> float:
+    """The size of the files in `folder`, in MiB."""
+    return sum(entry.stat().st_size for entry in os.scandir(folder) if entry.is_file()) / 2**20
 
 
 def checkpoint_step(name: str):

@@ -25,7 +25,7 @@ from grpo_fast.train.config import saved_config
 from grpo_fast.train.lora import engine_weights
 from grpo_fast.train.policy import load_model
 from grpo_fast.train.run import checkpoint
-from grpo_fast.train.run.atomic import atomic_folder
+from grpo_fast.train.run.atomic import atomic_folder, free_gib
 from grpo_fast.train.update import precision
 
 EXPORT_RECORD = "grpo_fast_export.json"
@@ -70,6 +70,20 @@ def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: boo
             with open(os.path.join(temporary, EXPORT_RECORD), "w") as f:
                 json.dump({"step": int(step)}, f)
     return out_dir
+
+
+def save_final_model(model, tokenizer, output_dir: str, weights, step: int) -> str:
+    """`save_model_folder` to output_dir/model (replacing an older export) at a run's end. A write that fails
+    (a full disk) is an OSError on one line that names the folder, the free space and the checkpoint kept."""
+    target = os.path.join(output_dir, "model")
+    try:
+        return save_model_folder(model, tokenizer, target, weights, replace=True, step=step)
+    except OSError as error:
+        kept = checkpoint.latest_checkpoint(output_dir)
+        raise OSError(error.errno, f"the final export to {target!r} could not be written ({error.strerror or error}; "
+                      f"{free_gib(output_dir):.2f} GiB free); the run's checkpoint, {kept}, is kept: free some space "
+                      f"and --resume to write it again, or `grpo-fast export {output_dir} OUT_DIR` elsewhere") \
+            from error
 
 
 def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:

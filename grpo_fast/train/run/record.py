@@ -3,6 +3,7 @@ completions.jsonl (samples) and curves.png."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import time
 from typing import Optional
 
 from grpo_fast.train import distributed
+from grpo_fast.train.run.atomic import free_gib
 from grpo_fast.variants import masked_mean
 
 
@@ -108,6 +110,18 @@ def _lines_up_to(path: str, step: int) -> list:
     return kept
 
 
+@contextlib.contextmanager
+def written(path: str):
+    """Writes to `path` inside the block; an OSError (a full disk) becomes one naming the file and the free space:
+    the run stops there, its last checkpoint intact (a torn line is dropped on --resume)."""
+    try:
+        yield
+    except OSError as error:
+        raise OSError(error.errno, f"{path} could not be written ({error.strerror or error}; "
+                      f"{free_gib(os.path.dirname(path) or '.'):.2f} GiB free); the run stopped there, its checkpoints "
+                      "untouched: free some space, then --resume continues from the last one") from error
+
+
 class RunFiles:
     """The run's files in output_dir, written by the main process only (the others' calls do nothing)."""
 
@@ -138,7 +152,7 @@ class RunFiles:
 
     def append(self, record: dict) -> None:
         if self.is_main:
-            with open(self.metrics, "a") as f:
+            with written(self.metrics), open(self.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def evaluated_steps(self) -> set:
@@ -150,7 +164,7 @@ class RunFiles:
 
     def add_eval(self, record: dict) -> None:
         if self.is_main:
-            with open(self.evals, "a") as f:
+            with written(self.evals), open(self.evals, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def add_completions(self, step: int, prompts: list, completions: list, rewards: list, group_size: int,
@@ -160,13 +174,15 @@ class RunFiles:
         firsts = list(zip(prompts, completions[::group_size], rewards[::group_size]))[:count]
         rows = [{"step": step, "prompt": p, "completion": c, "reward": r} for p, c, r in firsts]
         if self.is_main and rows:
-            with open(self.completions, "a") as f:
+            with written(self.completions), open(self.completions, "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
         return rows
 
     def plot(self) -> None:
         if self.is_main:
-            plot_curves(self.metrics, os.path.join(self.output_dir, "curves.png"), self.evals)
+            out = os.path.join(self.output_dir, "curves.png")
+            with written(out):
+                plot_curves(self.metrics, out, self.evals)
 
 
 STAGES = ("generation", "scoring", "update", "sync")
