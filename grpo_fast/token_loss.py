@@ -131,16 +131,23 @@ class _BatchTokenLoss:
             final = _loss_grads(self.loss(*leaves, *[None] * (2 - len(leaves))), leaves, self.what)
         for name, got, want in zip(("logp", "entropy"), used, final):
             got, want = got[seen], want.detach().reshape(-1)[seen]
-            # Equal entries (infinities included) count as no difference; a NaN in both is the loss's own.
-            diff = torch.where(got == want, 0.0, (got - want).abs()).max()
-            largest = want.abs().max()
-            if bool(diff > torch.finfo(want.dtype).eps ** 0.5 * largest):
+            # Each token against its own final gradient (a batch-wide tolerance lets a long sequence's small
+            # gradients be wrong by more than they are); the floor, eps x the largest, is rounding's reach on
+            # tokens whose gradient is ~0. Equal entries (infinities included) count as no difference; a NaN in
+            # both is the loss's own.
+            eps = torch.finfo(want.dtype).eps
+            diff = torch.where(got == want, 0.0, (got - want).abs())
+            allowed = eps ** 0.5 * want.abs() + eps * want.abs().max()
+            wrong = diff > allowed
+            if bool(wrong.any()):
+                worst = int(torch.where(wrong, diff / allowed, 0.0).argmax())
                 raise ValueError(
                     f"batch_token_loss's loss is not token-separable: the d loss / d {name} its chunks returned "
                     f"(taken with later tokens at their starting values) differs from the one at the sweep's "
-                    f"final values by up to {float(diff):.3g} (largest entry {float(largest):.3g}), so the "
-                    f"gradients would be wrong; write it as a sum of per-token terms of each token's own {name} "
-                    f"(a token_loss per chunk), or compute token_logprobs and take the loss's gradient by autograd")
+                    f"final values at {int(wrong.sum())} of {want.numel()} tokens (worst: {float(got[worst]):.3g} "
+                    f"instead of {float(want[worst]):.3g}), so the gradients would be wrong; write it as a sum of "
+                    f"per-token terms of each token's own {name} (a token_loss per chunk), or compute "
+                    f"token_logprobs and take the loss's gradient by autograd")
 
 
 def batch_token_loss(loss: Callable, logp: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> Callable:

@@ -244,3 +244,48 @@ def test_a_loss_of_neither_logp_nor_entropy_is_a_clear_error():
     got = call(batch_token_loss(lambda logp, entropy: -(entropy * inputs["mask"]).sum(), torch.zeros(2, 6),
                                 torch.zeros(2, 6)), with_entropy=True)
     assert_close(got, expected, 1e-5, atol=1e-8, name="entropy only, batch: dhidden")
+
+
+def test_the_separability_check_is_per_token_so_a_long_sequence_cannot_hide_in_it():
+    """GSPO's sequence ratio over one 8-token and one 4000-token sequence, from the old log-probs (the policy has
+    moved since: each token's log-prob 0.1 nats up): the long sequence's gradients, each ~1/500 of the short one's,
+    are up to 9% wrong (its ratio taken with the later chunks at their old values). Compared with the largest
+    gradient in the batch that hid below the tolerance and d(hidden) came back wrong; each token against its own
+    final gradient, the sweep refuses. The same loss in one chunk, and a separable loss in many, pass and equal
+    the float64 reference."""
+    from grpo_fast.token_loss import batch_token_loss
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, width, length = 32, 16, 4000
+    hidden = torch.randn(2, length, width, generator=gen)
+    weight = torch.randn(vocab, width, generator=gen) * 0.3
+    targets = torch.randint(0, vocab, (2, length), generator=gen)
+    mask = torch.zeros(2, length, dtype=torch.bool)
+    mask[0, :8], mask[1, :] = True, True
+    logp_now = reference.token_logprobs(hidden.double(), weight.double(), targets)
+    old = (logp_now - 0.1 + 0.05 * torch.randn(2, length, generator=gen, dtype=torch.float64)).float()
+    mask_f, lengths, advantages = mask.float(), mask.sum(-1, keepdim=True).float(), torch.tensor([[1.0], [-1.0]])
+
+    def sequence_ratio(logp, entropy):
+        ratio = (((logp - old) * mask_f).sum(-1, keepdim=True) / lengths).exp()
+        return -(ratio * advantages).mean()
+
+    def separable(logp, entropy):
+        return -((logp - old).exp() * advantages * mask_f / lengths).sum()
+
+    def grads(batch_loss, chunk_bytes):
+        leaf = hidden.clone().requires_grad_()
+        carrier = gf.fused_token_loss(leaf, weight, targets, batch_token_loss(batch_loss, old.clone()), mask=mask,
+                                      **grouped(chunk_bytes=chunk_bytes, backend="torch"))
+        return torch.autograd.grad(carrier, leaf)[0]
+
+    def exact(batch_loss):
+        leaf = hidden.double().requires_grad_()
+        logp = torch.where(mask, reference.token_logprobs(leaf, weight.double(), targets), old.double())
+        return torch.autograd.grad(batch_loss(logp, None), leaf)[0]
+
+    several = vocab * 4 * 700                        # 700 tokens a chunk: the long sequence spans 6
+    with pytest.raises(ValueError, match=r"not token-separable: .* at \d+ of 4008 tokens \(worst: "):
+        grads(sequence_ratio, several)
+    assert_close(grads(sequence_ratio, None), exact(sequence_ratio).float(), 1e-4, atol=1e-9, name="one chunk")
+    assert_close(grads(separable, several), exact(separable).float(), 1e-4, atol=1e-9, name="separable")
