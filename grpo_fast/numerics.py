@@ -43,8 +43,8 @@ class LogitTransform:
             raise ValueError(f"temperature must be > 0 (LogitTransform.temperature), got {self.temperature!r}")
         softcap = self.softcap
         if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
-                                    or not softcap > 0):
-            raise ValueError(f"logit_softcap must be a positive float or None (LogitTransform.softcap), got "
+                                    or not 0 < softcap < math.inf):
+            raise ValueError(f"logit_softcap must be a finite float > 0 or None (LogitTransform.softcap), got "
                              f"{softcap!r}")
         if self.kept is not None and not isinstance(self.kept, KeptSet):
             raise TypeError(f"kept must be a grpo_fast.KeptSet(ids, offsets) or None (LogitTransform.kept), got "

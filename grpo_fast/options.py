@@ -2,7 +2,7 @@
 transform (`LogitTransform`, grpo_fast.numerics): how the sweep runs (`Execution`) and the per-token factors of
 the policy loss (`TokenWeights`); and the one-line error of a keyword that moved into one of the groups.
 
-A leaf beside numerics: it imports torch, numerics and kept only.
+A leaf beside numerics: it imports torch and grpo_fast.fields only.
 """
 
 from __future__ import annotations
@@ -10,12 +10,16 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from grpo_fast.fields import is_number
+
 BACKEND_NAMES = ("auto", "torch", "triton")       # grpo_fast.backends.BACKENDS, which this leaf cannot import
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,13 @@ class Execution:
                                         or chunk_bytes <= 0):
             raise ValueError(f"chunk_bytes must be a positive int or None (Execution.chunk_bytes), got "
                              f"{chunk_bytes!r}")
-        if self.backend not in BACKEND_NAMES:
+        if not isinstance(self.backend, str) or self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES} (Execution.backend), got {self.backend!r}")
+        group = self.process_group
+        if group is not None and not (torch.distributed.is_available()
+                                      and isinstance(group, torch.distributed.ProcessGroup)):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None "
+                            f"(Execution.process_group), got {_shown(group)}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,6 +74,25 @@ class TokenWeights:
     is_ratio: Optional[torch.Tensor] = None
     loss_weights: Optional[torch.Tensor] = None
     entropy_weights: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        items = self.num_items_in_batch
+        if isinstance(items, torch.Tensor):
+            # a device tensor's value is not read here (that would wait for the device); a CPU one's is
+            if items.numel() != 1 or not (items.is_floating_point() or items.dtype in _INTEGER_DTYPES):
+                raise ValueError(f"num_items_in_batch must be a number or a 1-element real tensor "
+                                 f"(TokenWeights.num_items_in_batch), got {_shown(items)}")
+            if items.device.type == "cpu" and not bool(torch.isfinite(items).all() and (items >= 0).all()):
+                raise ValueError(f"num_items_in_batch must be a finite number >= 0 "
+                                 f"(TokenWeights.num_items_in_batch), got {items.item()!r}")
+        elif items is not None and not (is_number(items) and math.isfinite(items) and items >= 0):
+            raise ValueError(f"num_items_in_batch must be a finite number >= 0 or None "
+                             f"(TokenWeights.num_items_in_batch), got {_shown(items)}")
+        for name in ("is_ratio", "loss_weights", "entropy_weights"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor like targets or None (TokenWeights.{name}), got "
+                                f"{_shown(value)}")
 
 
 # keyword -> its home, for the keywords the entries took before their options were grouped

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.fields import ANY, NON_NEGATIVE, POSITIVE, check_keys, key, one_of
+
 # name -> how the per-token losses are reduced (see `token_weights`) and which per-token objective is used.
 #   sequence_mean: mean over each sequence's tokens, then over sequences          (grpo, sapo)
 #   token_mean:    sum over the batch's tokens / number of tokens in this batch   (bnpo)
@@ -38,14 +40,16 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The options of the policy loss, validated once.
+    """The options of the policy loss, validated once: each field's type, finiteness, range and choices, with an
+    error naming the field (`grpo_fast.fields`). The trainer's `loss` section is this class, with these defaults.
 
     loss_type: one of `LOSS_TYPES` (default "dapo").
     importance_sampling_level: "token" (PPO/GRPO) or "sequence" (GSPO: one ratio per sequence, the exp of the
         masked mean log-ratio). LUSPO's paper uses "sequence"; at "token" (TRL 1.16 allows it, and it is TRL's
         default level) luspo clips each token's ratio and keeps its reduction.
-    epsilon_low / epsilon_high: clip range [1 - epsilon_low, 1 + epsilon_high]; epsilon_high defaults to
-        epsilon_low. For cispo, epsilon_high is the absolute cap on the ratio (5.0 is the usual value).
+    epsilon_low / epsilon_high: clip range [1 - epsilon_low, 1 + epsilon_high]; epsilon_high defaults to 0.28,
+        DAPO's clip-higher (the default loss_type's recipe), and None means epsilon_low (TRL's default, symmetric).
+        For cispo, epsilon_high is the absolute cap on the ratio (5.0 is the usual value).
     delta: optional upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2).
     beta: weight of the k3 KL to the reference policy; needs ref_logps.
     use_bias_correction_kl: multiply the KL by the importance ratio.
@@ -60,63 +64,40 @@ class LossConfig:
         clamped term passes no gradient, as torch.clamp outside its interval.
     """
 
-    loss_type: str = "dapo"
-    importance_sampling_level: str = "token"
-    epsilon_low: float = 0.2
-    epsilon_high: Optional[float] = None
-    delta: Optional[float] = None
-    beta: float = 0.0
-    use_bias_correction_kl: bool = False
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    entropy_coef: float = 0.0
-    max_completion_length: Optional[int] = None
-    log_ratio_clamp: Optional[float] = None
-    kl_clamp: Optional[float] = None
+    loss_type: str = key("dapo", f"one of {one_of(LOSS_TYPES)}", choices=tuple(LOSS_TYPES))
+    importance_sampling_level: str = key(
+        "token", '"token" (a ratio per token: PPO, GRPO) or "sequence" (GSPO: one ratio per sequence, the exp of '
+        "its mean log-ratio)", choices=IMPORTANCE_SAMPLING_LEVELS)
+    epsilon_low: float = key(0.2, "clip range [1 - epsilon_low, 1 + epsilon_high]", NON_NEGATIVE)
+    epsilon_high: Optional[float] = key(0.28, "clip range [1 - epsilon_low, 1 + epsilon_high] (DAPO's clip-higher; "
+                                              "cispo: the cap of the ratio; None: epsilon_low)", NON_NEGATIVE)
+    delta: Optional[float] = key(None, "upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2; None: "
+                                       "none)", POSITIVE)
+    beta: float = key(0.0, "weight of the k3 KL to the reference policy", NON_NEGATIVE)
+    use_bias_correction_kl: bool = key(False, "multiply the KL by the importance ratio")
+    sapo_temperature_pos: float = key(1.0, "SAPO's gate temperature for A > 0", POSITIVE)
+    sapo_temperature_neg: float = key(1.05, "SAPO's gate temperature for A <= 0", POSITIVE)
+    # k < 0 would weigh sequences the more the less likely they became; lambda <= 0 removes the decay that bounds
+    # the weight of large ratios (TRL raises such a lambda to 1e-4 without a word)
+    vespo_k_pos: float = key(2.0, "VESPO's weight e^lambda * w^k * e^(-lambda * w) of the sequence ratio w: k for "
+                                  "A >= 0", NON_NEGATIVE)
+    vespo_lambda_pos: float = key(3.0, "VESPO's lambda for A >= 0", POSITIVE)
+    vespo_k_neg: float = key(3.0, "VESPO's k for A < 0", NON_NEGATIVE)
+    vespo_lambda_neg: float = key(2.0, "VESPO's lambda for A < 0", POSITIVE)
+    entropy_coef: float = key(0.0, "subtracts entropy_coef * the mean entropy from the loss", ANY)
+    max_completion_length: Optional[int] = key(None, "the dr_grpo normalizer (the trainer: None follows the "
+                                                     "rollout's max_completion_length)", POSITIVE)
+    log_ratio_clamp: Optional[float] = key(None, "clamp of every log-ratio the loss exponentiates, to [-c, c] "
+                                                 "(verl: 20; None: none)", POSITIVE)
+    kl_clamp: Optional[float] = key(None, "clamp of the per-token k3 KL to [-c, c] (verl's low_var_kl: 10; None: "
+                                          "none)", POSITIVE)
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {self.loss_type!r}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                f"got {self.importance_sampling_level!r}"
-            )
+        check_keys(self, "LossConfig")            # each field's type, finiteness, range and choices
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' requires max_completion_length (its normalizer), got None")
-        if self.max_completion_length is not None and self.max_completion_length <= 0:
-            raise ValueError(f"max_completion_length must be a positive int, got {self.max_completion_length!r}")
-        if self.epsilon_low < 0:
-            raise ValueError(f"epsilon_low must be >= 0, got {self.epsilon_low!r}")
         if self.epsilon_high is None:
             object.__setattr__(self, "epsilon_high", self.epsilon_low)
-        if self.epsilon_high < 0:
-            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high!r}")
-        if self.delta is not None and self.delta <= 0:
-            raise ValueError(f"delta must be > 0 or None, got {self.delta!r}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta!r}")
-        for name in ("log_ratio_clamp", "kl_clamp"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
-        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
-            raise ValueError(
-                "sapo temperatures must be > 0, got "
-                f"pos={self.sapo_temperature_pos!r}, neg={self.sapo_temperature_neg!r}"
-            )
-        # k < 0 would weigh sequences the more the less likely they became; lambda <= 0 removes the decay that
-        # bounds the weight of large ratios (TRL raises such a lambda to 1e-4 without a word).
-        for name in ("vespo_k_pos", "vespo_k_neg"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def reduction(self) -> str:

@@ -14,9 +14,10 @@ section and `--key value` overrides, checked once.
     distribution  DDP or FSDP2 under torchrun                                 grpo_fast.train.distributed
     run           steps, seed, the output folder, checkpoints, trackers       grpo_fast.train.run.config
 
-Each section is a dataclass checked in its own module (grpo_fast.train.keys declares and checks its keys); this
-module composes them, checks what spans sections, and maps the keys: every key is named on the command line by
-its field name alone (`--temperature 0.7`) or with its section (`--rollout.temperature 0.7`). The one name two
+Each section is a dataclass whose fields are declared and checked with grpo_fast.fields, in its own module (the
+loss section is the library's LossConfig, declared the same way, with the same defaults); this module composes
+them, checks what spans sections, and maps the keys: every key is named on the command line by its field name
+alone (`--temperature 0.7`) or with its section (`--rollout.temperature 0.7`). The one name two
 sections share, max_completion_length, is the rollout's (tokens sampled); the loss's dr_grpo normalizer is
 `loss.max_completion_length`, which follows it unless given.
 """
@@ -32,9 +33,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from grpo_fast.fields import Rule, hints, one_of, type_name
 from grpo_fast.train import keys
 from grpo_fast.train.distributed import DistributionConfig
-from grpo_fast.train.keys import ANY, NON_NEGATIVE, POSITIVE, Rule, one_of
 from grpo_fast.train.policy import PolicyConfig
 from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.run.config import EvaluationConfig, RunConfig
@@ -48,41 +49,13 @@ from grpo_fast.train.update.config import (
 )
 from grpo_fast.train.update.correction import IS_MODES
 from grpo_fast.train.update.optimizer import check_optimizer
-from grpo_fast.variants import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, LossConfig
+from grpo_fast.variants import LossConfig
 
 SECTIONS = {"policy": PolicyConfig, "data": DataConfig, "rollout": RolloutConfig, "correction": CorrectionConfig,
             "scoring": ScoringConfig, "loss": LossConfig, "optimization": OptimizationConfig,
             "batching": BatchingConfig, "warm_start": WarmStartConfig, "evaluation": EvaluationConfig,
             "distribution": DistributionConfig, "run": RunConfig}
 GROUPS = tuple(SECTIONS)                # keys_help's headers, in this order
-
-# the loss section is the library's LossConfig; the trainer's defaults where they differ from it, and its help
-TRAINER_LOSS = {"epsilon_high": 0.28}
-LOSS_HELP = {
-    "loss_type": (f"one of {one_of(sorted(LOSS_TYPES))}", None),
-    "importance_sampling_level": ('"token" (a ratio per token: PPO, GRPO) or "sequence" (GSPO: one ratio per '
-                                  "sequence, the exp of its mean log-ratio)", None),
-    "epsilon_low": ("clip range [1 - epsilon_low, 1 + epsilon_high]", NON_NEGATIVE),
-    "epsilon_high": ("clip range [1 - epsilon_low, 1 + epsilon_high] (cispo: the cap of the ratio; None: "
-                     "epsilon_low)", NON_NEGATIVE),
-    "delta": ("upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2; None: none)", POSITIVE),
-    "beta": ("weight of the k3 KL to the reference policy (the policy as GRPO started)", NON_NEGATIVE),
-    "use_bias_correction_kl": ("multiply the KL by the importance ratio", None),
-    "sapo_temperature_pos": ("SAPO's gate temperature for A > 0", POSITIVE),
-    "sapo_temperature_neg": ("SAPO's gate temperature for A <= 0", POSITIVE),
-    "vespo_k_pos": ("VESPO's weight e^lambda * w^k * e^(-lambda * w) of the sequence ratio w: k for A >= 0",
-                    NON_NEGATIVE),
-    "vespo_lambda_pos": ("VESPO's lambda for A >= 0", POSITIVE),
-    "vespo_k_neg": ("VESPO's k for A < 0", NON_NEGATIVE),
-    "vespo_lambda_neg": ("VESPO's lambda for A < 0", POSITIVE),
-    "entropy_coef": ("subtracts entropy_coef * the mean entropy from the loss", ANY),
-    "max_completion_length": ("the dr_grpo normalizer (None: the rollout's max_completion_length)", POSITIVE),
-    "log_ratio_clamp": ("clamp of every log-ratio the loss exponentiates, to [-c, c] (verl: 20; None: none)",
-                        POSITIVE),
-    "kl_clamp": ("clamp of the per-token k3 KL to [-c, c] (verl's low_var_kl: 10; None: none)", POSITIVE),
-}
-CHOICES_OF_LOSS = {"importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS}
-
 
 class Key(NamedTuple):
     """One config key: `name` as the command line and keys_help spell it, its section and field there, its type,
@@ -98,23 +71,14 @@ class Key(NamedTuple):
     choices: Optional[tuple]
 
 
-def _loss_key(name: str, item: dataclasses.Field, kind) -> Key:
-    help, rule = LOSS_HELP[item.name]
-    default = TRAINER_LOSS.get(item.name, item.default)
-    return Key(name, "loss", item.name, kind, item.type, default, help, rule, CHOICES_OF_LOSS.get(item.name))
-
-
 @functools.cache
 def _keys() -> dict:
     """{name: Key} of every key; a field whose name another section already has is named `section.field`."""
     found = {}
     for section, cls in SECTIONS.items():
-        kinds = keys.hints(cls)
+        kinds = hints(cls)
         for item in dataclasses.fields(cls):
             name = item.name if item.name not in found else f"{section}.{item.name}"
-            if section == "loss":
-                found[name] = _loss_key(name, item, kinds[item.name])
-                continue
             default = item.default_factory() if item.default is dataclasses.MISSING else item.default
             found[name] = Key(name, section, item.name, kinds[item.name], item.type, default, item.metadata["help"],
                               item.metadata["rule"], item.metadata["choices"])
@@ -134,18 +98,11 @@ ADDRESSES = _addresses()
 NAMES = {(key.section, key.field): name for name, key in KEYS.items()}
 
 
-def _check_loss(values: dict) -> None:
-    """The trainer's ranges of the loss options (LossConfig checks its own, after): finite, and in range."""
-    for item, value in values.items():
-        key = KEYS[NAMES["loss", item]]
-        keys.check_value(key.name, value, key.kind, key.rule, key.choices)
-
-
 def _loss_section(values: dict, max_completion_length: int) -> LossConfig:
-    values = {**TRAINER_LOSS, **values}
-    _check_loss(values)
-    if values.get("max_completion_length") is None:            # the dr_grpo normalizer: the rollout's length
-        values["max_completion_length"] = max_completion_length
+    """LossConfig of the section's values (it checks them); the dr_grpo normalizer is the rollout's length unless
+    loss.max_completion_length is given."""
+    if values.get("max_completion_length") is None:
+        values = {**values, "max_completion_length": max_completion_length}
     return LossConfig(**values)
 
 
@@ -161,7 +118,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
-    loss: LossConfig = field(default_factory=lambda: LossConfig(**TRAINER_LOSS))
+    loss: LossConfig = field(default_factory=LossConfig)
     optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -174,7 +131,6 @@ class TrainConfig:
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"TrainConfig's section {name!r} must be a {cls.__name__}, got "
                                 f"{type(getattr(self, name)).__name__}")
-        _check_loss({item.name: getattr(self.loss, item.name) for item in dataclasses.fields(LossConfig)})
         if self.loss.max_completion_length is None:      # the dr_grpo normalizer: the rollout's length
             self.loss = dataclasses.replace(self.loss, max_completion_length=self.rollout.max_completion_length)
         _check_across_sections(self)
@@ -407,7 +363,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None) ->
 def keys_help() -> str:
     """Every key by section: `  key: type = default  help`, one line each (for `train --help`); the headers and
     indentation are those of a config file."""
-    rows = [(key.section, f"  {key.name}: {keys.type_name(key.kind)} = {key.default!r}", key.help)
+    rows = [(key.section, f"  {key.name}: {type_name(key.kind)} = {key.default!r}", key.help)
             for key in KEYS.values()]
     # one column for the help, wide enough for the usual key and default; a longer default pushes its help along
     width = max(len(left) for _, left, _ in rows if len(left) <= 60) + 2

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from grpo_fast.fields import check_keys, key
 from grpo_fast.models import final_hidden_states, unwrap
-from grpo_fast.train.keys import check_keys, key
 
 
 @dataclass

@@ -1,96 +1,12 @@
-"""The keys of a trainer config section: `key(default, help, rule, choices)` declares one with its one line of help,
-its range and its allowed values; `check_keys(section)`, called by each section's __post_init__, checks them all
-with errors that name the key. grpo_fast.train.config composes the sections into TrainConfig and reads them from
-YAML and the command line (`convert`).
+"""The trainer's text values: `convert` reads a command-line or YAML value as its config key's type, with errors
+that name the key. The keys themselves are declared with grpo_fast.fields (`key`, checked by `check_keys`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 import typing
-from dataclasses import field
-from typing import NamedTuple
 
-
-class Rule(NamedTuple):
-    """A numeric key's range: `text` completes "<key> must be ...", `test` says whether a value is in it."""
-    text: str
-    test: typing.Callable
-
-
-POSITIVE, NON_NEGATIVE = Rule("> 0", lambda v: v > 0), Rule(">= 0", lambda v: v >= 0)
-FRACTION, ANY = Rule("in (0, 1]", lambda v: 0 < v <= 1), Rule("", lambda v: True)
-AT_LEAST_ONE = Rule(">= 1", lambda v: v >= 1)
-UNIT_INTERVAL = Rule("in [0, 1)", lambda v: 0 <= v < 1)
-
-
-def key(default, help: str, rule: typing.Optional[Rule] = None, choices: typing.Optional[tuple] = None):
-    """A section field: its default, one line of help (keys_help), and for a number its Rule (checked after "is
-    finite"; an Optional key's None is not checked), for a name its choices."""
-    metadata = {"help": help, "rule": rule, "choices": None if choices is None else tuple(choices)}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def one_of(values) -> str:
-    return ", ".join(values)
-
-
-@functools.cache
-def hints(cls) -> dict:
-    """{field name: type} of a dataclass, its string annotations resolved."""
-    return typing.get_type_hints(cls)
-
-
-def base(kind) -> tuple:
-    """(X, optional) for X and Optional[X]."""
-    if typing.get_origin(kind) is typing.Union:
-        return next(arg for arg in typing.get_args(kind) if arg is not type(None)), True
-    return kind, False
-
-
-def type_name(kind) -> str:
-    kind, optional = base(kind)
-    name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
-    return f"{name} or None" if optional else name
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_type(name: str, value, kind) -> None:
-    """For a section built in code: the value has the field's type (a float key takes an int too)."""
-    kind_base, optional = base(kind)
-    if value is None and optional:
-        return
-    origin = typing.get_origin(kind_base) or kind_base
-    fits = {bool: lambda: isinstance(value, bool), int: lambda: isinstance(value, int) and not isinstance(value, bool),
-            float: lambda: is_number(value)}.get(origin, lambda: isinstance(value, origin))()
-    if not fits:
-        raise ValueError(f"config key {name!r} expects {type_name(kind)}, got {value!r}")
-
-
-def check_value(name: str, value, kind, rule: typing.Optional[Rule] = None, choices=None) -> None:
-    """The type, range and choices of one key's value; the errors name the key as `name`."""
-    check_type(name, value, kind)
-    if rule is not None and value is not None:
-        if not (math.isfinite(value) and rule.test(value)):   # NaN fails every comparison, inf is not finite
-            number = "a finite number " if base(kind)[0] is float else ""
-            raise ValueError(f"{name} must be {number}{rule.text}".rstrip() + f", got {value!r}")
-    if choices is not None and value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def check_keys(section) -> None:
-    """Every field of a section dataclass against its type, Rule and choices (see `key`)."""
-    kinds = hints(type(section))
-    for item in dataclasses.fields(section):
-        check_value(item.name, getattr(section, item.name), kinds[item.name], item.metadata.get("rule"),
-                    item.metadata.get("choices"))
+from grpo_fast.fields import base, type_name
 
 
 def convert(name: str, text, kind, choices=None):

@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
+from grpo_fast.fields import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, key
 from grpo_fast.integrations.attention import CHOICES as ATTENTIONS
 from grpo_fast.train import pretrained, tasks
-from grpo_fast.train.keys import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, key
 from grpo_fast.train.update.precision import DTYPES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -187,7 +187,8 @@ def test_rejects_what_it_does_not_support():
     for loss_type in ("cispo", "sapo", "vespo"):
         with pytest.raises(ValueError, match=f"sequence.*{loss_type}"):
             FusedLinearGRPOLoss(loss_type=loss_type, importance_sampling_level="sequence")
-    with pytest.raises(ValueError, match="vespo_lambda_neg must be > 0, got 0.0"):
+    with pytest.raises(ValueError, match=r"vespo_lambda_neg must be a finite number > 0 "
+                                         r"\(LossConfig.vespo_lambda_neg\), got 0.0"):
         FusedLinearGRPOLoss(loss_type="vespo", vespo_lambda_neg=0.0)
     with pytest.raises(TypeError, match="unexpected keyword"):
         FusedLinearGRPOLoss(epsilon=0.2)

@@ -146,7 +146,7 @@ def test_module_keeps_its_own_options_explicit():
     (lambda: gf.LogitTransform(scale="2"), TypeError,
      "logit_scale must be a finite float (LogitTransform.scale), got '2'"),
     (lambda: gf.LogitTransform(softcap=-1.0), ValueError,
-     "logit_softcap must be a positive float or None (LogitTransform.softcap), got -1.0"),
+     "logit_softcap must be a finite float > 0 or None (LogitTransform.softcap), got -1.0"),
     (lambda: gf.LogitTransform(kept=(torch.arange(2), torch.arange(3))), TypeError,
      "kept must be a grpo_fast.KeptSet(ids, offsets) or None (LogitTransform.kept), got tuple"),
     (lambda: gf.Execution(chunk_bytes=0), ValueError,
@@ -155,7 +155,27 @@ def test_module_keeps_its_own_options_explicit():
      "chunk_bytes must be a positive int or None (Execution.chunk_bytes), got True"),
     (lambda: gf.Execution(backend="cuda"), ValueError,
      "backend must be one of ('auto', 'torch', 'triton') (Execution.backend), got 'cuda'"),
-], ids=["temperature", "temperature_inf", "scale", "softcap", "kept", "chunk_bytes", "chunk_bytes_bool", "backend"])
+    (lambda: gf.Execution(process_group="x"), TypeError,
+     "process_group must be a torch.distributed.ProcessGroup or None (Execution.process_group), got 'x'"),
+    (lambda: gf.LogitTransform(softcap=float("inf")), ValueError,
+     "logit_softcap must be a finite float > 0 or None (LogitTransform.softcap), got inf"),
+    (lambda: gf.TokenWeights(num_items_in_batch=float("nan")), ValueError,
+     "num_items_in_batch must be a finite number >= 0 or None (TokenWeights.num_items_in_batch), got nan"),
+    (lambda: gf.TokenWeights(num_items_in_batch=torch.tensor(float("inf"))), ValueError,
+     "num_items_in_batch must be a finite number >= 0 (TokenWeights.num_items_in_batch), got inf"),
+    (lambda: gf.TokenWeights(num_items_in_batch=torch.ones(2)), ValueError,
+     "num_items_in_batch must be a number or a 1-element real tensor (TokenWeights.num_items_in_batch), got "
+     "<tensor (2,) torch.float32>"),
+    (lambda: gf.TokenWeights(loss_weights=[0.5, 0.5]), TypeError,
+     "loss_weights must be a tensor like targets or None (TokenWeights.loss_weights), got [0.5, 0.5]"),
+    (lambda: gf.LossConfig(epsilon_low="0.2"), TypeError, "LossConfig.epsilon_low expects float, got '0.2'"),
+    (lambda: gf.LossConfig(epsilon_high=float("nan")), ValueError,
+     "epsilon_high must be a finite number >= 0 (LossConfig.epsilon_high), got nan"),
+    (lambda: gf.LossConfig(use_bias_correction_kl=1), TypeError,
+     "LossConfig.use_bias_correction_kl expects bool, got 1"),
+], ids=["temperature", "temperature_inf", "scale", "softcap", "kept", "chunk_bytes", "chunk_bytes_bool", "backend",
+        "process_group", "softcap_inf", "num_items_nan", "num_items_tensor_inf", "num_items_shape", "loss_weights",
+        "epsilon_low_text", "epsilon_high_nan", "bias_correction_int"])
 def test_option_groups_name_the_field(make, error, message):
     with pytest.raises(error, match="^" + re.escape(message) + "$"):
         make()

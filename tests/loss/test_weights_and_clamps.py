@@ -92,7 +92,7 @@ def test_weights_keep_three_passes_and_bad_options_raise():
         call(entropy_weights=inputs["mask"].float(), entropy_coef=0.01)
     with pytest.raises(ValueError, match=r"loss_weights must have shape \(2, 48\) \(like targets\), got \(2, 3\)"):
         call(loss_weights=torch.ones(2, 3))
-    with pytest.raises(ValueError, match=r"kl_clamp must be > 0 or None, got -1.0"):
+    with pytest.raises(ValueError, match=r"kl_clamp must be a finite number > 0 \(LossConfig.kl_clamp\), got -1.0"):
         call(kl_clamp=-1.0)
 
 

@@ -22,10 +22,10 @@ BAD = [("max_grad_norm", "-1", "max_grad_norm must be a finite number > 0, got -
        ("temperature", "inf", "temperature must be a finite number > 0, got inf"),
        ("top_p", "0", "top_p must be a finite number in (0, 1], got 0.0"),
        ("top_p", "1.5", "top_p must be a finite number in (0, 1], got 1.5"),
-       ("epsilon_low", "-0.2", "epsilon_low must be a finite number >= 0, got -0.2"),
-       ("epsilon_high", "inf", "epsilon_high must be a finite number >= 0, got inf"),
-       ("beta", "inf", "beta must be a finite number >= 0, got inf"),
-       ("entropy_coef", "-inf", "entropy_coef must be a finite number, got -inf"),
+       ("epsilon_low", "-0.2", "epsilon_low must be a finite number >= 0 (LossConfig.epsilon_low), got -0.2"),
+       ("epsilon_high", "inf", "epsilon_high must be a finite number >= 0 (LossConfig.epsilon_high), got inf"),
+       ("beta", "inf", "beta must be a finite number >= 0 (LossConfig.beta), got inf"),
+       ("entropy_coef", "-inf", "entropy_coef must be a finite number (LossConfig.entropy_coef), got -inf"),
        ("importance_sampling_cap", "0", "importance_sampling_cap must be a finite number > 0, got 0.0"),
        ("vllm_gpu_memory_utilization", "1.2", "vllm_gpu_memory_utilization must be a finite number in (0, 1], got 1.2"),
        ("max_operand", "0", "max_operand must be > 0, got 0"),
@@ -53,9 +53,10 @@ def test_out_of_range_values_name_the_key(key, value, message):
 def test_every_numeric_key_has_a_rule_and_nan_fails_it():
     assert set(NUMERIC) == set(RULES)
     for key in NUMERIC:
-        with pytest.raises(ValueError, match=key):
+        field = key.rpartition(".")[2]      # loss.max_completion_length: the loss section's own error names its field
+        with pytest.raises(ValueError, match=field):
             flat_config(**{key: math.nan})
-        with pytest.raises(ValueError, match=key):
+        with pytest.raises(ValueError, match=field):
             load_config(None, {key: "nan"})
 
 
@@ -348,3 +349,38 @@ def test_a_checkpoint_of_an_earlier_flat_config_is_read_and_compared():
     assert flat_values(dataclasses.asdict(config)) == config.flat()
     with pytest.raises(ValueError, match=r"--resume cannot change .*group_size 4 -> 8"):
         resume_changes(flat, flat_config(group_size=8))
+
+
+def test_code_and_yaml_give_the_loss_section_the_same_defaults(tmp_path):
+    """TrainConfig(loss=gf.LossConfig(...)) in code and the same keys in a YAML file are one config (the trainer
+    has no defaults of its own for the loss: epsilon_high was 0.2 one way and 0.28 the other)."""
+    import yaml
+
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.variants import LossConfig
+
+    for given in ({}, {"loss_type": "grpo"}, {"loss_type": "cispo", "epsilon_low": 0.1}, {"beta": 0.04},
+                  {"epsilon_high": None}):
+        path = tmp_path / "loss.yaml"
+        path.write_text(yaml.safe_dump({"loss": given}))
+        assert TrainConfig(loss=LossConfig(**given)).loss == load_config(str(path)).loss, given
+        assert TrainConfig.from_keys(**given).loss == load_config(str(path)).loss, given
+
+
+NUMERIC_LOSS_FIELDS = [name for name, key in KEYS.items() if key.section == "loss" and key.name in NUMERIC]
+
+
+@pytest.mark.parametrize("field", [KEYS[name].field for name in NUMERIC_LOSS_FIELDS])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "0.2"], ids=["nan", "inf", "-inf", "text"])
+def test_the_library_and_the_trainer_refuse_a_loss_value_with_the_same_words(field, value):
+    """Every numeric LossConfig field: NaN, +-inf and text are refused by the library's LossConfig and by the
+    trainer's loss section (built in code) with one error, word for word, naming the field."""
+    import grpo_fast as gf
+    from grpo_fast.train.config import NAMES, TrainConfig
+
+    with pytest.raises(ValueError) as library:
+        gf.LossConfig(**{field: value})
+    with pytest.raises(ValueError) as trainer:
+        TrainConfig.from_keys(**{NAMES["loss", field]: value})
+    assert f"LossConfig.{field}" in str(library.value) and str(trainer.value) == str(library.value)
+    assert isinstance(library.value, TypeError) or not isinstance(value, str)      # a wrong type: a TypeError too

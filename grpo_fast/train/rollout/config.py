@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_fast.train.keys import FRACTION, NON_NEGATIVE, POSITIVE, Rule, check_keys, key
+from grpo_fast.fields import FRACTION, NON_NEGATIVE, POSITIVE, Rule, check_keys, key
 
 ENGINES = ("hf", "vllm")
 VLLM_DTYPES = ("auto", "float32", "bfloat16")

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo_fast.train.keys import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Rule, check_keys, key
+from grpo_fast.fields import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Rule, check_keys, key
 from grpo_fast.train.run import tracking
 from grpo_fast.train.tasks.config import check_task
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo_fast.train.keys import POSITIVE, check_keys, key
+from grpo_fast.fields import POSITIVE, check_keys, key
 from grpo_fast.train.tasks import dataset_files
 
 TASKS = ("max", "arithmetic", "gsm8k")

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo_fast.train.keys import NON_NEGATIVE, POSITIVE, check_keys, is_number, key, one_of
+from grpo_fast.fields import NON_NEGATIVE, POSITIVE, check_keys, is_number, key, one_of
 from grpo_fast.train.update.advantages import ESTIMATORS, SCALES
 from grpo_fast.train.update.correction import IS_MODES
 from grpo_fast.train.update.optimizer import OPTIMIZERS
