@@ -107,6 +107,8 @@ def _eval(target: str, arguments: list) -> int:
 def _train(arguments: list) -> int:
     from grpo_fast.train.config import load_config, parse_overrides
     from grpo_fast.train.loop import RunError, train
+    from grpo_fast.train.run import signals
+    from grpo_fast.train.run.checkpoint import latest_checkpoint
 
     arguments = list(arguments)
     config_path = arguments.pop(0) if arguments and not arguments[0].startswith("--") else None
@@ -121,10 +123,13 @@ def _train(arguments: list) -> int:
     except (ValueError, OSError) as error:
         print(f"grpo-fast train: {error}", file=sys.stderr)
         return 2
+    signals.stop_once_for_good()       # the first Ctrl-C / SIGTERM stops the run; later ones cannot cut its save
     try:
         history = train(config, resume=resume)
     except KeyboardInterrupt as interrupt:
-        saved = getattr(interrupt, "checkpoint", None)       # set once the loop has saved this run's state
+        # the checkpoint the loop saved, or (stopped before its loop) the one a resume started from
+        saved = getattr(interrupt, "checkpoint", None) or (resume and latest_checkpoint(config.run.output_dir))
+        signals.ignore_stops()         # saved: this is the last line, and the exit is not cut
         print("stopped" + (f"; resume from {saved} with --resume" if saved else " before the first step; nothing "
                            "was saved"), file=sys.stderr)
         return 130

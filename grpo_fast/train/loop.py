@@ -291,6 +291,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     except KeyboardInterrupt as interrupt:
         done = len(history) + start_step      # a step is recorded whole or not at all (signals.interrupts_deferred)
         log(f"interrupted: saving step {done}")
+        interrupt.checkpoint = checkpoint.latest_checkpoint(config.run.output_dir)   # if the save fails
         interrupt.checkpoint = save(done, rng=rng_at_start)
         raise
     finally:

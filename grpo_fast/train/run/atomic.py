@@ -21,7 +21,7 @@ import re
 import shutil
 from typing import Optional
 
-from grpo_fast.train.run.signals import interrupts_deferred
+from grpo_fast.train.run.signals import interrupt_behind, interrupts_deferred
 
 TEMPORARY, PREVIOUS = ".tmp", ".old"
 
@@ -86,6 +86,9 @@ def atomic_folder(folder: str, replace: bool = False):
         yield temporary
     except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
+        interrupt = interrupt_behind(error)
+        if interrupt is not None and interrupt is not error:  # a stop inside a library's write is still a stop
+            raise interrupt from error
         disk = write_error(error) if isinstance(error, Exception) else None
         if disk is not None and disk is not error:           # a full disk is an OSError, whatever wrote the file
             raise disk from error

@@ -1,6 +1,7 @@
 """Stops that lose nothing: a Ctrl-C or a SIGTERM lands between the trainer's steps, never inside one.
 
-    with stops_as_interrupts():                  # the whole run: SIGTERM (timeout, docker stop) acts as Ctrl-C
+    with stops_as_interrupts():                  # the whole run: SIGTERM (timeout, docker stop) acts as Ctrl-C,
+                                                 # once: a second stop cannot cut the save the first one starts
         ...
         with interrupts_deferred():              # a step's update, weight push and records: whole or not at all
             ...
@@ -15,6 +16,7 @@ Python cannot set signal handlers (a run started from a worker thread keeps the 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -25,22 +27,66 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+class StopOnce:
+    """The handler of SIGINT and SIGTERM while a run may stop: the first raises KeyboardInterrupt (the loop then
+    saves the last complete step and closes its processes); later ones are dropped with a line on stderr, so that
+    a second Ctrl-C, or a burst of them, cannot cut that save, the cleanup, or the interpreter's exit."""
+
+    def __init__(self):
+        self.fired = False
+
+    def __call__(self, signum, frame):
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+        print(f"grpo-fast: {signal.Signals(signum).name} again: already stopping, saving the last complete step "
+              "first (SIGKILL is safe too: a checkpoint is written whole or not at all)", file=sys.stderr)
+
+
+def stop_once_for_good() -> None:
+    """Installs `StopOnce` for SIGINT and SIGTERM for the rest of the process: what a command line that runs one
+    job calls first (`grpo-fast train`), so that no later signal interrupts its exit; `stops_as_interrupts` inside
+    it then changes nothing."""
+    if _in_main_thread():
+        handler = StopOnce()
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, handler)
+
+
+def ignore_stops() -> None:
+    """SIGINT and SIGTERM ignored for the rest of the process: a command line that has saved and is about to say
+    where calls it, so that its last line is that one and nothing cuts the interpreter's exit."""
+    if _in_main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def interrupt_behind(error: BaseException):
+    """The KeyboardInterrupt `error` is, or was raised while handling (torch's zip writer turns one raised inside
+    its write into RuntimeError "unexpected pos" as it closes the file), or None."""
+    seen, chain = error, 0
+    while seen is not None and chain < 8:
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen, chain = seen.__cause__ or seen.__context__, chain + 1
+    return None
 
 
 @contextmanager
 def stops_as_interrupts():
-    """Within the block a SIGTERM raises KeyboardInterrupt as a Ctrl-C does, so that the trainer saves its state
-    and stops its rollout process; the previous handlers come back at the end."""
-    if not _in_main_thread():
+    """Within the block the first SIGINT or SIGTERM raises KeyboardInterrupt (a SIGTERM as a Ctrl-C does), so
+    that the trainer saves its state and stops its rollout process; later ones are dropped (`StopOnce`). The
+    previous handlers come back at the end; under `stop_once_for_good` the block changes nothing."""
+    if not _in_main_thread() or isinstance(signal.getsignal(signal.SIGINT), StopOnce):
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    handler = StopOnce()
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextmanager
