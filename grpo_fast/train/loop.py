@@ -111,6 +111,11 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
         if config.warm_start.sft_steps:
             supervised_warm_start(model, tokenizer, data.samples, config, log, dtype)
         torch.manual_seed(config.run.seed + 1)
+    if config.policy.lora_rank and not config.warm_start.sft_steps:    # the checkpoints keep the adapters alone
+        data.identity[tasks.BASE_WEIGHTS] = lora.base_fingerprint(model)
+        if state is not None:
+            lora.check_base(state.get("data"), data.identity[tasks.BASE_WEIGHTS], config.policy.model,
+                            config.run.accept_changed_data, log)
     if config.policy.lora_rank:
         model = lora.add_adapters(model, config)
     if state is None:

@@ -12,6 +12,7 @@ a warm start trained it: grpo_fast.train.run.checkpoint.training_state).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 from torch import nn
@@ -58,6 +59,38 @@ def add_adapters(model: nn.Module, config) -> nn.Module:
     lora_config = LoraConfig(r=config.policy.lora_rank, lora_alpha=alpha, lora_dropout=config.policy.lora_dropout,
                              target_modules=list(config.policy.lora_target_modules), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora_config, autocast_adapter_dtype=True)   # adapters in fp32
+
+
+def base_fingerprint(model: nn.Module, samples: int = 4096) -> str:
+    """A short SHA-256 of `model`'s weights (its state dict: each tensor's name, shape, dtype and up to `samples`
+    of its values at a fixed stride): a base that was fine-tuned, rescaled or replaced by another checkpoint gets
+    another one. Reads a few thousand values per tensor, not the weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        picked = flat[::max(1, flat.numel() // samples)][:samples].to("cpu", torch.float64)
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(picked.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_base(saved_identity, fingerprint: str, model_name: str, accept_change: bool, log) -> None:
+    """A LoRA run's resume: its checkpoint holds the adapters alone, trained on a base whose fingerprint it kept
+    (saved_identity[BASE_WEIGHTS], see `base_fingerprint`); on another base they are another policy (and the KL
+    reference, the base itself, moves). ValueError naming the model and the accept key, unless accept_change
+    (the config's accept_changed_data: logged). A checkpoint without a fingerprint is not checked."""
+    from grpo_fast.train.tasks import BASE_WEIGHTS
+
+    saved = (saved_identity or {}).get(BASE_WEIGHTS)
+    if saved is None or saved == fingerprint:
+        return
+    change = (f"the base weights of {model_name!r} are not the ones the checkpoint's LoRA adapters were trained on "
+              f"(fingerprint {saved} -> {fingerprint})")
+    if not accept_change:
+        raise ValueError(f"--resume: {change}; restore the model the run started from, pass --accept-changed-data "
+                         "true if the change is meant (the adapters then apply to the new base, and the KL reference "
+                         "is the new base), or start a new run in a new output_dir")
+    log(f"{change}; accepted (accept_changed_data)")
 
 
 def is_peft(model: nn.Module) -> bool:

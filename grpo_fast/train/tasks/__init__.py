@@ -151,6 +151,9 @@ def _hash_of(hashes) -> str:
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
 
+BASE_WEIGHTS = "base_weights"       # the key of a LoRA run's base fingerprint in the identity a checkpoint keeps
+
+
 def data_identity(samples: list, held_out: list) -> dict:
     """What a run's data is, to compare at a resume (check_data_identity): the number of training samples, a
     SHA-256 of them in order and one of them in any order, and the held-out problems (problem_key of each, in
@@ -170,7 +173,12 @@ def check_data_identity(saved: dict | None, current: dict, source: str, accept_c
     accept_change (the config's accept_changed_data): a deliberate change (a label fix, rows added) is accepted
     and returned in words, for the log; other held-out problems are refused all the same. Returns None when
     nothing changed."""
-    if saved is None or saved == current:
+    if saved is None:
+        return None
+    # the identity of a LoRA run's base weights rides along (grpo_fast.train.lora.check_base): not data
+    saved, current = ({key: value for key, value in identity.items() if key != BASE_WEIGHTS}
+                      for identity in (saved, current))
+    if saved == current:
         return None
     before, after = set(saved["held_out"]), set(current["held_out"])
     if before != after:

@@ -310,3 +310,31 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_good_one(tmp
     assert sorted(name for name in os.listdir(folder) if name.startswith("checkpoint")) == ["checkpoint-1"]
     assert [r["step"] for r in run(tmp_path, max_steps=2, sft_steps=0, resume=True, group_size=2,
                                    prompts_per_step=2)] == [2]
+
+
+def test_a_lora_run_refuses_to_resume_on_a_changed_base(tmp_path):
+    """A LoRA run's checkpoint holds its adapters alone: resumed on a base whose weights were since multiplied by
+    1.5, they would be another policy (and the KL reference, the base, would move). The base's fingerprint is
+    kept and compared: refused with the accept key named; accepted (and logged) with accept_changed_data; the
+    base restored, it resumes."""
+    from safetensors.torch import load_file, save_file
+
+    run(tmp_path, name="base", max_steps=1, save_every=1, sft_steps=10)           # a model folder to start from
+    base = tmp_path / "base" / "model"
+    lora_run = dict(model=str(base), lora_rank=4, sft_steps=0, beta=0.04, save_every=1)
+    run(tmp_path, name="lora", max_steps=1, **lora_run)
+    weights = base / "model.safetensors"
+    original = weights.read_bytes()
+    save_file({name: tensor * 1.5 for name, tensor in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"--resume: the base weights of '{base}' are not the ones the checkpoint's "
+                                         r"LoRA adapters were trained on \(fingerprint \w+ -> \w+\); .* "
+                                         r"--accept-changed-data true"):
+        run(tmp_path, name="lora", resume=True, max_steps=2, **lora_run)
+    logged = []
+    history = T.train(flat_config(**{**FAST, **lora_run, "max_steps": 2, "accept_changed_data": True},
+                                  output_dir=str(tmp_path / "lora")), resume=True, log=logged.append)
+    assert [r["step"] for r in history] == [2]
+    assert [line for line in logged if "base weights" in line and "accepted (accept_changed_data)" in line], logged
+    weights.write_bytes(original)                           # the base as it was: the fingerprint matches again
+    with pytest.raises(ValueError, match="are not the ones the checkpoint's LoRA adapters were trained on"):
+        run(tmp_path, name="lora", resume=True, max_steps=3, **lora_run)      # checkpoint-2 was on the 1.5x base
