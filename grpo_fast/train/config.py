@@ -150,7 +150,9 @@ class TrainConfig:
         return flat_values(dataclasses.asdict(self))
 
     def check_world(self, world_size: int) -> None:
-        """The checks that need the number of processes, run once before anything is loaded."""
+        """The checks of a training job (not of an evaluation), with those that need the number of processes, run
+        once before anything is loaded."""
+        self.rollout.check_for_training()
         if self.rollout.prompts_per_step % world_size:
             raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({world_size}) so "
                              f"that each rank scores whole groups, got {self.rollout.prompts_per_step}")

@@ -189,10 +189,24 @@ def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfi
     return bad_steps
 
 
+def warn_single_token_kept_sets(batch, config: TrainConfig, step: int, log) -> None:
+    """At a new run's first step sampled with top_k / top_p: when every loss token's kept set is that token alone
+    (a top_p so small that only the most likely token is kept), every log-prob over its set is 0 and so are the
+    loss and its gradient, as with top_k 1 (refused): one line says so, naming the keys."""
+    if step != 0 or batch.kept is None:
+        return
+    sizes = batch.kept.host_offsets.diff().view(batch.loss_mask.shape)
+    if bool((sizes[batch.loss_mask.cpu()] == 1).all()):
+        log(f"warning: step 1: every sampled token's kept set is that token alone (top_p {config.rollout.top_p}, "
+            f"top_k {config.rollout.top_k}): over it each log-prob is 0, so the loss and its gradient are exactly 0 "
+            f"and nothing is learned; raise top_p (or top_k)")
+
+
 def update_policy(policy: Policy, optimizer, scheduler, batch, config: TrainConfig, world, bad_steps: int,
                   step: int, log) -> tuple:
     """(update metrics, learning rate they used, non-finite steps in a row): num_iterations optimizer steps on
     the step's batch (policy_update), then the schedule's step."""
+    warn_single_token_kept_sets(batch, config, step, log)
     updates = [policy_update(policy, optimizer, batch, config, world)
                for _ in range(config.optimization.num_iterations)]
     bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
@@ -296,7 +310,6 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     except KeyboardInterrupt as interrupt:
         done = len(history) + start_step      # a step is recorded whole or not at all (signals.interrupts_deferred)
         log(f"interrupted: saving step {done}")
-        interrupt.checkpoint = checkpoint.latest_checkpoint(config.run.output_dir)   # if the save fails
         interrupt.checkpoint = save(done, rng=rng_at_start)
         raise
     finally:

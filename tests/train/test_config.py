@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 
 import pytest
 
@@ -200,11 +201,23 @@ def test_top_p_with_vllm_needs_a_top_k_bound():
         load_config(None, {"top_k": "-1"})
 
 
-def test_top_k_1_is_refused_its_gradient_would_be_zero():
-    """top_k 1: each kept set is the sampled token alone, whose log-prob over it is 0 under any weights."""
-    with pytest.raises(ValueError, match=r"top_k=1 samples the most likely token: .* gradient is exactly zero; set "
-                                         r"top_k >= 2 \(or 0: every token\)"):
-        load_config(None, {"top_k": "1"})
+def test_top_k_1_is_refused_for_training_and_planning_not_for_evaluation(tmp_path, capsys):
+    """top_k 1: each kept set is the sampled token alone, whose log-prob over it is 0 under any weights: train and
+    plan (a YAML config or flags) refuse it with the same words; an evaluation may sample greedily."""
+    message = r"top_k=1 samples the most likely token: .* gradient is exactly zero; set top_k >= 2 \(or 0: every " \
+              r"token\)"
+    config = load_config(None, {"top_k": "1"})                 # a config an evaluation may use
+    with pytest.raises(ValueError, match=message):
+        config.check_world(1)                                   # what train() checks first
+    (tmp_path / "greedy.yaml").write_text("rollout:\n  top_k: 1\n")
+    for arguments in (["train", "--top-k", "1", "--output-dir", str(tmp_path / "run")], ["plan", "qwen2.5-0.5b",
+                      "--top-k", "1"], ["plan", str(tmp_path / "greedy.yaml")]):
+        assert cli(arguments) == 2, arguments
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and re.search(message, err), (arguments, err)
+    assert not (tmp_path / "run").exists()
+    assert cli(["plan", "qwen2.5-0.5b", "--top-p", "0.9", "--engine", "vllm"]) == 2    # train's vLLM check too
+    assert "top_p=0.9 with engine 'vllm' needs top_k > 0" in capsys.readouterr().err
     assert flat_config(top_k=2).rollout.truncates_sampling
 
 

@@ -1,13 +1,14 @@
 """`grpo-fast plan`: parameter counts, the components' behaviour, the CLI, and the plan against measured peaks."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from grpo_fast.train.plan.memory import CARDS, GIB, PRESETS, Job, ModelShape, load_shape, plan
+from grpo_fast.train.plan.memory import CARDS, GIB, PRESETS, Job, ModelShape, fits, load_shape, plan
 from grpo_fast.train.plan.report import summary
 
 
@@ -95,6 +96,21 @@ def test_cli_json(tmp_path):
                                       check=True).stdout)
     assert small["cards"]["H200 141GB"]["fits"] and not report["cards"]["24 GB (RTX 4090 / L4)"]["fits"]
     assert main(["plan", "nonexistent-model"]) == 2
+
+
+def test_a_job_that_does_not_fit_says_which_budget_and_a_huge_batch_does_not_fit(capsys):
+    """Below the card's memory a vLLM job can still miss its pool (the weights and one sequence's KV cache): the
+    line says so, with the share it needs. The step's batch is counted, so group size 1e20 fits no card."""
+    from grpo_fast.cli import main
+
+    assert main(["plan", "qwen2.5-7b", "--lora-rank", "16", "--dtype", "bf16", "--gpu-memory-utilization", "0.1"]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("A100 80GB")]
+    assert re.search(r"does not fit  \(\d+\.\d GiB needed of 79.1 GiB\); vLLM's pool, gpu_memory_utilization 0.1 of "
+                     r"the card \(7.9 GiB\), is below its weights and one sequence's KV cache at full length "
+                     r"\(\d+\.\d GiB, 0.\d\d of the card\)", line), line
+    huge = plan(PRESETS["qwen2.5-0.5b"], Job(group_size=10**20))
+    assert huge["step_batch"] > 10**20 and not any(ok for ok, _, _ in fits(PRESETS["qwen2.5-0.5b"],
+                                                                           Job(group_size=10**20)).values())
 
 
 @pytest.mark.parametrize("loss", ["grpo_fast", "naive"])

@@ -9,7 +9,7 @@ import os
 import torch
 
 from grpo_fast.train import pretrained, tasks
-from grpo_fast.train.plan.memory import GIB, PRESETS, Job, ModelShape, fits_in, load_shape, plan
+from grpo_fast.train.plan.memory import GIB, PRESETS, Job, ModelShape, fits_in, load_shape, plan, pool_shortfall
 from grpo_fast.train.plan.report import summary
 from grpo_fast.train.policy import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
 from grpo_fast.train.update import precision
@@ -70,7 +70,8 @@ def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
     ok, needed = fits_in(shape, job, plan(shape, job, capacity), capacity)
     if ok:
         return None
-    message = f"the plan needs {needed / GIB:.1f} GiB on this {capacity / GIB:.1f} GiB card"
+    message = f"the plan needs {needed / GIB:.1f} GiB on this {capacity / GIB:.1f} GiB card" + (
+        f" ({pool_shortfall(shape, job, capacity)})" if needed <= capacity else "")
     changes = [({key: value}, "") for key, value in FIT_CHANGES] + [
         (change, " (it changes the numerics or what is trained)") for change in MEMORY_CHANGES]
     current = config.flat()

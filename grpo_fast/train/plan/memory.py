@@ -47,6 +47,7 @@ from typing import Optional
 from grpo_fast import chunked
 from grpo_fast.backends import torch_ops
 from grpo_fast.integrations.attention import choose_attention
+from grpo_fast.train.rollout.config import check_sampling
 from grpo_fast.train.update import optimizer, precision
 
 GIB = 2**30
@@ -244,6 +245,7 @@ class Job:
                  "in (0, 1)")
         _require("top_k", self.top_k, self.top_k >= 0, ">= 0 (0: every token)")
         _require("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")
+        check_sampling(self.engine, self.top_k, self.top_p)            # the trainer's own check
 
     def kept_ids_per_token(self, vocab_size: int) -> int:
         """The most ids a sampled token's kept set can hold: top_k (at most the vocabulary), the whole vocabulary
@@ -340,6 +342,10 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     # top-k / top-p: each sampled position's kept set (int64 ids and an offset) lives through the whole step
     kept_ids = job.kept_ids_per_token(shape.vocab_size)
     kept_sets = job.prompts_per_step * job.group_size * job.completion_length * (kept_ids + 1) * 8 if kept_ids else 0
+    # the step's batch, held through its update: input ids and attention mask (int64) over prompt + completion,
+    # the completion's ids (int64), mask (bool) and its old, reference and sampling log-probs and correction (fp32)
+    sequences = job.prompts_per_step * job.group_size
+    step_batch = sequences * ((job.prompt_length + job.completion_length) * 16 + job.completion_length * 25)
     components = {
         "weights": weights,
         "gradients": trainable * trainable_bytes,
@@ -353,6 +359,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
         "kv_cache": 0,
         "generation_logits": 0,
         "kept_sets": kept_sets,
+        "step_batch": step_batch,
         "runtime": runtime,
     }
     training_peak = sum(components.values())
@@ -488,18 +495,31 @@ def fits(shape: ModelShape, job: Job) -> dict:
     return result
 
 
+def _vllm_minimum(shape: ModelShape, job: Job) -> int:
+    """The least vLLM's pool must hold: its bf16 weights and one sequence's KV cache at full length."""
+    return shape.num_parameters() * 2 + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_step)
+
+
 def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple:
     """(fits, needed bytes) on a card of `capacity` bytes, for the estimate plan(shape, job, capacity); see
-    `fits`."""
+    `fits` (and `misfit_reason` for why not)."""
     needed, pool_ok = estimate["total"], True
     if job.engine == "vllm":
-        vllm_minimum = (shape.num_parameters() * 2
-                        + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_step))
         pool = job.gpu_memory_utilization * capacity
         needed += pool
-        pool_ok = pool >= vllm_minimum            # its weights and one sequence's KV cache at full length
+        pool_ok = pool >= _vllm_minimum(shape, job)
     return pool_ok and needed <= capacity, needed
 
+
+def pool_shortfall(shape: ModelShape, job: Job, capacity: int) -> str:
+    """Why vLLM's pool on a card of `capacity` bytes is too small, in words, or "" (it is not, or no vLLM): the
+    budget a job can miss while its total is below the card (`fits_in`)."""
+    minimum = _vllm_minimum(shape, job) if job.engine == "vllm" else 0
+    if job.gpu_memory_utilization * capacity >= minimum:
+        return ""
+    return (f"vLLM's pool, gpu_memory_utilization {job.gpu_memory_utilization} of the card "
+            f"({job.gpu_memory_utilization * capacity / GIB:.1f} GiB), is below its weights and one sequence's KV "
+            f"cache at full length ({minimum / GIB:.1f} GiB, {minimum / capacity:.2f} of the card)")
 
 
 def load_shape(model: str) -> ModelShape:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from grpo_fast import chunked
-from grpo_fast.train.plan.memory import CARDS, GIB, Job, ModelShape, fits, kv_cache_needed, plan
+from grpo_fast.train.plan.memory import CARDS, GIB, Job, ModelShape, fits, kv_cache_needed, plan, pool_shortfall
 
 
 @dataclass
@@ -26,7 +26,8 @@ class PlanReport:
 def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
     estimate = plan(shape, job)                   # with no card: the largest chunk budget
     cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card],
-                    "training_peak_bytes": int(peak)}
+                    "training_peak_bytes": int(peak),
+                    "pool_shortfall": pool_shortfall(shape, job, CARDS[card])}
              for card, (ok, need, peak) in fits(shape, job).items()}
     return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
                       components={k: int(v) for k, v in estimate.items()},
@@ -71,7 +72,8 @@ def format_report(report: PlanReport) -> str:
     for card, result in report.cards.items():
         verdict = "fits" if result["fits"] else "does not fit"
         lines.append(f"{card:<24}{verdict:>14}  ({result['needed_bytes'] / GIB:.1f} GiB needed of "
-                     f"{result['capacity_bytes'] / GIB:.1f} GiB)")
+                     f"{result['capacity_bytes'] / GIB:.1f} GiB)" + (f"; {result['pool_shortfall']}"
+                                                                      if result["pool_shortfall"] else ""))
     return "\n".join(lines)
 
 

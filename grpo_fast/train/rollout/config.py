@@ -11,6 +11,21 @@ ENGINES = ("hf", "vllm")
 VLLM_DTYPES = ("auto", "float32", "bfloat16")
 
 
+def check_sampling(engine: str, top_k: int, top_p: float, training: bool = True) -> None:
+    """Raises ValueError for sampling settings a job cannot run: vLLM with top_p and no top_k bound, and for
+    training (`training`) top_k 1. The one check of the trainer's config and the planner's Job."""
+    if training and top_k == 1:
+        # the kept set is the sampled token alone: its log-prob over the set is 0 under any weights
+        raise ValueError("top_k=1 samples the most likely token: over its kept set of one token every log-prob "
+                         "is 0, so the loss's gradient is exactly zero; set top_k >= 2 (or 0: every token)")
+    if engine == "vllm" and top_p < 1 and top_k == 0:
+        # vLLM hands over kept sets only under a top_k bound; without them the trainer's log-probs would be over
+        # the whole vocabulary and the engine's over the nucleus, off by the kept mass on every token
+        raise ValueError(f"top_p={top_p} with engine 'vllm' needs top_k > 0, got top_k=0: vLLM returns the "
+                         "kept set of each token (which the trainer's log-probs must be over, so that the rollout "
+                         "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
+
+
 @dataclass
 class RolloutConfig:
     """The config section `rollout`. vLLM samples with its own numerics: the `correction` section weighs each
@@ -41,16 +56,12 @@ class RolloutConfig:
 
     def __post_init__(self):
         check_keys(self)
-        if self.top_k == 1:
-            # the kept set is the sampled token alone: its log-prob over the set is 0 under any weights
-            raise ValueError("top_k=1 samples the most likely token: over its kept set of one token every log-prob "
-                             "is 0, so the loss's gradient is exactly zero; set top_k >= 2 (or 0: every token)")
-        if self.engine == "vllm" and self.top_p < 1 and self.top_k == 0:
-            # vLLM hands over kept sets only under a top_k bound; without them the trainer's log-probs would be over
-            # the whole vocabulary and the engine's over the nucleus, off by the kept mass on every token
-            raise ValueError(f"top_p={self.top_p} with engine 'vllm' needs top_k > 0, got top_k=0: vLLM returns the "
-                             "kept set of each token (which the trainer's log-probs must be over, so that the rollout "
-                             "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
+        check_sampling(self.engine, self.top_k, self.top_p, training=False)
+
+    def check_for_training(self) -> None:
+        """The sampling a training job may use (`check_sampling`): `grpo-fast train` and `grpo-fast plan` call it;
+        an evaluation may sample greedily (top_k 1)."""
+        check_sampling(self.engine, self.top_k, self.top_p)
 
     @property
     def truncates_sampling(self) -> bool:

@@ -136,6 +136,11 @@ def test_eval_cli(tmp_path, capsys):
     assert cli(["eval", str(tmp_path / "run" / "model"), "--task", "gsm8k", "--eval-prompts", "2",
                 "--num-samples", "1"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["problems"] == 2
+    # greedy evaluation: top_k 1, which training refuses (its gradient would be 0), samples the same completion k
+    # times, so pass@2 is pass@1
+    assert cli(["eval", str(tmp_path / "run"), "--num-samples", "2", "--eval-prompts", "3", "--top-k", "1"]) == 0
+    greedy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert greedy["problems"] == 3 and greedy["pass@1"] == greedy["pass@2"]
 
 
 def fake_run(run, step: int = 5):

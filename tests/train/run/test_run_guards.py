@@ -338,3 +338,17 @@ def test_a_lora_run_refuses_to_resume_on_a_changed_base(tmp_path):
     weights.write_bytes(original)                           # the base as it was: the fingerprint matches again
     with pytest.raises(ValueError, match="are not the ones the checkpoint's LoRA adapters were trained on"):
         run(tmp_path, name="lora", resume=True, max_steps=3, **lora_run)      # checkpoint-2 was on the 1.5x base
+
+
+def test_a_top_p_that_keeps_only_the_sampled_token_is_named_at_the_first_step(tmp_path):
+    """top_p 1e-6 keeps the most likely token alone: the loss and its gradient are exactly 0 every step (as with
+    top_k 1, which the config refuses); the first step says so. top_p 0.9 on the untrained model keeps more."""
+    warnings = {}
+    for top_p in (1e-6, 0.9):
+        logged = []
+        history = T.train(flat_config(**{**FAST, "max_steps": 1, "sft_steps": 0, "top_p": top_p},
+                                      output_dir=str(tmp_path / str(top_p))), log=logged.append)
+        warnings[top_p] = [line for line in logged if "kept set is that token alone" in line]
+        if top_p == 1e-6:
+            assert history[0]["loss"] == 0.0 and history[0]["grad_norm"] == 0.0
+    assert len(warnings[1e-6]) == 1 and "top_p 1e-06, top_k 0" in warnings[1e-6][0] and not warnings[0.9], warnings
