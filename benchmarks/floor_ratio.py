@@ -72,7 +72,7 @@ def naive_step(inputs):
     def step():
         loss, _ = reference.grpo_loss(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"],
                                       inputs["mask"], old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"],
-                                      **LOSS)
+                                      config=gf.LossConfig(**LOSS))
         torch.autograd.grad(loss, (inputs["hidden"], inputs["weight"]))
     return step
 

@@ -264,7 +264,8 @@ def case_outputs(name, inputs, hidden, weight, old=None, ref=None, fused=None) -
             objective, _ = gf.grpo_loss(*tensors, old_logps=old, ref_logps=ref,
                                         **grpo_fast_options(options, fused, loss=True))
         else:
-            objective, _ = reference.grpo_loss(*tensors, old_logps=old, ref_logps=ref, **options)
+            objective, _ = reference.grpo_loss(*tensors, old_logps=old, ref_logps=ref,
+                                               **grpo_fast_options(options, {}, loss=True))
         values = {"loss": objective}
     d_hidden, d_weight = torch.autograd.grad(objective, (hidden, weight))
     return {**{k: v.detach() for k, v in values.items()}, "dhidden": d_hidden, "dweight": d_weight}

@@ -118,8 +118,9 @@ def grpo_fast_two_phase(batch):
 def naive(batch):
     """Full logits, fp32 log-softmax and gather, then the loss math: what TRL did before its fused head."""
     loss, _ = reference.grpo_loss(batch.hidden, batch.weight, batch.targets, batch.advantages, batch.mask,
-                                  old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-                                  num_items_in_batch=batch.num_items, **batch.kept, **LOSS)
+                                  old_logps=batch.old_logps, ref_logps=batch.ref_logps, config=LossConfig(**LOSS),
+                                  transform=gf.LogitTransform(kept=batch.kept_set),
+                                  weights=gf.TokenWeights(num_items_in_batch=batch.num_items))
     return backward(loss, batch)
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.numerics import LogitTransform, accumulation_dtype
+from grpo_fast.numerics import accumulation_dtype
 
 # What the loss computes in (fp64 for gradchecks, on backend="torch"); float8 and the other narrow formats are
 # storage formats with per-tensor scales the loss cannot see, so they are refused rather than silently upcast.
@@ -64,11 +64,6 @@ def check_lm_head(hidden, weight, bias, targets) -> None:
                 f"bias must match weight's dtype and device ({weight.dtype}, {weight.device}), "
                 f"got ({bias.dtype}, {bias.device})"
             )
-
-
-def check_transform(temperature, logit_scale, logit_softcap) -> LogitTransform:
-    """The LogitTransform of the full-logits reference's flat keywords (it validates them)."""
-    return LogitTransform(temperature=temperature, scale=logit_scale, softcap=logit_softcap)
 
 
 def check_target_range(targets, vocab_size, valid=None) -> None:

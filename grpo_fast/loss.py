@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import fields
 from typing import Optional, Union
 
 import torch
@@ -23,6 +22,7 @@ from grpo_fast.options import (
     names_moved_keywords,
 )
 from grpo_fast.variants import (
+    CONFIG_MOVES,
     LossConfig,
     TokenTerms,
     as_loss_config,
@@ -31,7 +31,6 @@ from grpo_fast.variants import (
     token_weights,
 )
 
-CONFIG_MOVES = {field.name: f"config=LossConfig({field.name}=...)" for field in fields(LossConfig)}
 # GRPOLoss holds config, transform and execution; its forward takes the tensors, the weights and a kept set.
 MODULE_MOVES = {**CONFIG_MOVES, **TRANSFORM_MOVES, **EXECUTION_MOVES}
 FORWARD_MOVES = {

@@ -6,14 +6,22 @@ oracle; other inputs are evaluated in fp32 after the GEMM in the input dtype.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from grpo_fast.inputs import check_entropy_weights, check_lm_head, check_transform, policy_batch
+from grpo_fast.inputs import check_entropy_weights, check_lm_head, policy_batch
 from grpo_fast.kept import KeptSet
-from grpo_fast.numerics import accumulation_dtype
-from grpo_fast.variants import LossConfig, loss_config, policy_loss
+from grpo_fast.numerics import LogitTransform, accumulation_dtype
+from grpo_fast.options import (
+    EXECUTION_MOVES,
+    TRANSFORM_MOVES,
+    WEIGHTS_MOVES,
+    Execution,
+    TokenWeights,
+    names_moved_keywords,
+)
+from grpo_fast.variants import CONFIG_MOVES, LossConfig, as_loss_config, policy_loss
 
 
 def logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, logit_softcap=None):
@@ -51,27 +59,35 @@ def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit
     return outputs if len(outputs) > 1 else logp
 
 
+@names_moved_keywords({**CONFIG_MOVES, **TRANSFORM_MOVES, **EXECUTION_MOVES, **WEIGHTS_MOVES})
 def grpo_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
-              temperature=1.0, logit_scale=1.0, logit_softcap=None, num_items_in_batch=None,
-              is_ratio: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None, kept_ids=None,
-              kept_offsets=None, loss_weights=None, entropy_weights=None, **options):
-    """The same loss as `grpo_fast.grpo_loss` (same keywords) from the full logits; returns (loss, metrics)."""
-    options.pop("chunk_bytes", None)
-    options.pop("backend", None)
-    config = loss_config(config, **options)
+              config: Union[LossConfig, str] = "dapo", transform: Optional[LogitTransform] = None,
+              weights: Optional[TokenWeights] = None, execution: Optional[Execution] = None):
+    """`grpo_fast.grpo_loss(...)` from the full (N, V) logits: the same signature, option groups and checks;
+    returns (loss, metrics). execution is accepted and has no say (there are no chunks)."""
+    config = as_loss_config(config)
+    transform = LogitTransform() if transform is None else transform
+    weights = TokenWeights() if weights is None else weights
+    for name, value, kind in (("transform", transform, LogitTransform), ("weights", weights, TokenWeights),
+                              ("execution", execution, Execution)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name} must be a grpo_fast.{kind.__name__} or None, got {type(value).__name__}")
     check_lm_head(hidden, weight, bias, targets)
-    check_transform(temperature, logit_scale, logit_softcap)
-    check_entropy_weights(config.entropy_coef, entropy_weights)
-    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, is_ratio, loss_weights,
-                         entropy_weights)
+    if config.beta != 0.0 and ref_logps is None:
+        raise ValueError(f"beta = {config.beta} > 0 needs ref_logps (the reference policy's log-probs), got None")
+    check_entropy_weights(config.entropy_coef, weights.entropy_weights)
+    batch = policy_batch(hidden, targets, advantages, mask, old_logps, ref_logps, weights.is_ratio,
+                         weights.loss_weights, weights.entropy_weights)
     dtype = accumulation_dtype(hidden.dtype)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    kept = transform.kept
     logp, entropy = token_logprobs(
-        batch.hidden, weight, batch.targets, bias=bias, temperature=temperature, logit_scale=logit_scale,
-        logit_softcap=logit_softcap, return_entropy=True, kept_ids=kept_ids, kept_offsets=kept_offsets,
+        batch.hidden, weight, batch.targets, bias=bias, temperature=transform.temperature,
+        logit_scale=transform.scale, logit_softcap=transform.softcap, return_entropy=True,
+        kept_ids=None if kept is None else kept.ids, kept_offsets=None if kept is None else kept.offsets,
     )
     return policy_loss(
         logp, entropy, batch.mask.to(dtype), batch.advantages.to(dtype), old_logps=cast(batch.old_logps),
-        ref_logps=cast(batch.ref_logps), is_ratio=cast(batch.is_ratio), num_items_in_batch=num_items_in_batch,
+        ref_logps=cast(batch.ref_logps), is_ratio=cast(batch.is_ratio), num_items_in_batch=weights.num_items_in_batch,
         config=config, loss_weights=batch.loss_weights, entropy_weights=batch.entropy_weights,
     )

@@ -116,27 +116,8 @@ class LossConfig:
         return self.importance_sampling_level == "token" and self.objective != "vespo"
 
 
-def loss_config(config: Optional[LossConfig] = None, **options) -> LossConfig:
-    """`config if config is not None else LossConfig(**options)`: how the full-logits `grpo_fast.reference.grpo_loss`
-    takes its loss options as keywords, so that a new option is a LossConfig field, no entry's signature (the
-    fused entries take one `config=`, see `as_loss_config`).
-
-    A keyword that is no LossConfig field raises a ValueError naming it. Beside a config each option must keep its
-    LossConfig default, since two sources of one option would leave it unclear which one holds.
-    """
-    if config is not None and not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a grpo_fast.LossConfig or None, got {type(config).__name__}")
-    defaults = {field.name: field.default for field in fields(LossConfig)}
-    for name, value in options.items():
-        if name not in defaults:
-            raise ValueError(f"unknown keyword argument {name}={value!r}: expected a loss option (a LossConfig "
-                             f"field: {', '.join(defaults)}) or one of the entry's own keywords")
-    if config is None:
-        return LossConfig(**options)
-    for name, value in options.items():
-        if value != defaults[name]:
-            raise ValueError(f"pass loss options either in config or as keywords, got config and {name}={value!r}")
-    return config
+# keyword -> its home, for the loss options the entries took as keywords before LossConfig held them
+CONFIG_MOVES = {field.name: f"config=LossConfig({field.name}=...)" for field in fields(LossConfig)}
 
 
 def as_loss_config(config) -> LossConfig:

@@ -220,11 +220,13 @@ def forward_grouped(**flat) -> dict:
 
 
 def flat(fn):
-    """fn taking the flat keywords: a grpo_fast entry through `grouped` (a GRPOLoss module's forward through
-    `forward_grouped`), the full-logits reference, which keeps them, as it is."""
+    """fn taking the flat keywords: a grpo_fast entry or the full-logits reference's grpo_loss (the same signature)
+    through `grouped` (a GRPOLoss module's forward through `forward_grouped`); the reference's token_logprobs,
+    which keeps them, as it is."""
     import grpo_fast as gf
+    from grpo_fast import reference
 
-    if getattr(fn, "__module__", None) == "grpo_fast.reference":
+    if fn is reference.token_logprobs:
         return fn
     regroup = forward_grouped if isinstance(fn, gf.GRPOLoss) else grouped
     return lambda *args, **kwargs: fn(*args, **regroup(**kwargs))

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_fast as gf
 from grpo_fast import chunked, reference
-from tests.helpers import assert_close, grouped
+from tests.helpers import assert_close, flat, grouped
 
 N, H, V = 48, 16, 200
 
@@ -29,7 +29,7 @@ def weight_grad(dtype, chunk_bytes):
                            **grouped(chunk_bytes=chunk_bytes, backend="torch"))
     grad = torch.autograd.grad(loss, weight)[0]
     exact_weight = weight.detach().double().requires_grad_()
-    ref_loss, _ = reference.grpo_loss(hidden.detach().double(), exact_weight, targets, torch.tensor(1.0),
+    ref_loss, _ = flat(reference.grpo_loss)(hidden.detach().double(), exact_weight, targets, torch.tensor(1.0),
                                       torch.ones(N, dtype=torch.bool))
     return grad, torch.autograd.grad(ref_loss, exact_weight)[0], chunked.weight_grad_paths()
 
@@ -198,7 +198,7 @@ def test_uninitialized_memory_never_reaches_the_gradients(dtype, monkeypatch):
     loss.backward()
     monkeypatch.undo()
     expected = [hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)]
-    expected_loss, _ = reference.grpo_loss(*expected, targets, advantages, mask)
+    expected_loss, _ = flat(reference.grpo_loss)(*expected, targets, advantages, mask)
     expected_loss.backward()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert_close(loss, expected_loss, rtol=tolerance, name="loss")

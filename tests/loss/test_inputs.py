@@ -7,7 +7,7 @@ import torch
 
 import grpo_fast as gf
 from grpo_fast import reference
-from tests.helpers import grouped, make_batch
+from tests.helpers import as_float64, assert_close, flat, grouped, make_batch
 
 
 def call(**changes):
@@ -108,20 +108,28 @@ def test_tensors_on_different_devices():
         call(old_logps=inputs["old_logps"].to("meta"))
 
 
-@pytest.mark.parametrize("fn", [reference.grpo_loss], ids=["reference"])
-def test_config_or_loss_keywords_not_both(fn):
-    inputs = make_batch()
-    del inputs["is_ratio"], inputs["bias"]
-    config = gf.LossConfig(loss_type="grpo")
-    with pytest.raises(ValueError) as info:
-        fn(**inputs, config=config, loss_type="grpo")
-    assert "pass loss options either in config or as keywords, got config and loss_type='grpo'" in str(info.value)
-    with pytest.raises(ValueError, match="got config and epsilon_high=0.2"):
-        fn(**inputs, config=config, epsilon_high=0.2)       # its default is None, not epsilon_low's value
-    with pytest.raises(TypeError, match="config must be a grpo_fast.LossConfig or None, got dict"):
-        fn(**inputs, config={"loss_type": "grpo"})
-    loss, _ = fn(**inputs, config=config, loss_type="dapo", beta=0.0, temperature=0.9)  # defaults, a transform
-    assert torch.equal(loss, fn(**inputs, loss_type="grpo", temperature=0.9)[0])
+def test_the_reference_takes_grpo_loss_s_signature():
+    """reference.grpo_loss is called as grpo_fast.grpo_loss is: the same parameters, kinds and defaults; the
+    same one-line error for a flat keyword that moved into an option group; equal results (float64)."""
+    import inspect
+
+    def parameters(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert parameters(reference.grpo_loss) == parameters(gf.grpo_loss)
+    inputs = as_float64(make_batch())
+    del inputs["is_ratio"]
+    with pytest.raises(TypeError, match=r"^grpo_loss\(\) got temperature=0.9: it moved to "
+                                        r"transform=LogitTransform\(temperature=...\)$"):
+        reference.grpo_loss(**inputs, temperature=0.9)
+    with pytest.raises(TypeError, match=r"^grpo_loss\(\) got loss_type='grpo': it moved to "
+                                        r"config=LossConfig\(loss_type=...\)$"):
+        reference.grpo_loss(**inputs, loss_type="grpo")
+    with pytest.raises(TypeError, match="config must be a grpo_fast.LossConfig, a loss type name .* got dict"):
+        reference.grpo_loss(**inputs, config={"loss_type": "grpo"})
+    options = dict(config="grpo", transform=gf.LogitTransform(temperature=0.9), execution=gf.Execution(backend="torch"))
+    expected, _ = reference.grpo_loss(**inputs, **options)
+    assert_close(gf.grpo_loss(**inputs, **options)[0], expected, 1e-10, name="loss")
 
 
 def test_grpo_loss_takes_one_config_or_a_loss_type_name():
@@ -163,7 +171,7 @@ def test_unsupported_float_dtypes_name_the_accepted_ones(dtype):
 
     entry_points = {
         "grpo_loss": lambda **kw: gf.grpo_loss(**grouped(**kw)),
-        "reference": lambda **kw: reference.grpo_loss(**kw),
+        "reference": lambda **kw: flat(reference.grpo_loss)(**kw),
         "GRPOLoss": lambda **kw: gf.GRPOLoss()(**kw),
         "token_logprobs": lambda hidden, weight, targets, bias, **_: gf.token_logprobs(hidden, weight, targets,
                                                                                        bias=bias),

@@ -9,7 +9,7 @@ import grpo_fast as gf
 from grpo_fast import reference
 from grpo_fast.benchmarks.profiling import GemmCounter
 from grpo_fast.kept import kept_set_from_mask
-from tests.helpers import DEVICE, as_float64, assert_close, grouped, make_batch
+from tests.helpers import DEVICE, as_float64, assert_close, flat, grouped, make_batch
 from tests.loss.test_strides import column, transposed
 
 
@@ -104,7 +104,7 @@ def test_grpo_loss_over_kept_sets(backend, case):
                                                                 chunk_bytes=37 * 4 * 5, backend=backend, **kw))
     exact = as_float64(inputs)
     exact_leaves = {k: exact[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    ref_loss, ref_metrics = reference.grpo_loss(
+    ref_loss, ref_metrics = flat(reference.grpo_loss)(
         exact_leaves["hidden"], exact_leaves["weight"], inputs["targets"], exact["advantages"], mask,
         bias=exact_leaves["bias"], kept_ids=ids, kept_offsets=offsets,
         **{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})

@@ -265,7 +265,7 @@ def test_entropy_mask_narrows_the_bonus(level, backend):
                                    entropy_mask=narrow.to(inputs["mask"].device))
 
     def expected(**tensors):
-        policy, metrics = reference.grpo_loss(**tensors, config=dataclasses.replace(config, entropy_coef=0.0))
+        policy, metrics = flat(reference.grpo_loss)(**tensors, config=dataclasses.replace(config, entropy_coef=0.0))
         _, entropy = reference.token_logprobs(tensors["hidden"], tensors["weight"], tensors["targets"].clamp(min=0),
                                               bias=tensors["bias"], return_entropy=True)
         bonus_mask = (tensors["mask"] & narrow.to(tensors["mask"].device)).to(entropy.dtype)
@@ -302,7 +302,7 @@ def test_policy_mask_weighs_the_policy_term_alone(loss_type, backend):
 
     def expected(**tensors):
         if loss_type == "dapo":
-            return reference.grpo_loss(**tensors, config=config, is_ratio=keep.double())
+            return flat(reference.grpo_loss)(**tensors, config=config, is_ratio=keep.double())
         logp = reference.token_logprobs(tensors["hidden"], tensors["weight"], tensors["targets"].clamp(min=0),
                                         bias=tensors["bias"])
         mask = tensors["mask"].double()

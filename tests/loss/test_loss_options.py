@@ -98,7 +98,7 @@ def test_unknown_keyword_of_each_entry_lists_its_keywords():
 def test_loss_keywords_config_and_function_agree_in_float64():
     """GRPOLoss(LossConfig(**options), transform=, execution=) = grpo_loss(..., config=LossConfig(**options), ...),
     loss and d(hidden, weight, bias), in float64 on the torch backend; and both equal the full-logits reference
-    called with the same options as flat keywords."""
+    called with the same option groups."""
     inputs = as_float64(make_batch(seed=12, bias=True))
     module_keywords = gf.GRPOLoss(**grouped(**OPTIONS, **TRANSFORM, backend="torch"))
     module_config = gf.GRPOLoss(gf.LossConfig(**OPTIONS), **grouped(**TRANSFORM, backend="torch"))
@@ -120,7 +120,8 @@ def test_loss_keywords_config_and_function_agree_in_float64():
     assert results[0][0].dtype == torch.float64
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
-    expected = run(lambda *args, **kwargs: reference.grpo_loss(*args, **kwargs, **OPTIONS, **TRANSFORM), regroup=False)
+    expected = run(lambda *args, **kwargs: flat(reference.grpo_loss)(*args, **kwargs, **OPTIONS, **TRANSFORM),
+                   regroup=False)
     for name, actual, wanted in zip(("loss", "hidden", "weight", "bias"), results[0], expected):
         assert_close(actual, wanted, 1e-10, atol=1e-12, name=name)
 

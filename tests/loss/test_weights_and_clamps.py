@@ -9,7 +9,7 @@ import grpo_fast as gf
 from grpo_fast import reference
 from grpo_fast.benchmarks.profiling import GemmCounter
 from grpo_fast.variants import LossConfig, token_weights
-from tests.helpers import DEVICE, as_float64, assert_close, grouped, make_batch
+from tests.helpers import DEVICE, as_float64, assert_close, flat, grouped, make_batch
 
 
 def weights_for(mask, seed=0):
@@ -41,7 +41,7 @@ def test_weights_and_clamps_equal_the_reference(backend, case, clamps):
                                  **grouped(backend=backend, chunk_bytes=37 * 4 * 5, **kw))
     exact = as_float64(inputs)
     exact_leaves = [exact[k].clone().requires_grad_() for k in ("hidden", "weight")]
-    ref_loss, ref_metrics = reference.grpo_loss(
+    ref_loss, ref_metrics = flat(reference.grpo_loss)(
         *exact_leaves, inputs["targets"], exact["advantages"], mask,
         **{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
     assert_close(loss, ref_loss, 1e-5, atol=1e-8, name="loss")
@@ -51,10 +51,10 @@ def test_weights_and_clamps_equal_the_reference(backend, case, clamps):
                           torch.autograd.grad(ref_loss, exact_leaves)):
         assert_close(g, r, 1e-5, atol=1e-9, name=f"d{name}")
     if clamps:                      # the clamps bind: the same loss without them differs
-        unclamped, _ = reference.grpo_loss(exact["hidden"], exact["weight"], inputs["targets"], exact["advantages"],
-                                           mask, **{k: (v.double() if isinstance(v, torch.Tensor) else v)
-                                                    for k, v in {**kw, **case}.items()
-                                                    if k not in ("log_ratio_clamp", "kl_clamp")})
+        unclamped, _ = flat(reference.grpo_loss)(
+            exact["hidden"], exact["weight"], inputs["targets"], exact["advantages"], mask,
+            **{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in {**kw, **case}.items()
+               if k not in ("log_ratio_clamp", "kl_clamp")})
         assert abs(float(unclamped.detach()) - float(ref_loss.detach())) > 1e-4
 
 

@@ -36,23 +36,8 @@ from grpo_fast.train.update.batching import (
 from grpo_fast.train.update.correction import importance_weights
 from grpo_fast.variants import micro_batch_share
 
-
-def full_logits_loss(hidden, weight, targets, advantages, mask, *, old_logps=None, ref_logps=None, bias=None,
-                     config, transform: gf.LogitTransform, weights: Optional[gf.TokenWeights] = None,
-                     execution=None):
-    """`grpo_fast.reference.grpo_loss` (the full (N, V) logits) called as `grpo_fast.grpo_loss` is: its option
-    groups spread into the reference's keywords (execution has no say over full logits)."""
-    weights, kept = weights or gf.TokenWeights(), transform.kept
-    return full_logits.grpo_loss(
-        hidden, weight, targets, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, bias=bias, config=config,
-        temperature=transform.temperature, logit_scale=transform.scale, logit_softcap=transform.softcap,
-        kept_ids=None if kept is None else kept.ids, kept_offsets=None if kept is None else kept.offsets,
-        num_items_in_batch=weights.num_items_in_batch, is_ratio=weights.is_ratio, loss_weights=weights.loss_weights,
-        entropy_weights=weights.entropy_weights)
-
-
 # the policy loss from hidden states: grpo_fast's, or the full-logits one (for memory and speed comparisons)
-LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": full_logits_loss}
+LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": full_logits.grpo_loss}
 
 
 @dataclass
