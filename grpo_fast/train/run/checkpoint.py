@@ -279,4 +279,7 @@ def resume_point(config, resume: bool, log):
         if changed:
             log("resuming with changed keys, applied from here on: " +
                 ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items())))
+    if state["step"] >= config.run.max_steps:
+        log(f"nothing left to train: {folder} is at step {state['step']} and max_steps is {config.run.max_steps} "
+            "(raise --max-steps to train further); an evaluation or export a stop cut is redone")
     return folder, state

@@ -352,3 +352,18 @@ def test_a_top_p_that_keeps_only_the_sampled_token_is_named_at_the_first_step(tm
         if top_p == 1e-6:
             assert history[0]["loss"] == 0.0 and history[0]["grad_norm"] == 0.0
     assert len(warnings[1e-6]) == 1 and "top_p 1e-06, top_k 0" in warnings[1e-6][0] and not warnings[0.9], warnings
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
+    """--resume on a finished run, or with a max_steps below the checkpoint's step: no step runs, and the log says
+    why (it was silent, rc 0); the checkpoint stays the one it was."""
+    run(tmp_path, max_steps=2, save_every=2)
+    for max_steps in (2, 1):
+        logged = []
+        history = T.train(flat_config(**{**FAST, "max_steps": max_steps, "save_every": 2},
+                                      output_dir=str(tmp_path / "run")), resume=True, log=logged.append)
+        assert history == []
+        assert [line for line in logged if line.startswith(
+            f"nothing left to train: {tmp_path / 'run' / 'checkpoint-2'} is at step 2 and max_steps is {max_steps} "
+            "(raise --max-steps to train further)")], logged
+        assert checkpoint.latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoint-2")
