@@ -138,8 +138,9 @@ def _train(arguments: list) -> int:
         return 2
     metrics_path = os.path.join(config.run.output_dir, "metrics.jsonl")
     if history and os.path.exists(metrics_path):      # the whole run's steps, a resumed one's earlier part too
-        with open(metrics_path) as f:
-            history = [json.loads(text) for text in f if text.strip()] or history
+        with open(metrics_path) as f:                 # (resume checked each line is a step's record)
+            records = [json.loads(text) for text in f if text.strip()]
+        history = [r for r in records if isinstance(r.get("reward"), (int, float))] or history
     if history and os.environ.get("RANK", "0") == "0":
         tenth = max(1, len(history) // 10)
         first = sum(r["reward"] for r in history[:tenth]) / tenth

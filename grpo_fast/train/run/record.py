@@ -94,7 +94,8 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
 
 def _lines_up_to(path: str, step: int) -> list:
     """The lines of a JSONL file whose "step" is at most `step`. A torn last line (a write cut short by a full
-    disk or a kill) is dropped; a bad line before it is an error naming the file and line."""
+    disk or a kill) is dropped; a bad line before it, or one that is no record of a step (another file's), is an
+    error naming the file and line."""
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = [line for line in f if line.strip()]
     kept = []
@@ -105,7 +106,11 @@ def _lines_up_to(path: str, step: int) -> list:
             if number == len(lines):
                 break
             raise ValueError(f"{path}:{number}: not a JSON line; fix or remove it to resume") from None
-        if record.get("step", 0) <= step:
+        if not isinstance(record, dict) or isinstance(record.get("step"), bool) or \
+                not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{number}: not a line this run wrote (a JSON object with its step); fix or "
+                             "remove it to resume")
+        if record["step"] <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     return kept
 
