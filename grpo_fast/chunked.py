@@ -193,13 +193,20 @@ class WeightGrad:
         return self.value.to(self.dtype)
 
 
+# what gives higher-order gradients in place of each entry: the full-logits reference (grpo_fast.reference)
+HIGHER_ORDER = {"grpo_loss": "grpo_fast.reference.grpo_loss",
+                "token_logprobs": "grpo_fast.reference.token_logprobs",
+                "fused_token_loss": "grpo_fast.reference.token_logprobs and your loss in torch"}
+
+
 def forbid_double_backward(fn_name: str) -> None:
     """Called first in a chunked backward. The engine enables grad mode in a backward exactly when create_graph=True;
-    the chunked gradient has no graph, so a gradient penalty built on it would silently contribute nothing."""
+    the chunked gradient has no graph, so a gradient penalty built on it would silently contribute nothing.
+    fn_name: the entry the user called (a key of HIGHER_ORDER)."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{fn_name} does not support double backward (create_graph=True): its gradient is computed chunk by "
-            f"chunk without a graph; use grpo_fast.reference.{fn_name} for higher-order gradients"
+            f"chunk without a graph; use {HIGHER_ORDER[fn_name]} for higher-order gradients"
         )
 
 

@@ -140,7 +140,7 @@ class _FusedSweep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        forbid_double_backward("grpo_loss")
+        forbid_double_backward(ctx.guard.fn_name if ctx.guard is not None else "grpo_loss")
         if ctx.guard is not None:
             ctx.guard.check()
         grads = ctx.saved_tensors

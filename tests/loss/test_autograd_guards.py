@@ -61,6 +61,19 @@ def test_token_logprobs_double_backward_raises(backend):
         (grad**2).sum().backward()
 
 
+def test_fused_token_loss_double_backward_names_itself_and_what_to_use(backend):
+    """It named grpo_loss and a grpo_fast.reference.fused_token_loss that does not exist."""
+    inputs = loss_inputs()
+    loss = gf.fused_token_loss(inputs["hidden"], inputs["weight"], inputs["targets"],
+                               gf.autograd_token_loss(lambda logp, entropy, index: logp.sum()), mask=inputs["mask"],
+                               bias=inputs["bias"], **grouped(backend=backend))
+    with pytest.raises(RuntimeError, match=r"^fused_token_loss does not support double backward .* use "
+                                           r"grpo_fast\.reference\.token_logprobs and your loss in torch for "
+                                           r"higher-order gradients$"):
+        (grad,) = torch.autograd.grad(loss, inputs["hidden"], create_graph=True)
+        (grad**2).sum().backward()
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", ["hidden", "weight", "bias"])
 def test_grpo_loss_inplace_change_before_backward_raises(name, level, backend):
