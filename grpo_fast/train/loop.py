@@ -23,7 +23,9 @@ import dataclasses
 import importlib.util
 import os
 import random
+import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -149,12 +151,35 @@ def open_outputs(config: TrainConfig, world, resumed_step) -> tuple:
     return files, trackers
 
 
-def progress_bar(config: TrainConfig, start_step: int, world):
-    """The steps left to run, as a tqdm progress bar on rank 0."""
+class StepLines:
+    """The progress bar where no terminal shows it (nohup, a batch scheduler, CI: tqdm's bar then disables itself):
+    the steps to run, and after a step (`set_postfix`) one plain line with the bar's fields, every tenth of the run
+    or every `every_s` seconds, whichever comes first, and at the last step."""
+
+    def __init__(self, steps: range, total: int, log, every_s: float = 60.0):
+        self.steps, self.total, self.log, self.every_s = steps, total, log, every_s
+        self.every, self.step, self.last_line = max(1, total // 10), steps.start, time.monotonic()
+
+    def __iter__(self):
+        for self.step in self.steps:
+            yield self.step
+
+    def set_postfix(self, fields: dict) -> None:
+        done, now = self.step + 1, time.monotonic()
+        if done % self.every == 0 or done == self.total or now - self.last_line >= self.every_s:
+            self.last_line = now
+            self.log(f"step {done}/{self.total}: " + ", ".join(f"{name} {value}" for name, value in fields.items()))
+
+
+def progress_bar(config: TrainConfig, start_step: int, world, log):
+    """The steps left to run: a tqdm progress bar on rank 0 when stderr is a terminal, else `StepLines`."""
     from tqdm.auto import tqdm
 
-    return tqdm(range(start_step, config.run.max_steps), initial=start_step, total=config.run.max_steps, desc="grpo",
-                disable=None if world.is_main else True)
+    steps = range(start_step, config.run.max_steps)
+    if world.is_main and not sys.stderr.isatty():
+        return StepLines(steps, config.run.max_steps, log)
+    return tqdm(steps, initial=start_step, total=config.run.max_steps, desc="grpo", disable=None if world.is_main
+                else True)
 
 
 # ------------------------------------------------------------------------------------ the stages of a step
@@ -269,7 +294,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         distributed.barrier(world)
         return path
 
-    history, bad_steps, step, progress = [], 0, start_step, progress_bar(config, start_step, world)
+    history, bad_steps, step, progress = [], 0, start_step, progress_bar(config, start_step, world, log)
     rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here (the next step's)
     try:
         held_out.at_start(start_step, log)      # the model as GRPO starts, or an evaluation an interrupt cut
