@@ -12,12 +12,15 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, ParamSpec, TypeVar
 
 import torch
 
 from grpo_fast.fields import is_number
 
+# a decorated entry keeps its signature for type checkers and IDEs
+P = ParamSpec("P")
+R = TypeVar("R")
 BACKEND_NAMES = ("auto", "torch", "triton")       # grpo_fast.backends.BACKENDS, which this leaf cannot import
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -116,19 +119,19 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def moved_keywords(fn_name: str, moves: dict) -> Callable:
+def moved_keywords(fn_name: str, moves: dict) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A decorator: fn, except that a call passing a keyword of `moves` (name -> its new home) raises a one-line
     TypeError naming the home, e.g. "grpo_loss() got temperature=0.7: it moved to
     transform=LogitTransform(temperature=...)", and a keyword fn does not take and `moves` does not know raises one
     naming fn's keywords and the close names of both. functools.wraps keeps fn's signature, docstring and name."""
-    def decorate(fn: Callable) -> Callable:
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         parameters = inspect.signature(fn).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         keywords = [name for name, p in parameters.items() if name != "self" and p.kind in (
             inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
 
         @functools.wraps(fn)
-        def checked(*args, **kwargs):
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             if not moves.keys().isdisjoint(kwargs):
                 name = next(name for name in kwargs if name in moves)
                 raise TypeError(f"{fn_name}() got {name}={_shown(kwargs[name])}: it moved to {moves[name]}")
@@ -157,6 +160,8 @@ def unknown_keyword(fn_name: str, name: str, value, keywords: list, moves: dict)
     return message
 
 
-def names_moved_keywords(moves: dict) -> Callable:
+def names_moved_keywords(moves: dict) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """`moved_keywords` under the decorated function's own name."""
-    return lambda fn: moved_keywords(fn.__name__, moves)(fn)
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        return moved_keywords(getattr(fn, "__name__", "function"), moves)(fn)
+    return decorate

@@ -20,6 +20,7 @@ def test_wheel_layout_and_import(tmp_path):
     assert "grpo_fast/integrations/liger.py" in names and "grpo_fast/benchmarks/harness.py" in names
     assert "grpo_fast/train/tasks/data/gsm8k_test_200.jsonl" in names
     assert "grpo_fast/train/tasks/data/LICENSE-gsm8k" in names
+    assert "grpo_fast/py.typed" in names                   # the entries' types reach type checkers
     assert "grpo_fast/train/loop.py" in names and "grpo_fast/benchmarks/demo.py" in names
     assert not any(name.startswith(("kernels/", "tests/", "benchmarks/")) for name in names)
     assert not any("bench_kernel_passes" in name or "/test_" in name for name in names)   # pytest-only code
