@@ -8,7 +8,7 @@ python -m grpo_fast.benchmarks.long_context [--lengths 4096 8192 16384 32768] [-
 Each (loss, length) runs in a fresh process: a tiny Qwen2-style model (random weights, the given vocabulary),
 a rollout of group_size random completions of that length after a 32-token prompt, and `steps` optimizer steps of
 `grpo_fast.train.update.step.policy_update` (AdamW, one sequence per micro-batch, gradient checkpointing on or off, a
-reference model with beta > 0), with the trainer's attention (grpo_fast.integrations.attention.use_varlen_attention).
+reference model with beta > 0), with the trainer's attention (grpo_fast.packed_attention.use_varlen_attention).
 Memory is the peak RSS above the process's RSS before the model was built (on CUDA the allocator's peak); time is
 the median step. A run the planner predicts past --max-gib is not started. Writes long_context.md / .json and
 memory / time plots to --out (--replan: only recompute the plan's columns of an existing --out/long_context.json
@@ -52,7 +52,7 @@ def worker(args) -> dict:
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
     from grpo_fast.benchmarks.profiling import peak_rss_bytes, start_peak_rss
-    from grpo_fast.integrations.attention import use_varlen_attention
+    from grpo_fast.packed_attention import use_varlen_attention
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.policy import tiny_qwen2
     from grpo_fast.train.update.step import Policy, UpdateBatch, completion_logprobs, policy_update

@@ -1,6 +1,6 @@
 """Packed against padded micro-batches: time and peak memory of the trainer's policy update, with transformers'
 sdpa (a packed row gets a dense (N, N) block-diagonal mask) and with the trainer's variable-length attention
-(grpo_fast.integrations.attention: per-sequence sdpa, or flash-attention on CUDA).
+(grpo_fast.packed_attention: per-sequence sdpa, or flash-attention on CUDA).
 
 python -m grpo_fast.benchmarks.packing [--lengths 400 2000] [--sequences 32 8] [--attention sdpa varlen]
                                        [--steps 3] [--output benchmarks/results/cpu/packing.json]
@@ -53,8 +53,8 @@ def worker(args) -> dict:
 
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
+    from grpo_fast import packed_attention as attention
     from grpo_fast.benchmarks.profiling import rss_bytes
-    from grpo_fast.integrations import attention
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.policy import TINY_VOCAB, tiny_qwen2
     from grpo_fast.train.update.step import Policy, policy_update
@@ -133,7 +133,7 @@ def write(rows: list, args, command: str) -> None:
     markdown = os.path.splitext(args.output)[0] + ".md"
     lines = [f"# Packed and padded micro-batches on {machine}", "", setting, "", f"`{command}`", "",
              "sdpa: transformers' default attention (a packed row gets a dense (N, N) block-diagonal mask); "
-             "grpo_fast_varlen: grpo_fast.integrations.attention (causal sdpa within each packed sequence, "
+             "grpo_fast_varlen: grpo_fast.packed_attention (causal sdpa within each packed sequence, "
              "sequences of similar length batched into one call, no mask).", ""]
     with open(markdown, "w") as f:
         f.write("\n".join(lines + table(rows)) + "\n")

@@ -129,7 +129,7 @@ def update_batch(args, completion_tokens: int, vocab: int):
 
 
 def update(model, args) -> list:
-    from grpo_fast.integrations import attention
+    from grpo_fast import packed_attention as attention
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.update.step import Policy, policy_update
 

@@ -17,8 +17,9 @@ The loss library (this package's top level; it imports nothing from the two belo
     inputs        argument checks: every error names the argument, the expected and the actual value
     reference     the same loss from the full logits: the test oracle and the benchmark baseline
     models        final hidden states and LM-head parameters of Hugging Face causal LMs
-    integrations/ drop-ins for TRL's GRPOTrainer, Liger's fused linear GRPO loss, verl's and OpenRLHF's actors;
-                  attention: variable-length attention for packed rows (the TRL drop-in's and the trainer's)
+    packed_attention  variable-length attention for packed rows: the trainer's micro-batches (and the TRL
+                  drop-in's shared prompts) at memory linear in their tokens
+    integrations/ drop-ins for TRL's GRPOTrainer, Liger's fused linear GRPO loss, verl's and OpenRLHF's actors
 
 Built on it:
     train/        the trainer (`grpo_fast.train.train`, `TrainConfig`, `load_config`) and the memory planner

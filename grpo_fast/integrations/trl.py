@@ -24,7 +24,8 @@ import warnings
 
 import torch
 
-from grpo_fast.integrations import attention, peer_import_error
+from grpo_fast import packed_attention as attention
+from grpo_fast.integrations import peer_import_error
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
 from grpo_fast.models import backbone, gathered_lm_head, lm_head, unwrap
@@ -45,7 +46,7 @@ except (ImportError, RuntimeError) as error:
         dependencies="pip install 'trl==1.16.0' installs those trl declares") from error
 
 # Decoders whose only token mixing is causal self-attention (RoPE, so a shifted position changes nothing), the ones
-# whose training forward may pack each group's prompt once (grpo_fast.integrations.attention.SharedPrompts); a model
+# whose training forward may pack each group's prompt once (grpo_fast.packed_attention.SharedPrompts); a model
 # that mixes tokens anywhere else (recurrent or convolutional layers, as hybrids have) must see whole sequences.
 SHARED_PROMPT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
@@ -76,7 +77,7 @@ def add_grpo_fast_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool 
     `grpo_fast_loss=fn` the forward returns `(fn(hidden, weight, bias, head), aux_loss)` instead, hidden being the
     next-token-aligned (B, L - 1, H) states: the whole loss then runs inside the model's (wrapped) forward. With
     `hidden_index=index` as well (B, C), hidden is the (B, C, H) states at those flat positions of the decoder's
-    output, for a packed row (grpo_fast.integrations.attention.shared_prompt_row's `predicting`).
+    output, for a packed row (grpo_fast.packed_attention.shared_prompt_row's `predicting`).
     Mixture-of-experts models get router logits from the backbone when the call (`output_router_logits=True`, as
     TRL's training loss passes it) or else the config asks for them, and the output's aux_loss is then the model's
     own load-balancing loss (`router_aux_loss`), as TRL's head returns it; None otherwise.
@@ -181,7 +182,7 @@ class FastGRPOTrainer(GRPOTrainer):
     share_prompts (default False: on SmolLM2 it pays at short completions, 0.46x of TRL's update at 64 tokens
     against 0.80x padded, but not at 256, where its runs' generation was slower, unexplained; see docs/trl.md):
     the loss's forward holds each group's prompt once, as one packed row without padding in which every
-    completion attends to its prompt and itself (grpo_fast.integrations.attention.SharedPrompts); with
+    completion attends to its prompt and itself (grpo_fast.packed_attention.SharedPrompts); with
     G completions per prompt the trunk then runs P + G x C tokens instead of G x (P + C). It equals the padded
     forward up to rounding: the positions restart at 0 without the left padding, which RoPE does not see. It
     applies where it is exact: a decoder of SHARED_PROMPT_MODELS on sdpa attention (switched to grpo_fast's

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.integrations import attention
+from grpo_fast import packed_attention as attention
 from grpo_fast.train import distributed, lora, tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.plan.fit import log_run_plan

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from grpo_fast.fields import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, key
-from grpo_fast.integrations.attention import CHOICES as ATTENTIONS
+from grpo_fast.packed_attention import CHOICES as ATTENTIONS
 from grpo_fast.train import pretrained, tasks
 from grpo_fast.train.update.precision import DTYPES
 

@@ -13,7 +13,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from grpo_fast.integrations import attention  # noqa: E402
+from grpo_fast import packed_attention as attention  # noqa: E402
 from grpo_fast.integrations import trl as dropin  # noqa: E402
 from tests.helpers import (  # noqa: E402
     ROOT,

@@ -23,7 +23,7 @@ the fp32 logits of every decode step it keeps for the sampling log-probs and a s
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
-products), with the attention the trainer selects (grpo_fast.integrations.attention): flash-attention or one sdpa per
+products), with the attention the trainer selects (grpo_fast.packed_attention): flash-attention or one sdpa per
 packed sequence, no (T x T) scores. A mask is counted where one is built: a padded micro-batch of several rows
 gets a (b, 1, L, L) bool mask from transformers (sdpa, and the per-sequence attention, which hands padded batches
 to sdpa; not flash-attention), which PyTorch's sdpa turns into an additive mask of the compute dtype in each
@@ -46,7 +46,7 @@ from typing import Optional
 
 from grpo_fast import chunked
 from grpo_fast.backends import torch_ops
-from grpo_fast.integrations.attention import choose_attention
+from grpo_fast.packed_attention import choose_attention
 from grpo_fast.train.rollout.config import check_sampling
 from grpo_fast.train.update import optimizer, precision
 
@@ -192,7 +192,7 @@ GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
 ROLLOUT_LOGIT_COPIES = 3        # a rollout process's kept fp32 logits, their stacked copy / temperature, log_softmax
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
-# (grpo_fast.integrations.attention.choose_attention)
+# (grpo_fast.packed_attention.choose_attention)
 ATTENTIONS = ("auto", "flash_attention_2", "grpo_fast_varlen", "sdpa")
 
 

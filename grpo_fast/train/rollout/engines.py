@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.integrations import attention
+from grpo_fast import packed_attention as attention
 from grpo_fast.models import unwrap, wrapper_chain
 from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights

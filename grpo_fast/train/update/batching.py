@@ -8,9 +8,9 @@
 A rollout row is a left-padded prompt followed by a right-padded completion, so its real tokens are one
 contiguous run. Packed, the runs of a micro-batch are laid end to end in a single row whose position_ids restart
 at each sequence, and no token is padding; model_inputs also carries the sequence boundaries (cu_seq_lens_q / _k,
-max_length_q / _k, transformers' FlashAttentionKwargs), which flash-attention and grpo_fast.integrations.attention's
+max_length_q / _k, transformers' FlashAttentionKwargs), which flash-attention and grpo_fast.packed_attention's
 per-sequence attention read, so that attention costs memory linear in the tokens (transformers' sdpa would build a
-dense (N, N) block-diagonal mask over the packed row instead: grpo_fast.integrations.attention.use_varlen_attention).
+dense (N, N) block-diagonal mask over the packed row instead: grpo_fast.packed_attention.use_varlen_attention).
 Padded, the rows keep their layout, cut down to the micro-batch's own longest prompt and completion. Either way
 the loss sees the same (b, C) completion tensors.
 """
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.integrations.attention import shared_prompt_row, states_at
+from grpo_fast.packed_attention import shared_prompt_row, states_at
 
 
 def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: int,
@@ -30,7 +30,7 @@ def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: 
     """Consecutive row indices per micro-batch: rows are added while the micro-batch stays within max_tokens
     real tokens (None: no limit) and max_sequences rows; a row longer than max_tokens gets a micro-batch alone.
     shared[row]: the tokens a row does not add when it follows row - 1 in the same micro-batch (its prompt's,
-    when the two share it: grpo_fast.integrations.attention.shared_prompt_lengths), 0 otherwise; None: no sharing."""
+    when the two share it: grpo_fast.packed_attention.shared_prompt_lengths), 0 otherwise; None: no sharing."""
     if max_sequences <= 0:
         raise ValueError(f"max_sequences must be > 0, got {max_sequences}")
     if max_tokens is not None and max_tokens <= 0:
@@ -89,7 +89,7 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
         starts = torch.cumsum(lengths, 0) - lengths
         tokens = input_ids[rows][mask]                            # the real tokens, row after row
         position_ids = torch.cat([torch.arange(int(n), device=device) for n in lengths])
-        # the sequence boundaries, for variable-length attention (grpo_fast.integrations.attention, flash-attention)
+        # the sequence boundaries, for variable-length attention (grpo_fast.packed_attention, flash-attention)
         cu_seq_lens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
         longest = int(lengths.max())
         model_inputs = {"input_ids": tokens[None], "position_ids": position_ids[None], "attention_mask": None,

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 
 import grpo_fast as gf
+from grpo_fast import packed_attention as attention
 from grpo_fast import reference as full_logits
-from grpo_fast.integrations import attention
 from grpo_fast.kept import KeptSet
 from grpo_fast.models import lm_head
 from grpo_fast.train import distributed, lora

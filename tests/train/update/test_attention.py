@@ -1,4 +1,4 @@
-"""Variable-length attention (grpo_fast.integrations.attention): a packed micro-batch costs memory linear in its tokens,
+"""Variable-length attention (grpo_fast.packed_attention): a packed micro-batch costs memory linear in its tokens,
 computes what each sequence alone computes, and leaves generation and padded batches exactly as sdpa."""
 
 import importlib.util
@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_leaves
 
 pytest.importorskip("transformers")
 
-from grpo_fast.integrations import attention  # noqa: E402
+from grpo_fast import packed_attention as attention  # noqa: E402
 from grpo_fast.train.distributed import HiddenStates  # noqa: E402
 from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from grpo_fast.integrations import attention  # noqa: E402
+from grpo_fast import packed_attention as attention  # noqa: E402
 from grpo_fast.train.distributed import HiddenStates  # noqa: E402
 from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
