@@ -36,7 +36,9 @@ from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.plan.fit import log_run_plan
 from grpo_fast.train.policy import frozen_reference, load_model
 from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, start_rollouts
+from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.run import checkpoint, export, signals, tracking
+from grpo_fast.train.run.config import RunConfig
 from grpo_fast.train.run.errors import RunError
 from grpo_fast.train.run.evaluate import HeldOut
 from grpo_fast.train.run.record import RunFiles, StageClock, check_output_dir, step_record
@@ -46,6 +48,7 @@ from grpo_fast.train.update.advantages import group_advantages
 from grpo_fast.train.update.optimizer import optimizer_for
 from grpo_fast.train.update.step import Policy, policy_update, update_batch
 from grpo_fast.train.update.warm_start import supervised_warm_start
+from grpo_fast.variants import LossConfig
 
 __all__ = ["RunError", "train"]
 
@@ -171,14 +174,14 @@ class StepLines:
             self.log(f"step {done}/{self.total}: " + ", ".join(f"{name} {value}" for name, value in fields.items()))
 
 
-def progress_bar(config: TrainConfig, start_step: int, world, log):
+def progress_bar(run: RunConfig, start_step: int, world, log):
     """The steps left to run: a tqdm progress bar on rank 0 when stderr is a terminal, else `StepLines`."""
     from tqdm.auto import tqdm
 
-    steps = range(start_step, config.run.max_steps)
+    steps = range(start_step, run.max_steps)
     if world.is_main and not sys.stderr.isatty():
-        return StepLines(steps, config.run.max_steps, log)
-    return tqdm(steps, initial=start_step, total=config.run.max_steps, desc="grpo", disable=None if world.is_main
+        return StepLines(steps, run.max_steps, log)
+    return tqdm(steps, initial=start_step, total=run.max_steps, desc="grpo", disable=None if world.is_main
                 else True)
 
 
@@ -199,7 +202,7 @@ def step_advantages(rewards: torch.Tensor, config: TrainConfig) -> tuple:
                             estimator=config.scoring.advantage_estimator)
 
 
-def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfig, log) -> int:
+def count_bad_steps(updates: list, bad_steps: int, step: int, run: RunConfig, log) -> int:
     """The number of steps in a row whose updates were skipped as not finite (see policy_update), this one
     included; raises RunError when it reaches max_bad_steps."""
     if not any(update["skipped"] for update in updates):
@@ -208,13 +211,13 @@ def count_bad_steps(updates: list, bad_steps: int, step: int, config: TrainConfi
     last = updates[-1]
     log(f"step {step + 1}: loss {last['loss']} / gradient norm {last['grad_norm']} not finite: update skipped, "
         f"weights unchanged ({bad_steps} such steps in a row)")
-    if bad_steps >= config.run.max_bad_steps:
+    if bad_steps >= run.max_bad_steps:
         raise RunError(f"step {step + 1}: {bad_steps} steps in a row had a non-finite loss or gradient norm "
-                       f"(max_bad_steps={config.run.max_bad_steps}); the weights and the last checkpoint are finite")
+                       f"(max_bad_steps={run.max_bad_steps}); the weights and the last checkpoint are finite")
     return bad_steps
 
 
-def warn_single_token_kept_sets(batch, config: TrainConfig, step: int, log) -> None:
+def warn_single_token_kept_sets(batch, rollout: RolloutConfig, step: int, log) -> None:
     """At a new run's first step sampled with top_k / top_p: when every loss token's kept set is that token alone
     (a top_p so small that only the most likely token is kept), every log-prob over its set is 0 and so are the
     loss and its gradient, as with top_k 1 (refused): one line says so, naming the keys."""
@@ -222,8 +225,8 @@ def warn_single_token_kept_sets(batch, config: TrainConfig, step: int, log) -> N
         return
     sizes = batch.kept.host_offsets.diff().view(batch.loss_mask.shape)
     if bool((sizes[batch.loss_mask.cpu()] == 1).all()):
-        log(f"warning: step 1: every sampled token's kept set is that token alone (top_p {config.rollout.top_p}, "
-            f"top_k {config.rollout.top_k}): over it each log-prob is 0, so the loss and its gradient are exactly 0 "
+        log(f"warning: step 1: every sampled token's kept set is that token alone (top_p {rollout.top_p}, "
+            f"top_k {rollout.top_k}): over it each log-prob is 0, so the loss and its gradient are exactly 0 "
             f"and nothing is learned; raise top_p (or top_k)")
 
 
@@ -231,32 +234,32 @@ def update_policy(policy: Policy, optimizer, scheduler, batch, config: TrainConf
                   step: int, log) -> tuple:
     """(update metrics, learning rate they used, non-finite steps in a row): num_iterations optimizer steps on
     the step's batch (policy_update), then the schedule's step."""
-    warn_single_token_kept_sets(batch, config, step, log)
+    warn_single_token_kept_sets(batch, config.rollout, step, log)
     updates = [policy_update(policy, optimizer, batch, config, world)
                for _ in range(config.optimization.num_iterations)]
-    bad_steps = count_bad_steps(updates, bad_steps, step, config, log)
+    bad_steps = count_bad_steps(updates, bad_steps, step, config.run, log)
     lr = float(scheduler.get_last_lr()[0])
     scheduler.step()
     return updates, lr, bad_steps
 
 
-def progress_postfix(record: dict, last_eval: dict, config: TrainConfig) -> dict:
+def progress_postfix(record: dict, last_eval: dict, loss: LossConfig) -> dict:
     """What the progress bar shows after a step: reward, held-out accuracy, loss, tokens/s, KL."""
     postfix = {"reward": f"{record['reward']:.3f}"}
     if last_eval:
         postfix["eval_acc"] = f"{last_eval['accuracy']:.3f}"
     postfix.update(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-    if config.loss.beta:
+    if loss.beta:
         postfix["kl"] = f"{record['kl']:.4f}"
     return postfix
 
 
-def export_model(model, tokenizer, config: TrainConfig, world, steps_done: int) -> None:
+def export_model(model, tokenizer, run: RunConfig, world, steps_done: int) -> None:
     """The trained policy as a Hugging Face folder in output_dir/model, LoRA merged (every rank gathers: a
     collective under FSDP2; rank 0 writes)."""
     weights = lora.engine_weights(model)
     if world.is_main:
-        export.save_final_model(model, tokenizer, config.run.output_dir, weights, steps_done)
+        export.save_final_model(model, tokenizer, run.output_dir, weights, steps_done)
     distributed.barrier(world)
 
 
@@ -294,7 +297,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         distributed.barrier(world)
         return path
 
-    history, bad_steps, step, progress = [], 0, start_step, progress_bar(config, start_step, world, log)
+    history, bad_steps, step, progress = [], 0, start_step, progress_bar(config.run, start_step, world, log)
     rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here (the next step's)
     try:
         held_out.at_start(start_step, log)      # the model as GRPO starts, or an evaluation an interrupt cut
@@ -323,12 +326,12 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                 logged = files.add_completions(step + 1, prompts, completions, rewards.tolist(),
                                                config.rollout.group_size, config.run.log_completions)
             held_out.after_step(step + 1)
-            progress.set_postfix(progress_postfix(record, held_out.last, config))
+            progress.set_postfix(progress_postfix(record, held_out.last, config.loss))
             if (step + 1) % config.run.save_every == 0 or step + 1 == config.run.max_steps:
                 trackers.log_completions(step + 1, logged)
                 save(step + 1)
         files.plot()
-        export_model(model, tokenizer, config, world, start_step + len(history))
+        export_model(model, tokenizer, config.run, world, start_step + len(history))
     except EngineError as error:              # the engine or the rollout process: the step it failed in
         raise RunError(f"step {step + 1}: {error}; the last checkpoint is intact (--resume continues from it)") \
             from error

@@ -26,9 +26,10 @@ __all__ = ["AheadRollouts", "EngineError", "EngineStartError", "Generation", "Ro
            "log_ignored_generation_settings", "rollout_seed", "start_rollouts"]
 
 
-def rollout_seed(step: int, first_row: int, config) -> int:
-    """The sampling seed of a step's rollouts (one per prompt follows it), so that a resume redraws them."""
-    return config.run.seed * 1_000_003 + step * 997 + first_row
+def rollout_seed(step: int, first_row: int, seed: int) -> int:
+    """The sampling seed of a step's rollouts (one per prompt follows it) from the run's `seed`, so that a resume
+    redraws them."""
+    return seed * 1_000_003 + step * 997 + first_row
 
 
 class Rollouts:
@@ -45,7 +46,8 @@ class Rollouts:
         """(Generation of step `step`'s prompts, {}); EngineError names the prompts when the engine fails."""
         prompt_ids = self.share.ids(step)
         try:
-            generation = self.engine.generate(prompt_ids, seed=rollout_seed(step, self.share.first_row, self.config))
+            seed = rollout_seed(step, self.share.first_row, self.config.run.seed)
+            generation = self.engine.generate(prompt_ids, seed=seed)
         except Exception as error:
             texts = [text[:60] for text in self.share.at(step)[1]]
             raise EngineError(f"the {self.config.rollout.engine} engine failed to generate for prompts {texts}: "
@@ -77,7 +79,8 @@ class AheadRollouts(Rollouts):
 
     def _submit(self, step: int) -> None:
         if step < self.config.run.max_steps:
-            self.engine.submit(step, self.share.ids(step), rollout_seed(step, self.share.first_row, self.config))
+            seed = rollout_seed(step, self.share.first_row, self.config.run.seed)
+            self.engine.submit(step, self.share.ids(step), seed)
 
     def get(self, step: int) -> tuple[Generation, dict]:
         """(Generation, info): info has the policy version it was sampled from, its staleness, the engine's
@@ -105,7 +108,7 @@ class AheadRollouts(Rollouts):
 def start_process(config, model, tokenizer, max_prompt_tokens: int, policy_version: int = 0) -> RolloutProcess:
     """A RolloutProcess of the configured engine on the policy's folder, given the current weights as version
     `policy_version` (the optimizer steps they have had: a resumed run's step)."""
-    refuse_unguarded_main(config)                      # before the model folder is written
+    refuse_unguarded_main(config.rollout.max_staleness)     # before the model folder is written
     process = RolloutProcess(config, engine_model_folder(config, model, tokenizer),
                              next(unwrap(model).parameters()).dtype,
                              max_prompt_tokens + config.rollout.max_completion_length, next(model.parameters()).device,

@@ -198,12 +198,12 @@ def _main_module_call_unguarded() -> Optional[str]:
     return path
 
 
-def refuse_unguarded_main(config) -> None:
+def refuse_unguarded_main(max_staleness: int) -> None:
     """Raises EngineStartError, naming the script, when the training call would run again in the rollout process
-    (see _main_module_call_unguarded): before anything is spawned or written."""
+    that max_staleness >= 1 spawns (see _main_module_call_unguarded): before anything is spawned or written."""
     script = _main_module_call_unguarded()
     if script is not None:
-        raise EngineStartError(f"max_staleness={config.rollout.max_staleness} runs the engine in a spawned process, "
+        raise EngineStartError(f"max_staleness={max_staleness} runs the engine in a spawned process, "
                                f"which imports {script} again and would run its training call again: put the "
                                f"call under `if __name__ == \"__main__\":` in {script}")
 
@@ -232,7 +232,7 @@ class RolloutProcess:
 
     def __init__(self, config, model_dir: str, dtype: torch.dtype, max_model_len: int, device: torch.device,
                  policy_version: int = 0):
-        refuse_unguarded_main(config)
+        refuse_unguarded_main(config.rollout.max_staleness)
         self.config, self.device, self.model_dir = config, device, model_dir
         self.trainer_threads, engine_threads = split_threads(device)
         self.restore_threads = torch.get_num_threads()

@@ -127,11 +127,11 @@ def optimizer_for(policy, config, state):
                                optimization.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     if state is not None:
-        restore_optimizer(policy, optimizer, scheduler, state, config)
+        restore_optimizer(policy, optimizer, scheduler, state, config.optimization)
     return optimizer, scheduler
 
 
-def restore_optimizer(policy, optimizer, scheduler, state: dict, config) -> None:
+def restore_optimizer(policy, optimizer, scheduler, state: dict, optimization) -> None:
     """Loads the optimizer (into a plain, DDP or FSDP2-sharded policy) and scheduler states of `state`, then
     applies this run's learning_rate and weight_decay (the loaded states carry the checkpoint's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -150,10 +150,10 @@ def restore_optimizer(policy, optimizer, scheduler, state: dict, config) -> None
         raise ValueError(f"--resume: the checkpoint's optimizer or scheduler state does not fit this model "
                          f"({type(error).__name__}: {reason})") from None
     for group in optimizer.param_groups:
-        group["initial_lr"], group["weight_decay"] = config.optimization.learning_rate, config.optimization.weight_decay
-    scheduler.base_lrs = [config.optimization.learning_rate] * len(optimizer.param_groups)
+        group["initial_lr"], group["weight_decay"] = optimization.learning_rate, optimization.weight_decay
+    scheduler.base_lrs = [optimization.learning_rate] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):   # this step's rate, new schedule
-        rate = config.optimization.learning_rate * factor(scheduler.last_epoch)
+        rate = optimization.learning_rate * factor(scheduler.last_epoch)
         if torch.is_tensor(group["lr"]):          # torchao's optimizers hold it as a tensor
             group["lr"].fill_(rate)
         else:

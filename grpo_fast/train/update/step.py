@@ -33,6 +33,7 @@ from grpo_fast.train.update.batching import (
     micro_batch,
     plan_micro_batches,
 )
+from grpo_fast.train.update.config import BatchingConfig
 from grpo_fast.train.update.correction import importance_weights
 from grpo_fast.variants import micro_batch_share
 
@@ -114,7 +115,7 @@ def shares_prompts(config: TrainConfig, model) -> bool:
     return batching.share_prompts and batching.packing and attention.attention_name(model) == attention.NAME
 
 
-def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.World = distributed.World(),
+def micro_batches(batch: UpdateBatch, batching: BatchingConfig, world: distributed.World = distributed.World(),
                   share_prompts: bool = False) -> list:
     """The step's micro-batches, at most micro_batch_size sequences and micro_batch_tokens real tokens each, as
     (micro-batch, counts) pairs. Every rank gets as many as the busiest one has, since each forward and backward of
@@ -123,9 +124,9 @@ def micro_batches(batch: UpdateBatch, config: TrainConfig, world: distributed.Wo
     lengths = batch.attention_mask.sum(1).tolist()
     shared = attention.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length) \
         if share_prompts else None
-    plan = plan_micro_batches(lengths, config.batching.micro_batch_tokens, config.batching.micro_batch_size, shared)
+    plan = plan_micro_batches(lengths, batching.micro_batch_tokens, batching.micro_batch_size, shared)
     batches = [micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, rows,
-                           packed=config.batching.packing, share_prompts=share_prompts) for rows in plan]
+                           packed=batching.packing, share_prompts=share_prompts) for rows in plan]
     count = distributed.all_reduce_max(len(batches), world, batch.input_ids.device)
     return [(batches[min(index, len(batches) - 1)], index < len(batches)) for index in range(count)]
 
@@ -169,7 +170,7 @@ def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
     """(B, C) log-probs of the completions under `policy`, micro-batch by micro-batch, one GEMM pass each and no
     logits (old and reference log-probs); zero off the loss mask."""
     logps = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
-    batches = micro_batches(batch, config, world, shares_prompts(config, policy.model))
+    batches = micro_batches(batch, config.batching, world, shares_prompts(config, policy.model))
     for micro, _ in batches:                                  # a repeated micro-batch rewrites the same values
         hidden, weight, head = completion_hidden(policy, micro)
         logps[micro.rows, :micro.completion_length] = micro_batch_logprobs(
@@ -263,7 +264,7 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     device = batch.loss_mask.device
     totals = distributed.sum_over_ranks({"sequences": batch.input_ids.shape[0],
                                          "tokens": float(batch.loss_mask.sum())}, world, device)
-    batches = micro_batches(batch, config, world, shares_prompts(config, policy.model))
+    batches = micro_batches(batch, config.batching, world, shares_prompts(config, policy.model))
     fp32_sum = None
     if config.optimization.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
         fp32_sum = Fp32GradientSum(policy.trunk.parameters())
