@@ -28,7 +28,7 @@ from hypothesis import strategies as st  # noqa: E402
 import grpo_fast as gf  # noqa: E402
 from grpo_fast import reference  # noqa: E402
 from grpo_fast.variants import LOSS_TYPES  # noqa: E402
-from tests.helpers import assert_close  # noqa: E402
+from tests.helpers import as_float64, assert_close  # noqa: E402
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -69,11 +69,6 @@ def loss_cases(draw):
                          execution=gf.Execution(chunk_bytes=chunk_bytes, backend="torch"))
 
 
-def float64(tensors: dict) -> dict:
-    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-            for k, v in tensors.items()}
-
-
 def loss_and_grads(fn, tensors, options):
     hidden = tensors["hidden"].clone().requires_grad_()
     weight = tensors["weight"].clone().requires_grad_()
@@ -93,7 +88,7 @@ def close(got, want, rtol, name):
 
 
 def assert_equal_to_reference(actual, tensors, options, dtype):
-    expected = loss_and_grads(reference.grpo_loss, float64(tensors),
+    expected = loss_and_grads(reference.grpo_loss, as_float64(tensors),
                               {**options, "advantages": options["advantages"].double(),
                                "old_logps": options["old_logps"].double(),
                                "ref_logps": None if options["ref_logps"] is None else options["ref_logps"].double()})
@@ -178,7 +173,7 @@ def one_line_error(make):
 @given(field=st.sampled_from(NUMERIC_FIELDS), value=BAD_VALUES, entry=st.sampled_from(["config", "keyword"]))
 def test_a_bad_loss_option_is_a_one_line_error_naming_it_or_a_loss_equal_to_the_reference(field, value, entry):
     """Through LossConfig or as a grpo_loss keyword (a moved one: its error names where it lives now)."""
-    tensors = float64(dict(hidden=torch.randn(2, 3, 4, dtype=torch.float64), weight=torch.randn(5, 4),
+    tensors = as_float64(dict(hidden=torch.randn(2, 3, 4, dtype=torch.float64), weight=torch.randn(5, 4),
                            targets=torch.tensor([[0, 1, 2], [3, 4, 0]]), mask=torch.ones(2, 3, dtype=torch.bool)))
     extra = {"beta": 0.04} if field != "beta" else {}
     if entry == "keyword":

@@ -22,6 +22,7 @@ import torch
 from grpo_fast.fields import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, key
 from grpo_fast.packed_attention import CHOICES as ATTENTIONS
 from grpo_fast.train import pretrained, tasks
+from grpo_fast.train.run.errors import mismatches
 from grpo_fast.train.update.precision import DTYPES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -181,7 +182,6 @@ def frozen_reference(model, config, state):
         try:
             ref_model.load_state_dict(state["ref_model"])
         except RuntimeError as error:             # load_state_dict's report: one line per mismatch
-            reasons = [line.strip() for line in str(error).splitlines()[1:] if line.strip()] or [str(error)]
             raise ValueError(f"--resume: the checkpoint's KL reference (ref_model) does not fit this model "
-                             f"({reasons[0][:200]})") from None
+                             f"({mismatches(error)[0][:200]})") from None
     return ref_model

@@ -21,6 +21,7 @@ import re
 import shutil
 from typing import Optional
 
+from grpo_fast.train.run.errors import error_chain
 from grpo_fast.train.run.signals import interrupt_behind, interrupts_deferred
 
 TEMPORARY, PREVIOUS = ".tmp", ".old"
@@ -40,14 +41,12 @@ def write_error(error: BaseException) -> Optional[OSError]:
     OSError it was raised while handling (torch's zip writer meets a full disk as an OSError, then raises a
     RuntimeError "unexpected pos" while closing), or the one a library's message quotes (safetensors:
     "I/O error: No space left on device (os error 28)")."""
-    seen, chain = error, 0
-    while seen is not None and chain < 8:
+    for seen in error_chain(error):
         if isinstance(seen, OSError) and seen.errno:
             return seen
         quoted = re.search(r"\(os error (\d+)\)", str(seen))
         if quoted:
             return OSError(int(quoted[1]), os.strerror(int(quoted[1])))
-        seen, chain = seen.__cause__ or seen.__context__, chain + 1
     return None
 
 

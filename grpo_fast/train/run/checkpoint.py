@@ -21,7 +21,7 @@ from grpo_fast.train import distributed, lora
 from grpo_fast.train.config import flat_values
 from grpo_fast.train.run import signals
 from grpo_fast.train.run.atomic import PREVIOUS, atomic_folder, complete_version, free_gib
-from grpo_fast.train.run.errors import RunError
+from grpo_fast.train.run.errors import RunError, mismatches, non_finite
 
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
 # dtype, its adapters, its warm start), the optimizer's state, the prompts each step draws and how rewards are
@@ -37,8 +37,7 @@ def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> 
     it), whole or not at all (grpo_fast.train.run.atomic), so a crash or a full disk never leaves a broken
     checkpoint; older ones are then removed. Refuses (RunError) weights that are not finite, keeping the last
     good one."""
-    bad = [name for name, tensor in state.get("model", {}).items()
-           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    bad = non_finite(state.get("model", {}))
     if bad:
         raise RunError(f"not saving checkpoint-{step}: {len(bad)} weight tensors are not finite (first: "
                            f"{bad[0]}); the last good checkpoint in {output_dir} is kept")
@@ -153,8 +152,9 @@ def state_problem(state, required=("step",)) -> str | None:
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
                 return f"its {group} weight {name!r} is a {type(tensor).__name__}, not a tensor"
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                return f"its {group} weight {name!r} is not finite"
+        bad = non_finite(tensors)
+        if bad:
+            return f"its {group} weight {bad[0]!r} is not finite"
     return None
 
 
@@ -244,9 +244,9 @@ def restore_model(model, state: dict, folder: str = "(in memory)") -> int:
         else:
             model.load_state_dict(state["model"])
     except RuntimeError as error:                 # load_state_dict's report: one line per mismatch
-        reasons = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+        reasons = mismatches(error)
         raise ValueError(f"checkpoint {folder}: its weights do not fit this model ({len(reasons)} mismatches; "
-                         f"first: {(reasons or [str(error)])[0][:200]})") from None
+                         f"first: {reasons[0][:200]})") from None
     try:
         torch.set_rng_state(state["torch_rng"].cpu())
         random.setstate(state["python_rng"])

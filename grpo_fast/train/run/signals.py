@@ -20,6 +20,8 @@ import sys
 import threading
 from contextlib import contextmanager
 
+from grpo_fast.train.run.errors import error_chain
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -64,12 +66,7 @@ def ignore_stops() -> None:
 def interrupt_behind(error: BaseException):
     """The KeyboardInterrupt `error` is, or was raised while handling (torch's zip writer turns one raised inside
     its write into RuntimeError "unexpected pos" as it closes the file), or None."""
-    seen, chain = error, 0
-    while seen is not None and chain < 8:
-        if isinstance(seen, KeyboardInterrupt):
-            return seen
-        seen, chain = seen.__cause__ or seen.__context__, chain + 1
-    return None
+    return next((seen for seen in error_chain(error) if isinstance(seen, KeyboardInterrupt)), None)
 
 
 @contextmanager
