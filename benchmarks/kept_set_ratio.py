@@ -52,24 +52,26 @@ def ratio_stats(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor)
             "max_abs_log_ratio": log_ratio.abs().max().item()}
 
 
-def measure(engine, setting: dict, model, prompts: list, vllm_top_k: int) -> dict:
-    """One row: `engine` (started by start_engine) samples under `setting`, the trainer scores the samples."""
+def measure(engine, base: TrainConfig, setting: dict, model, prompts: list, vllm_top_k: int) -> dict:
+    """One row: `engine` (started by start_engine) samples under `setting` (over `base`), the trainer scores the
+    samples."""
     fields = dict(setting)
-    if engine.config.rollout.engine == "vllm" and fields.get("top_p", 1.0) < 1 and not fields.get("top_k"):
+    if engine.name == "vllm" and fields.get("top_p", 1.0) < 1 and not fields.get("top_k"):
         fields["top_k"] = vllm_top_k
-    config = engine.config = engine.config.replace(**{"top_p": 1.0, "top_k": 0, **fields})
+    config = base.replace(**{"engine": engine.name, "top_p": 1.0, "top_k": 0, **fields})
+    engine.rollout = config.rollout
     engine_name = config.rollout.engine
     generation = engine.generate(prompts, seed=config.run.seed)
     batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                         generation.completion_ids, loss_mask=generation.completion_mask,
                         advantages=torch.zeros(generation.input_ids.shape[0]))
     policy, mask = Policy.of(model), generation.completion_mask
-    whole = completion_logprobs(policy, batch, config)
+    whole = completion_logprobs(policy, batch, config.batching, config.rollout.temperature)
     row = {"engine": engine_name, "setting": ", ".join(f"{k}={v}" for k, v in fields.items()),
            "tokens": int(mask.sum()), "vocabulary": ratio_stats(whole, generation.sampling_logps, mask)}
     if generation.kept_ids is not None:
         batch.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
-        kept = completion_logprobs(policy, batch, config)
+        kept = completion_logprobs(policy, batch, config.batching, config.rollout.temperature)
         row["kept_set"] = ratio_stats(kept, generation.sampling_logps, mask)
         sizes = batch.kept.sizes().view(mask.shape)[mask].double()
         row["mean_kept_size"] = sizes.mean().item()
@@ -136,14 +138,14 @@ def main(argv=None) -> int:
     model, tokenizer, longest, _ = load_policy(base, data, None, None, torch.device("cpu"), base.policy.dtype,
                                                log=lambda *a: None)
     model.eval()
-    prompts = tasks.prompt_ids([tasks.prompt_text(s, tokenizer, base) for s in data.samples[:args.prompts]],
+    prompts = tasks.prompt_ids([tasks.prompt_text(s, tokenizer, base.data) for s in data.samples[:args.prompts]],
                                tokenizer)
     rows = []
     largest_top_k = max([args.vllm_top_k] + [setting.get("top_k", 0) for setting in args.settings])
     for engine_name in args.engines:
         engine = start_engine(engine_name, base, model, tokenizer, longest, largest_top_k)
         for setting in args.settings:
-            row = measure(engine, setting, model, prompts, args.vllm_top_k)
+            row = measure(engine, base, setting, model, prompts, args.vllm_top_k)
             print(row, flush=True)
             rows.append(row)
         del engine

@@ -90,8 +90,10 @@ def worker(args) -> dict:
     for _ in range(args.steps):
         started = time.perf_counter()
         if ref_model is not None:
-            rollout.ref_logps = completion_logprobs(Policy.of(ref_model), rollout, config)
-        policy_update(Policy.of(model), optimizer, rollout, config)
+            rollout.ref_logps = completion_logprobs(Policy.of(ref_model), rollout, config.batching,
+                                                     config.rollout.temperature)
+        policy_update(Policy.of(model), optimizer, rollout, config.loss, config.batching, config.optimization,
+                      config.rollout.temperature)
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)

@@ -57,7 +57,7 @@ def gsm8k_prompts(tokenizer, count: int) -> list:
     example = os.path.join(os.path.dirname(here), "examples", "gsm8k_qwen2.5_0.5b.yaml")
     system_prompt = yaml.safe_load(open(example))["data"]["system_prompt"] if os.path.exists(example) else None
     config = TrainConfig.from_keys(prompt_format="chat", system_prompt=system_prompt)
-    texts = [tasks.prompt_text(sample, tokenizer, config) for sample in tasks.gsm8k()[:count]]
+    texts = [tasks.prompt_text(sample, tokenizer, config.data) for sample in tasks.gsm8k()[:count]]
     return tasks.prompt_ids(texts, tokenizer)
 
 
@@ -93,7 +93,7 @@ def generation(model, tokenizer, args) -> list:
     with tempfile.TemporaryDirectory() as folder:
         config = TrainConfig.from_keys(model=args.model_folder, group_size=args.group_size, ignore_eos=True,
                                        max_completion_length=args.gen_tokens, output_dir=folder, device="cpu")
-        hf = HFEngine(model, tokenizer, config)
+        hf = HFEngine(model, tokenizer, config.rollout)
         ways = {"per-prompt": lambda seed: [hf.generate([ids], seed=seed * 1000 + i) for i, ids in enumerate(prompts)],
                 "batched": lambda seed: hf.generate(prompts, seed=seed * 1000),
                 "plain": plain_generate(model, tokenizer, prompts, args.group_size, args.gen_tokens)}
@@ -143,8 +143,9 @@ def update(model, args) -> list:
         for share in (False, True):
             config = TrainConfig.from_keys(share_prompts=share, loss_type="dapo", beta=0.0, micro_batch_size=64,
                                            max_completion_length=completion_tokens)
-            seconds, metrics = median_time(lambda _: policy_update(Policy.of(model), optimizer, batch, config),
-                                           args.repeats)
+            seconds, metrics = median_time(lambda _: policy_update(Policy.of(model), optimizer, batch, config.loss,
+                                                                   config.batching, config.optimization,
+                                                                   config.rollout.temperature), args.repeats)
             trunk_tokens = (int(batch.attention_mask.sum()) if not share else
                             args.prompts * args.prompt_tokens + int(batch.loss_mask.sum()))
             rows.append({"completion_tokens": completion_tokens, "share_prompts": share, "seconds": seconds,

@@ -118,7 +118,7 @@ def surrogate_loss(policy, rollout, config) -> float:
     """-sum(A * log p) / tokens over the loss mask: the on-policy dapo loss's gradient, with a value that moves."""
     from grpo_fast.train.update.step import completion_logprobs
 
-    logps = completion_logprobs(policy, rollout, config).double()
+    logps = completion_logprobs(policy, rollout, config.batching, config.rollout.temperature).double()
     mask = rollout.loss_mask.double()
     return float(-(rollout.advantages.double()[:, None] * logps * mask).sum() / mask.sum())
 
@@ -155,7 +155,7 @@ def worker(args) -> dict:
     finally:
         torch.set_default_dtype(default_dtype)
     if lora_rank:
-        model = lora.add_adapters(model, config)
+        model = lora.add_adapters(model, config.policy)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = optim.make_optimizer(model.parameters(), optimizer_name, lr, 0.0)
@@ -177,7 +177,8 @@ def worker(args) -> dict:
     seconds, losses, grad_norms = [], [], []
     for _ in range(args.steps):
         started = time.perf_counter()
-        metrics = policy_update(policy, optimizer, rollout, config)
+        metrics = policy_update(policy, optimizer, rollout, config.loss, config.batching, config.optimization,
+                                config.rollout.temperature)
         seconds.append(time.perf_counter() - started)
         losses.append(metrics["loss"])
         grad_norms.append(metrics["grad_norm"])

@@ -107,7 +107,7 @@ def trl_dataset(spec: dict, tokenizer):
 
     if spec["job"] == "trainer":
         config = trainer_config(spec)
-        samples, _ = tasks.load_task(config)
+        samples, _ = tasks.load_task(config.data, config.evaluation, config.run.seed)
         system = config.data.system_prompt
     else:
         samples = tasks.gsm8k(spec["prompts"])

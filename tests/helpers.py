@@ -241,6 +241,17 @@ def flat_config(**keys):
     return TrainConfig.from_keys(**keys)
 
 
+def update_sections(config) -> tuple:
+    """(loss, batching, optimization, temperature) of a TrainConfig: what accumulate_gradients and policy_update
+    take after the batch."""
+    return config.loss, config.batching, config.optimization, config.rollout.temperature
+
+
+def logprob_sections(config) -> tuple:
+    """(batching, temperature) of a TrainConfig: what completion_logprobs takes after the batch."""
+    return config.batching, config.rollout.temperature
+
+
 # ------------------------------------------------------ reward functions the trainer tests load by name
 CALLS = {"n": 0, "interrupt_at": None}
 

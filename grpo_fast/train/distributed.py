@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from grpo_fast.fields import check_keys, key
-from grpo_fast.models import final_hidden_states, unwrap
+from grpo_fast.models import final_hidden_states
 
 
 @dataclass
@@ -117,7 +117,7 @@ def wrap(model: nn.Module, strategy: str, world: World) -> nn.Module:
 
 def decoder_layers(model: nn.Module) -> list:
     """The repeated transformer blocks of a Hugging Face causal LM (the units FSDP2 shards one by one)."""
-    classes = set(getattr(unwrap(model), "_no_split_modules", None) or [])
+    classes = set(getattr(model, "_no_split_modules", None) or [])      # a PEFT model passes it through
     layers = [m for m in model.modules() if type(m).__name__ in classes]
     if not layers:
         raise TypeError(f"cannot find the decoder layers of {type(model).__name__} to shard")

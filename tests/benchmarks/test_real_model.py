@@ -23,6 +23,6 @@ def test_plain_generate_makes_the_rows_and_tokens_the_engine_makes():
     with tempfile.TemporaryDirectory() as folder:
         config = TrainConfig.from_keys(group_size=2, ignore_eos=True, max_completion_length=5, output_dir=folder,
                                        device="cpu")
-        generation = HFEngine(model, tokenizer, config).generate(prompts, seed=0)
+        generation = HFEngine(model, tokenizer, config.rollout).generate(prompts, seed=0)
     assert generation.completion_ids.shape == (6, 5)
     assert torch.equal(generation.input_ids[:, :longest], output[:, :longest])   # the same left-padded rows

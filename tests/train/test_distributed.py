@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train import distributed  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
-from tests.helpers import flat_config, free_port  # noqa: E402
+from tests.helpers import flat_config, free_port, update_sections  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -49,7 +49,7 @@ def step_worker(rank, world_size, port, strategy, loss_type, result_file):
         model, batch = model_and_rollout()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         single = Policy.of(model)
-        expected_loss = accumulate_gradients(single, batch, config)["loss"]
+        expected_loss = accumulate_gradients(single, batch, *update_sections(config))["loss"]
         expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         # eps well above the gradients' float noise: Adam's first step is then smooth in the gradient
         optimizer = torch.optim.AdamW(single.trunk.parameters(), lr=1e-3, eps=1e-3)
@@ -62,7 +62,7 @@ def step_worker(rank, world_size, port, strategy, loss_type, result_file):
         policy = Policy(model, distributed.wrap(model, strategy, world))
         bounds = [0, 3, 6] if world_size == 2 else [0, 2, 4, 6]
         mine = rows_of(batch, slice(bounds[rank], bounds[rank + 1]))
-        loss = accumulate_gradients(policy, mine, config, world)["loss"]
+        loss = accumulate_gradients(policy, mine, *update_sections(config), world)["loss"]
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(policy.trunk.parameters(), lr=1e-3, eps=1e-3)
         optimizer.step()

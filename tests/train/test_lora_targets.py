@@ -22,4 +22,5 @@ def test_a_misspelt_target_names_itself_and_the_models_layers():
     from tests.helpers import flat_config
 
     with pytest.raises(ValueError, match=message):            # PEFT alone would adapt q_proj and skip the typo
-        lora.add_adapters(model, flat_config(lora_rank=2, lora_target_modules=["q_proj", "vproj", "self_attn.o_proj"]))
+        lora.add_adapters(model, flat_config(lora_rank=2,
+                                             lora_target_modules=["q_proj", "vproj", "self_attn.o_proj"]).policy)

@@ -26,18 +26,18 @@ def test_plan_of_a_training_config_is_that_job(tmp_path, capsys):
                      dtype="fp32", optimizer="adamw", gradient_checkpointing=False, loss="naive", beta=0.1,
                      engine="hf", gpu_memory_utilization=0.3, device="cpu")
     assert reported["job"] == dataclasses.asdict(expected)
-    shape = fit.training_shape(load_config(str(path)))
+    shape = fit.training_shape(load_config(str(path)).policy)
     assert reported["components"] == {k: int(v) for k, v in P.plan(shape, expected).items()}
     # on CUDA the trainer computes in bf16 autocast over fp32 weights: so does the plan
     assert fit.training_job(load_config(str(path)), 40, "cuda").dtype == "bf16-autocast"
 
 
 def test_training_shape_of_tiny_folders_and_hub_ids(tmp_path):
-    tiny = fit.training_shape(flat_config())
+    tiny = fit.training_shape(flat_config().policy)
     assert (tiny.hidden_size, tiny.num_layers, tiny.vocab_size, tiny.tie_word_embeddings) == (128, 2, 300, True)
-    assert fit.training_shape(flat_config(model="Qwen/Qwen2.5-7B-Instruct")) == P.PRESETS["qwen2.5-7b"]
+    assert fit.training_shape(flat_config(model="Qwen/Qwen2.5-7B-Instruct").policy) == P.PRESETS["qwen2.5-7b"]
     with pytest.raises(ValueError, match="matches no preset"):
-        fit.training_shape(flat_config(model="someone/unknown-model"))
+        fit.training_shape(flat_config(model="someone/unknown-model").policy)
 
 
 def test_train_logs_the_plan_before_loading_the_model(tmp_path):
@@ -52,10 +52,10 @@ def test_train_logs_the_plan_before_loading_the_model(tmp_path):
 
 
 def test_fit_advice_names_a_change_that_makes_the_job_fit():
-    assert fit.fit_advice(flat_config(), fit.training_shape(TrainConfig()), 64, 80 * GIB) is None      # tiny fits
+    assert fit.fit_advice(flat_config(), fit.training_shape(TrainConfig().policy), 64, 80 * GIB) is None  # tiny fits
     config = flat_config(model="Qwen/Qwen2.5-1.5B", max_completion_length=16384, gradient_checkpointing=False,
                          micro_batch_size=4)
-    shape = fit.training_shape(config)
+    shape = fit.training_shape(config.policy)
     advice = fit.fit_advice(config, shape, 512, 80 * GIB)
     named = re.search(r"^the plan needs [\d.]+ GiB on this 80.0 GiB card; (\w+): \S+ would make it fit", advice or "")
     assert named, advice                              # 1.5B at 16k without checkpointing does not fit 80 GiB
@@ -65,8 +65,8 @@ def test_fit_advice_names_a_change_that_makes_the_job_fit():
     # 7B at 16k on an 80 GB card: no exact change is enough, the memory options are named, every key of one. With
     # the card's 4.9 GiB chunk budget (all 16384 tokens' logits, 4.6 GiB) bf16 + adamw8bit needs 81.3 GiB: LoRA
     big = flat_config(model="Qwen/Qwen2.5-7B", max_completion_length=16384, micro_batch_size=1, engine="vllm")
-    advice = fit.fit_advice(big, fit.training_shape(big), 512, int(79.1 * GIB))
+    advice = fit.fit_advice(big, fit.training_shape(big.policy), 512, int(79.1 * GIB))
     assert "dtype: bf16 with optimizer: adamw with lora_rank: 64 would make it fit" in advice, advice
     assert advice.endswith("(it changes the numerics or what is trained)")
     fixed = big.replace(dtype="bf16", optimizer="adamw", lora_rank=64)
-    assert fit.fit_advice(fixed, fit.training_shape(big), 512, int(79.1 * GIB)) is None
+    assert fit.fit_advice(fixed, fit.training_shape(big.policy), 512, int(79.1 * GIB)) is None

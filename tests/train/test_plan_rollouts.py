@@ -82,7 +82,7 @@ def test_training_job_carries_max_staleness():
     job = fit.training_job(config, 64, "cuda")
     assert job.max_staleness == 1
     assert fit.training_job(flat_config(), 64, "cuda").max_staleness == 0
-    assert "rollout_weights" in P.plan(fit.training_shape(config), job)
+    assert "rollout_weights" in P.plan(fit.training_shape(config.policy), job)
 
 
 def test_cli_max_staleness(capsys):

@@ -64,7 +64,7 @@ def main(args) -> int:
         if args.model.endswith((".yaml", ".yml")):           # plan exactly what `grpo-fast train` would run
             config = load_config(args.model)
             config.rollout.check_for_training()
-            shape, job = training_shape(config), training_job(config, args.prompt_length, args.device)
+            shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
             result = report(args.model, shape, job)
             print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
             return 0

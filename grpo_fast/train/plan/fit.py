@@ -15,21 +15,22 @@ from grpo_fast.train.policy import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_
 from grpo_fast.train.update import precision
 
 
-def training_shape(config) -> ModelShape:
-    """The shape of the model a TrainConfig trains: the built-in tiny model, its folder's config.json, or for a hub
-    id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b). Raises ValueError otherwise."""
-    if config.policy.model == "tiny":
+def training_shape(policy) -> ModelShape:
+    """The shape of the model the policy section trains (policy.model): the built-in tiny model, its folder's
+    config.json, or for a hub id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b). Raises
+    ValueError otherwise."""
+    if policy.model == "tiny":
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
                           num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,
                           tie_word_embeddings=True)
-    if config.policy.model == pretrained.SMOLLM2:
-        return load_shape(pretrained.model_folder(config.policy.model))
-    if os.path.isdir(config.policy.model):
-        return load_shape(config.policy.model)
-    name = config.policy.model.rsplit("/", 1)[-1].lower()
+    if policy.model == pretrained.SMOLLM2:
+        return load_shape(pretrained.model_folder(policy.model))
+    if os.path.isdir(policy.model):
+        return load_shape(policy.model)
+    name = policy.model.rsplit("/", 1)[-1].lower()
     matches = sorted((preset for preset in PRESETS if name == preset or name.startswith(preset + "-")), key=len)
     if not matches:
-        raise ValueError(f"cannot plan model {config.policy.model!r}: not a local folder with a config.json, and its "
+        raise ValueError(f"cannot plan model {policy.model!r}: not a local folder with a config.json, and its "
                          f"name matches no preset ({', '.join(PRESETS)})")
     return PRESETS[matches[-1]]
 
@@ -97,7 +98,7 @@ def log_run_plan(config, samples: list, device, log) -> None:
             f"for the loss) is bounded only by the vocabulary (an untrained policy keeps most of it: about 9 GB per 8k "
             f"tokens at 152k); set top_k (e.g. 512) to bound it")
     try:
-        shape = training_shape(config)
+        shape = training_shape(config.policy)
     except ValueError:                            # a hub id that matches no preset: nothing to plan from
         return
     prompt_bytes = max(len((tasks.problem_key(s) + (config.data.system_prompt or "")).encode()) for s in samples) + 64

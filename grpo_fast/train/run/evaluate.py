@@ -11,7 +11,9 @@ import math
 import time
 
 from grpo_fast.train import distributed, tasks
+from grpo_fast.train.run.config import EvaluationConfig, RunConfig
 from grpo_fast.train.run.errors import RunError
+from grpo_fast.train.tasks.config import DataConfig
 from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
 
 EVAL_SEED_OFFSET = 7_777_777        # evaluation draws its own seeds: it never shares one with a training step
@@ -34,16 +36,23 @@ def k_values(n: int) -> list:
     return values if values[-1] == n else values + [n]
 
 
-def eval_due(steps_done: int, config) -> bool:
+def eval_due(steps_done: int, eval_every: int, max_steps: int) -> bool:
     """Whether the held-out evaluation runs once `steps_done` steps are done: before the first step, every
-    eval_every steps and after the last."""
-    return steps_done == 0 or steps_done % config.evaluation.eval_every == 0 or steps_done == config.run.max_steps
+    eval_every steps and after the last (max_steps)."""
+    return steps_done == 0 or steps_done % eval_every == 0 or steps_done == max_steps
 
 
-def evaluate(engine, samples: list, tokenizer, config, world=distributed.World(), device="cpu") -> dict:
-    """The record of one evaluation: eval_samples completions of each of `samples` (with the config's prompt
-    format, temperature and length) scored by the config's eval_reward (None: the first of its rewards); a
-    completion is correct when that reward gives it 1.0 or more.
+def eval_reward(evaluation: EvaluationConfig, rewards: list) -> str:
+    """The reward an evaluation scores with: evaluation.eval_reward, else the first of the run's `rewards`."""
+    return evaluation.eval_reward or rewards[0]
+
+
+def evaluate(engine, samples: list, tokenizer, evaluation: EvaluationConfig, data: DataConfig, reward: str,
+             seed: int, world=distributed.World(), device="cpu") -> dict:
+    """The record of one evaluation: evaluation.eval_samples completions of each of `samples` (prompts written as
+    `data` says; the engine's temperature and length) scored by the reward named `reward` (eval_reward); a
+    completion is correct when that reward gives it 1.0 or more. seed: the run's (the evaluation draws its own
+    seeds from it).
 
     accuracy: the mean of all completions' scores (= pass@1); pass@k for k in k_values(eval_samples), averaged
     over problems; completion_len: mean sampled tokens; truncated: the share cut at max_completion_length;
@@ -51,20 +60,19 @@ def evaluate(engine, samples: list, tokenizer, config, world=distributed.World()
     in unscored).
     Under torchrun each rank takes an equal share of the problems (the remainder is left out) and the record
     covers them all. The seeds are the same at every evaluation, so two records differ by the model alone."""
-    n = config.evaluation.eval_samples
+    n = evaluation.eval_samples
     share = len(samples) // world.size
     mine = samples[world.rank * share:(world.rank + 1) * share]
     started = time.perf_counter()
-    prompts = [tasks.prompt_text(s, tokenizer, config) for s in mine]
-    seed = config.run.seed * 1_000_003 + EVAL_SEED_OFFSET + world.rank * share
+    prompts = [tasks.prompt_text(s, tokenizer, data) for s in mine]
     try:
-        generation = engine.generate(tasks.prompt_ids(prompts, tokenizer), seed=seed, n=n)
+        generation = engine.generate(tasks.prompt_ids(prompts, tokenizer), n=n,
+                                     seed=seed * 1_000_003 + EVAL_SEED_OFFSET + world.rank * share)
     except Exception as error:
-        raise RuntimeError(f"the {config.rollout.engine} engine failed on {len(mine)} held-out problems: "
-                           f"{error}") from error
+        raise RuntimeError(f"the {engine.name} engine failed on {len(mine)} held-out problems: {error}") from error
     completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
-    reward = load_reward(config.evaluation.eval_reward or config.scoring.rewards[0])
-    scores = weighted_rewards([reward], None, completions, solution=[s["solution"] for s in mine for _ in range(n)])
+    scores = weighted_rewards([load_reward(reward)], None, completions,
+                              solution=[s["solution"] for s in mine for _ in range(n)])
     ks = k_values(n)
     totals = {"problems": 0.0, "unscored": 0.0, "correct": 0.0, **{f"pass@{k}": 0.0 for k in ks},
               "tokens": float(generation.completion_mask.sum()), "truncated": float(generation.truncated.sum()),
@@ -95,19 +103,26 @@ def evaluate(engine, samples: list, tokenizer, config, world=distributed.World()
 class HeldOut:
     """A run's evaluations on its held-out problems (none: eval_every 0): due before the first step, every
     eval_every steps and after the last (eval_due); each record goes to eval.jsonl and the trackers, the last one
-    (`last`) to the progress bar. rollouts: the run's (grpo_fast.train.rollout), which generate the answers."""
+    (`last`) to the progress bar. rollouts: the run's (grpo_fast.train.rollout), which generate the answers;
+    reward: eval_reward's; run: the run section (its seed and max_steps)."""
 
-    def __init__(self, problems: list, rollouts, tokenizer, config, world, device, files, trackers):
-        self.problems, self.rollouts, self.tokenizer, self.config = problems, rollouts, tokenizer, config
+    def __init__(self, problems: list, rollouts, tokenizer, evaluation: EvaluationConfig, data: DataConfig,
+                 reward: str, run: RunConfig, world, device, files, trackers):
+        self.problems, self.rollouts, self.tokenizer = problems, rollouts, tokenizer
+        self.evaluation, self.data, self.reward, self.run_config = evaluation, data, reward, run
         self.world, self.device, self.files, self.trackers = world, device, files, trackers
         self.last: dict = {}
+
+    def due(self, steps_done: int) -> bool:
+        return bool(self.problems) and eval_due(steps_done, self.evaluation.eval_every, self.run_config.max_steps)
 
     def run(self, steps_done: int) -> None:
         """Evaluates the policy once `steps_done` steps are done; RunError names the engine's or the reward's
         failure."""
         try:
-            self.last.update(step=steps_done, **evaluate(self.rollouts, self.problems, self.tokenizer, self.config,
-                                                         self.world, self.device))
+            self.last.update(step=steps_done, **evaluate(self.rollouts, self.problems, self.tokenizer,
+                                                         self.evaluation, self.data, self.reward,
+                                                         self.run_config.seed, self.world, self.device))
         except (RuntimeError, TypeError, ValueError) as error:
             raise RunError(f"evaluation at step {steps_done}: {error}") from error
         self.files.add_eval(dict(self.last))
@@ -116,13 +131,13 @@ class HeldOut:
     def at_start(self, start_step: int, log) -> None:
         """The model as GRPO starts (the gain is measured from there), or the evaluation an interrupt cut (a
         resume redoes it)."""
-        if self.problems and eval_due(start_step, self.config) and start_step not in self.files.evaluated_steps():
+        if self.due(start_step) and start_step not in self.files.evaluated_steps():
             self.run(start_step)
             if start_step == 0:
                 log(f"held-out accuracy before GRPO: {self.last['accuracy']:.3f} ({self.last['problems']} "
-                    f"problems x {self.config.evaluation.eval_samples} samples)")
+                    f"problems x {self.evaluation.eval_samples} samples)")
 
     def after_step(self, steps_done: int) -> None:
         """The evaluation after a step, when one is due."""
-        if self.problems and eval_due(steps_done, self.config):
+        if self.due(steps_done):
             self.run(steps_done)

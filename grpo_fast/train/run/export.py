@@ -113,8 +113,9 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = base[0].dtype if base else precision.weights_dtype(precision.resolve(config.policy.dtype, device,
                                                                                   config.policy.lora_rank))
-    model, tokenizer = load_model(config, [], tokenizer, dtype)
+    model, tokenizer = load_model(config.policy, [], tokenizer, dtype, prompt_format=config.data.prompt_format,
+                                  seed=config.run.seed, max_completion_length=config.rollout.max_completion_length)
     if config.policy.lora_rank:
-        model = lora.add_adapters(model, config)
+        model = lora.add_adapters(model, config.policy)
     checkpoint.restore_model(model, state, folder)
     return save_model_folder(model, tokenizer, out_dir, adapter=adapter, step=state["step"])

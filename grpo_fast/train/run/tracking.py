@@ -43,10 +43,11 @@ class Trackers:
     """The run's experiment trackers; every method does nothing when names is empty or is_main is False.
 
     output_dir: the run's folder (TensorBoard's events go to tensorboard/ in it, wandb's files to wandb/);
-    config: the run's settings, recorded by wandb and Trackio; resumed_step: the checkpoint's step when the run
-    resumes, so the trackers continue the same run and TensorBoard drops the steps after it, which are redone."""
+    hyperparameters: the run's settings as a plain dict (the TrainConfig's), recorded by wandb and Trackio;
+    resumed_step: the checkpoint's step when the run resumes, so the trackers continue the same run and TensorBoard
+    drops the steps after it, which are redone."""
 
-    def __init__(self, names: list[str], output_dir: str, config: dict, is_main: bool = True,
+    def __init__(self, names: list[str], output_dir: str, hyperparameters: dict, is_main: bool = True,
                  resumed_step: int | None = None):
         self.names = list(names) if is_main else []   # only the main process reports: the metrics cover all ranks
         self._tensorboard = self._wandb = self._trackio = None
@@ -71,13 +72,13 @@ class Trackers:
                     f.write(run_id + "\n")
             # Offline unless the user chose a mode: a run must not stall on a machine without network or login
             mode = {} if "WANDB_MODE" in os.environ else {"mode": "offline"}
-            self._wandb = wandb.init(project=PROJECT, name=run_name, dir=output_dir, config=config, id=run_id,
+            self._wandb = wandb.init(project=PROJECT, name=run_name, dir=output_dir, config=hyperparameters, id=run_id,
                                      resume="allow", **mode)
         if "trackio" in self.names:
             import trackio
 
             # Trackio keeps its runs in its own folder (TRACKIO_DIR, else ~/.cache/huggingface/trackio), by name
-            trackio.init(project=PROJECT, name=run_name, config=config,
+            trackio.init(project=PROJECT, name=run_name, config=hyperparameters,
                          resume="never" if resumed_step is None else "allow")
             self._trackio = trackio
 

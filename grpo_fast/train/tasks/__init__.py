@@ -19,8 +19,13 @@ import os
 import random
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from grpo_fast.train.tasks import dataset_files
+
+if TYPE_CHECKING:                      # the sections' types, for annotations only
+    from grpo_fast.train.run.config import EvaluationConfig
+    from grpo_fast.train.tasks.config import DataConfig
 
 GSM8K_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_test_200.jsonl")
 GSM8K_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")
@@ -72,18 +77,18 @@ def gsm8k(num_samples=None) -> list:
     return samples if num_samples is None else samples[:num_samples]
 
 
-def load_source(source: str, config, split=None) -> list:
-    """The samples of one source: "max" or "arithmetic" (num_prompts problems), "gsm8k", or a dataset file or
-    save_to_disk folder read with the config's prompt_column / solution_column (grpo_fast.train.tasks.dataset_files),
-    its GSM8K-style worked solutions cut to their final answer."""
+def load_source(source: str, data: DataConfig, seed: int, split=None) -> list:
+    """The samples of one source: "max" or "arithmetic" (data.num_prompts problems drawn by the run's `seed`),
+    "gsm8k", or a dataset file or save_to_disk folder read with data.prompt_column / solution_column
+    (grpo_fast.train.tasks.dataset_files), its GSM8K-style worked solutions cut to their final answer."""
     if source == "max":
-        return max_task(config.data.num_prompts, seed=config.run.seed, max_operand=config.data.max_operand)
+        return max_task(data.num_prompts, seed=seed, max_operand=data.max_operand)
     if source == "arithmetic":
-        return arithmetic_task(config.data.num_prompts, seed=config.run.seed, max_operand=config.data.max_operand)
+        return arithmetic_task(data.num_prompts, seed=seed, max_operand=data.max_operand)
     if source == "gsm8k":
         return gsm8k()
-    samples = dataset_files.load_samples(source, prompt_column=config.data.prompt_column,
-                                         solution_column=config.data.solution_column, split=split)
+    samples = dataset_files.load_samples(source, prompt_column=data.prompt_column,
+                                         solution_column=data.solution_column, split=split)
     return [{**sample, "solution": final_answer(sample["solution"])} for sample in samples]
 
 
@@ -115,30 +120,30 @@ def hold_out(samples: list, fraction: float, seed: int) -> tuple:
     return [s for s in samples if problem_key(s) not in held], [first[key] for key in keys[:count]]
 
 
-def load_eval_task(config) -> list:
-    """The problems of config.evaluation.eval_task, all held out (its eval_split when it is a folder of several
-    splits)."""
-    evaluation = config.evaluation
-    return load_source(evaluation.eval_task, config,
+def load_eval_task(evaluation: EvaluationConfig, data: DataConfig, seed: int) -> list:
+    """The problems of evaluation.eval_task, all held out (its eval_split when it is a folder of several splits),
+    read as load_source reads a source."""
+    return load_source(evaluation.eval_task, data, seed,
                        split=evaluation.eval_split if os.path.isdir(evaluation.eval_task) else None)
 
 
-def load_task(config) -> tuple:
-    """(training samples, held-out samples) of config.data.task. The held-out problems are eval_task's (see
-    load_eval_task), else the eval_split of the task's folder, else eval_fraction of its distinct problems; no
-    training sample shares a prompt with them. Raises ValueError when nothing is left to train on."""
-    train_split = config.data.train_split if os.path.isdir(config.data.task) else None
-    samples = load_source(config.data.task, config, split=train_split)
-    if config.evaluation.eval_task is not None:
-        held_out = load_eval_task(config)
-    elif config.evaluation.eval_split is not None:
-        held_out = load_source(config.data.task, config, split=config.evaluation.eval_split)
+def load_task(data: DataConfig, evaluation: EvaluationConfig, seed: int) -> tuple:
+    """(training samples, held-out samples) of data.task. The held-out problems are eval_task's (see
+    load_eval_task), else the eval_split of the task's folder, else eval_fraction of its distinct problems (drawn
+    by the run's `seed`); no training sample shares a prompt with them. Raises ValueError when nothing is left to
+    train on."""
+    train_split = data.train_split if os.path.isdir(data.task) else None
+    samples = load_source(data.task, data, seed, split=train_split)
+    if evaluation.eval_task is not None:
+        held_out = load_eval_task(evaluation, data, seed)
+    elif evaluation.eval_split is not None:
+        held_out = load_source(data.task, data, seed, split=evaluation.eval_split)
     else:
-        samples, held_out = hold_out(samples, config.evaluation.eval_fraction, config.run.seed)
+        samples, held_out = hold_out(samples, evaluation.eval_fraction, seed)
     held_keys = {problem_key(s) for s in held_out}
     training = [s for s in samples if problem_key(s) not in held_keys]
     if not training:
-        raise ValueError(f"task {config.data.task!r}: every problem is among the held-out ones "
+        raise ValueError(f"task {data.task!r}: every problem is among the held-out ones "
                          f"({len(held_out)} problems); nothing is left to train on")
     return training, held_out
 
@@ -221,27 +226,30 @@ def prompts_for_step(samples: list, step: int, count: int, seed: int) -> list:
 @dataclass
 class StepShare:
     """This process's share of each step's prompts: whole groups, prompts_per_step // world_size prompts from row
-    rank * that on (the whole step without torchrun)."""
+    rank * that on (the whole step without torchrun), drawn by the run's `seed` and written as `data` says
+    (prompt_text)."""
 
     samples: list
     tokenizer: object
-    config: object
+    data: DataConfig
+    prompts_per_step: int
+    seed: int
     rank: int = 0
     world_size: int = 1
     _last: tuple = field(default=(None, None), init=False, repr=False)     # (step, its samples and texts)
 
     @property
     def first_row(self) -> int:
-        return self.rank * (self.config.rollout.prompts_per_step // self.world_size)
+        return self.rank * (self.prompts_per_step // self.world_size)
 
     def at(self, step: int) -> tuple:
         """(samples, prompt texts) of this share at `step`. The last step's are kept: the loop and the rollouts
         both ask for a step's prompts, and each draw shuffles the whole sample list."""
         if self._last[0] != step:
-            count = self.config.rollout.prompts_per_step // self.world_size
-            chosen = prompts_for_step(self.samples, step, self.config.rollout.prompts_per_step, self.config.run.seed)[
+            count = self.prompts_per_step // self.world_size
+            chosen = prompts_for_step(self.samples, step, self.prompts_per_step, self.seed)[
                 self.first_row:self.first_row + count]
-            self._last = (step, (chosen, [prompt_text(sample, self.tokenizer, self.config) for sample in chosen]))
+            self._last = (step, (chosen, [prompt_text(sample, self.tokenizer, self.data) for sample in chosen]))
         return self._last[1]
 
     def ids(self, step: int) -> list:
@@ -249,26 +257,26 @@ class StepShare:
         return prompt_ids(self.at(step)[1], self.tokenizer)
 
 
-def prompt_text(sample: dict, tokenizer, config) -> str:
-    """The text the policy is prompted with: the chat template (prompt_format "chat", or a prompt that is a list of
-    messages) or the plain prompt, with config.data.system_prompt as the system turn (unless the messages open with
-    one) or a line before it."""
+def prompt_text(sample: dict, tokenizer, data: DataConfig) -> str:
+    """The text the policy is prompted with: the chat template (data.prompt_format "chat", or a prompt that is a
+    list of messages) or the plain prompt, with data.system_prompt as the system turn (unless the messages open
+    with one) or a line before it."""
     prompt = sample["prompt"]
-    if config.data.prompt_format == "chat" or not isinstance(prompt, str):
-        system = [{"role": "system", "content": config.data.system_prompt}] if config.data.system_prompt else []
+    if data.prompt_format == "chat" or not isinstance(prompt, str):
+        system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if messages and messages[0]["role"] == "system":      # the dataset's own system turn wins
             system = []
         return tokenizer.apply_chat_template(system + messages, tokenize=False, add_generation_prompt=True)
-    if config.data.system_prompt:
-        return config.data.system_prompt + "\n" + sample["prompt"]
+    if data.system_prompt:
+        return data.system_prompt + "\n" + sample["prompt"]
     return sample["prompt"]
 
 
-def longest_prompt(samples: list, tokenizer, config) -> int:
+def longest_prompt(samples: list, tokenizer, data: DataConfig) -> int:
     """The most tokens any of `samples` takes as a prompt (prompt_text, then the tokenizer): what an engine must
     make room for beside max_completion_length."""
-    return max(map(len, prompt_ids([prompt_text(s, tokenizer, config) for s in samples], tokenizer)))
+    return max(map(len, prompt_ids([prompt_text(s, tokenizer, data) for s in samples], tokenizer)))
 
 
 def check_context(prompt_tokens: int, max_completion_length: int, model_config) -> None:

@@ -1,7 +1,7 @@
 """The optimizer of a run and its learning-rate schedule: built, stepped through an fp32 master copy for bf16
 weights, and restored from a checkpoint.
 
-    optimizer, scheduler = optimizer_for(policy, config, state)     # state: a checkpoint's, or None
+    optimizer, scheduler = optimizer_for(policy, config.optimization, config.run.max_steps, state)  # state: or None
 
 optimizer (the config key)   optimizer's own memory per trained parameter
     adamw        8 B (fp32 m, v); 12 B for bf16 weights (fp32 master weights, m, v: MasterWeightAdamW)
@@ -46,15 +46,16 @@ def check_optimizer(dtype: str, optimizer: str, lora_rank: int, installed: bool 
                          "'grpo-fast[lowbit]' (or torchao), or use optimizer adamw")
 
 
-def lr_factor(step: int, config) -> float:
-    """Linear warm-up over warmup_steps, then cosine or linear decay to 0 at max_steps (or constant)."""
-    warmup_steps, schedule = config.optimization.warmup_steps, config.optimization.lr_schedule
+def lr_factor(step: int, optimization, max_steps: int) -> float:
+    """Linear warm-up over optimization.warmup_steps, then (its lr_schedule) cosine or linear decay to 0 at the
+    run's max_steps, or constant."""
+    warmup_steps, schedule = optimization.warmup_steps, optimization.lr_schedule
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
-    progress = (step - warmup_steps) / max(1, config.run.max_steps - warmup_steps)
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    if config.optimization.lr_schedule == "linear":
+    if schedule == "linear":
         return max(0.0, 1.0 - progress)
     return 1.0
 
@@ -119,15 +120,14 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     self.state[param][key] = value.to(param.device, torch.float32, copy=True)
 
 
-def optimizer_for(policy, config, state):
-    """The configured optimizer of the trained parameters and its learning-rate
-    schedule, restored from `state` when resuming."""
-    optimization = config.optimization
+def optimizer_for(policy, optimization, max_steps: int, state):
+    """(optimizer, scheduler): the optimization section's optimizer of the trained parameters and its
+    learning-rate schedule over the run's max_steps (lr_factor), restored from `state` when resuming."""
     optimizer = make_optimizer(policy.trunk.parameters(), optimization.optimizer, optimization.learning_rate,
                                optimization.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, optimization, max_steps))
     if state is not None:
-        restore_optimizer(policy, optimizer, scheduler, state, config.optimization)
+        restore_optimizer(policy, optimizer, scheduler, state, optimization)
     return optimizer, scheduler
 
 

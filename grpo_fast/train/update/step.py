@@ -1,8 +1,12 @@
 """The policy update of one step: micro-batches, final hidden states and grpo_fast's loss, gradients accumulated.
 
     batch = UpdateBatch(input_ids, attention_mask, prompt_length, completion_ids, loss_mask, advantages)
-    batch.ref_logps = completion_logprobs(Policy.of(ref_model), batch, config)      # when beta > 0
-    metrics = policy_update(Policy.of(model), optimizer, batch, config)
+    batch.ref_logps = completion_logprobs(Policy.of(ref_model), batch, config.batching, temperature)  # beta > 0
+    metrics = policy_update(Policy.of(model), optimizer, batch, config.loss, config.batching, config.optimization,
+                            temperature)
+
+Each function takes the config sections it reads (grpo_fast.train.config: loss, batching, optimization,
+correction, scoring) and the rollouts' sampling temperature, which the log-probs divide the logits by.
 
 The loss never sees logits: the decoder gives the final hidden states of the completion tokens
 (grpo_fast.train.update.batching) and `grpo_fast.grpo_loss` takes them with the LM head's weight. The loop
@@ -25,7 +29,6 @@ from grpo_fast import reference as full_logits
 from grpo_fast.kept import KeptSet
 from grpo_fast.models import lm_head
 from grpo_fast.train import distributed, lora
-from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.update import precision
 from grpo_fast.train.update.batching import (
     MicroBatch,
@@ -33,9 +36,9 @@ from grpo_fast.train.update.batching import (
     micro_batch,
     plan_micro_batches,
 )
-from grpo_fast.train.update.config import BatchingConfig
+from grpo_fast.train.update.config import BatchingConfig, CorrectionConfig, OptimizationConfig, ScoringConfig
 from grpo_fast.train.update.correction import importance_weights
-from grpo_fast.variants import micro_batch_share
+from grpo_fast.variants import LossConfig, micro_batch_share
 
 # the policy loss from hidden states: grpo_fast's, or the full-logits one (for memory and speed comparisons)
 LOSS_IMPLEMENTATIONS = {"grpo_fast": gf.grpo_loss, "naive": full_logits.grpo_loss}
@@ -51,8 +54,9 @@ class UpdateBatch:
     advantages (B,); old_logps, ref_logps (B, C) fp32: the sampling policy's and the reference's log-probs (None:
     on-policy, no KL); is_ratio (B, C): the batch importance-sampling correction, or None; sampling_logps (B, C)
     fp32: the engine's log-probs when the correction comes from the update's own forward (one iteration per
-    step: accumulate_gradients fills is_ratio from them), else None. kept: with top-k / top-p sampling, the kept
-    set of each of the B x C completion positions (grpo_fast.kept.KeptSet), over which every log-prob is taken.
+    step: accumulate_gradients fills is_ratio from them, as `correction`, the CorrectionConfig, says), else None.
+    kept: with top-k / top-p sampling, the kept set of each of the B x C completion positions
+    (grpo_fast.kept.KeptSet), over which every log-prob is taken.
     """
 
     input_ids: torch.Tensor
@@ -65,6 +69,7 @@ class UpdateBatch:
     ref_logps: Optional[torch.Tensor] = None
     is_ratio: Optional[torch.Tensor] = None
     sampling_logps: Optional[torch.Tensor] = None
+    correction: Optional[CorrectionConfig] = None
     kept: Optional[KeptSet] = None
 
 
@@ -87,16 +92,18 @@ class Policy:
 
     dtype: the run's dtype option (grpo_fast.train.update.precision; "auto": bf16 autocast on CUDA, the weights'
     own dtype elsewhere). adapters_off: compute with a PEFT model's adapters disabled (the base model: a LoRA
-    run's KL reference)."""
+    run's KL reference). offload: keep the activations a training forward saves for backward in (pinned) CPU
+    memory (the policy section's offload_activations)."""
 
     model: torch.nn.Module
     trunk: torch.nn.Module
     dtype: str = "auto"
     adapters_off: bool = False
+    offload: bool = False
 
     @classmethod
-    def of(cls, model, dtype: str = "auto", adapters_off: bool = False) -> "Policy":
-        return cls(model, distributed.HiddenStates(model), dtype, adapters_off)
+    def of(cls, model, dtype: str = "auto", adapters_off: bool = False, offload: bool = False) -> "Policy":
+        return cls(model, distributed.HiddenStates(model), dtype, adapters_off, offload)
 
     def compute(self, device: torch.device) -> tuple:
         """(compute dtype, autocast): the torch dtype of the forward and of the loss's inputs on `device`, and
@@ -107,11 +114,10 @@ class Policy:
         return precision.compute_dtype(dtype), dtype == "bf16-autocast"
 
 
-def shares_prompts(config: TrainConfig, model) -> bool:
+def shares_prompts(batching: BatchingConfig, model) -> bool:
     """Whether the update's micro-batches hold each group's prompt once (share_prompts): only packed, and
     only where the model runs grpo_fast's own attention, which reads the shared layout (flash-attention and sdpa
     would let the completions of a row attend to each other)."""
-    batching = config.batching
     return batching.share_prompts and batching.packing and attention.attention_name(model) == attention.NAME
 
 
@@ -134,7 +140,7 @@ def micro_batches(batch: UpdateBatch, batching: BatchingConfig, world: distribut
 def completion_hidden(policy: Policy, micro: MicroBatch, offload: bool = False):
     """The final hidden states that predict each completion token (b, C, H), and the LM head's weight and the head
     (head_in's) in the same dtype, the policy's compute dtype (the backbone under autocast for bf16-autocast).
-    offload: keep the activations saved for backward in (pinned) CPU memory."""
+    offload: keep the activations saved for backward in (pinned) CPU memory (a training forward: policy.offload)."""
     device = micro.hidden_index.device
     dtype, autocast = policy.compute(device)
     saved = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else nullcontext()
@@ -165,63 +171,64 @@ def micro_batch_logprobs(hidden: torch.Tensor, weight: torch.Tensor, head, compl
 
 
 @torch.no_grad()
-def completion_logprobs(policy: Policy, batch: UpdateBatch, config: TrainConfig,
+def completion_logprobs(policy: Policy, batch: UpdateBatch, batching: BatchingConfig, temperature: float,
                         world: distributed.World = distributed.World()) -> torch.Tensor:
-    """(B, C) log-probs of the completions under `policy`, micro-batch by micro-batch, one GEMM pass each and no
-    logits (old and reference log-probs); zero off the loss mask."""
+    """(B, C) log-probs of the completions under `policy` at the sampling `temperature`, micro-batch by
+    micro-batch (`batching`), one GEMM pass each and no logits (old and reference log-probs); zero off the loss
+    mask."""
     logps = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
-    batches = micro_batches(batch, config.batching, world, shares_prompts(config, policy.model))
+    batches = micro_batches(batch, batching, world, shares_prompts(batching, policy.model))
     for micro, _ in batches:                                  # a repeated micro-batch rewrites the same values
         hidden, weight, head = completion_hidden(policy, micro)
         logps[micro.rows, :micro.completion_length] = micro_batch_logprobs(
             hidden, weight, head, micro.completion(batch.completion_ids), micro.completion(batch.loss_mask),
-            config.rollout.temperature, micro_kept(batch, micro))
+            temperature, micro_kept(batch, micro))
     return logps
 
 
-def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference_policy, config: TrainConfig,
-                 world: distributed.World = distributed.World()) -> UpdateBatch:
+def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference_policy, scoring: ScoringConfig,
+                 correction: CorrectionConfig, optimization: OptimizationConfig, batching: BatchingConfig,
+                 temperature: float, world: distributed.World = distributed.World()) -> UpdateBatch:
     """The UpdateBatch of a step's Generation (grpo_fast.train.rollout.generation) and its (B,) advantages: the
-    loss mask, and the old and reference log-probs and the rollout correction (grpo_fast.train.update.correction)
-    where the config needs them (one no-grad forward each). reference_policy: the KL reference (beta > 0), or None.
+    loss mask (without truncated completions under scoring.mask_truncated_completions), and the old and
+    reference log-probs and the rollout correction (grpo_fast.train.update.correction) where the sections need
+    them (one no-grad forward each). reference_policy: the KL reference (beta > 0), or None.
 
     With one iteration per step the rollout correction needs no forward of its own: the weights that the old
     log-probs would come from are the ones the update's forward runs, so accumulate_gradients computes the ratio
     from that forward's hidden states (batch.sampling_logps), one no-grad pass over the LM head per micro-batch."""
     loss_mask = generation.completion_mask
-    if config.scoring.mask_truncated_completions:
+    if scoring.mask_truncated_completions:
         loss_mask = loss_mask & ~generation.truncated[:, None]
     batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                         generation.completion_ids, loss_mask, advantages.to(loss_mask.device))
     if generation.kept_ids is not None:
         batch.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
-    correct = generation.sampling_logps is not None and config.correction.importance_sampling != "none"
-    if correct and config.optimization.num_iterations == 1:
-        batch.sampling_logps = generation.sampling_logps
-    elif config.optimization.num_iterations > 1 or correct:
-        batch.old_logps = completion_logprobs(policy, batch, config, world)
+    correct = generation.sampling_logps is not None and correction.importance_sampling != "none"
+    if correct and optimization.num_iterations == 1:
+        batch.sampling_logps, batch.correction = generation.sampling_logps, correction
+    elif optimization.num_iterations > 1 or correct:
+        batch.old_logps = completion_logprobs(policy, batch, batching, temperature, world)
         if correct:
             batch.is_ratio = importance_weights(batch.old_logps, generation.sampling_logps, loss_mask,
-                                                config.correction.importance_sampling,
-                                                config.correction.importance_sampling_cap,
-                                                config.correction.importance_sampling_min)
+                                                correction.importance_sampling, correction.importance_sampling_cap,
+                                                correction.importance_sampling_min)
     if reference_policy is not None:
-        batch.ref_logps = completion_logprobs(reference_policy, batch, config)
+        batch.ref_logps = completion_logprobs(reference_policy, batch, batching, temperature)
     return batch
 
 
 @torch.no_grad()
 def own_rollout_correction(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
-                           mask: torch.Tensor, sampling_logps: torch.Tensor, head,
-                           config: TrainConfig, kept: Optional[KeptSet] = None) -> torch.Tensor:
+                           mask: torch.Tensor, sampling_logps: torch.Tensor, head, correction: CorrectionConfig,
+                           temperature: float, kept: Optional[KeptSet] = None) -> torch.Tensor:
     """importance_weights(token_logprobs(hidden, weight, completion_ids) * mask, sampling_logps, mask, ...): a
     micro-batch's rollout correction (b, C) fp32 from the hidden states its loss takes, one no-grad GEMM pass over
     the LM head, instead of a forward of the trunk before the update (the same value: the same weights and
     inputs). Rows are whole sequences, so the sequence_* modes see every token of theirs."""
-    logps = micro_batch_logprobs(hidden.detach(), weight.detach(), head, completion_ids, mask,
-                                 config.rollout.temperature, kept)
-    return importance_weights(logps, sampling_logps, mask, config.correction.importance_sampling,
-                              config.correction.importance_sampling_cap, config.correction.importance_sampling_min)
+    logps = micro_batch_logprobs(hidden.detach(), weight.detach(), head, completion_ids, mask, temperature, kept)
+    return importance_weights(logps, sampling_logps, mask, correction.importance_sampling,
+                              correction.importance_sampling_cap, correction.importance_sampling_min)
 
 
 class Fp32GradientSum:
@@ -249,7 +256,8 @@ class Fp32GradientSum:
         self.sums = {}
 
 
-def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig,
+def accumulate_gradients(policy: Policy, batch: UpdateBatch, loss_config: LossConfig, batching: BatchingConfig,
+                         optimization: OptimizationConfig, temperature: float,
                          world: distributed.World = distributed.World()) -> dict:
     """Backward of the step's loss, micro-batch by micro-batch: the micro-batch losses are weighted
     (`variants.micro_batch_share`, over the sequences and tokens of all ranks) so that their sum is the loss of
@@ -258,32 +266,31 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     metrics (token-weighted means over micro-batches), summed over ranks. With one process and grad_accum_dtype
     fp32 (the default), gradients of bf16 weights accumulate over micro-batches in fp32 (Fp32GradientSum). With
     batch.sampling_logps set, each micro-batch's rollout correction comes from its own hidden states
-    (own_rollout_correction) and fills batch.is_ratio."""
-    loss_config = config.loss
-    loss_function = LOSS_IMPLEMENTATIONS[config.optimization.loss_implementation]
+    (own_rollout_correction, with batch.correction) and fills batch.is_ratio."""
+    loss_function = LOSS_IMPLEMENTATIONS[optimization.loss_implementation]
     device = batch.loss_mask.device
     totals = distributed.sum_over_ranks({"sequences": batch.input_ids.shape[0],
                                          "tokens": float(batch.loss_mask.sum())}, world, device)
-    batches = micro_batches(batch, config.batching, world, shares_prompts(config, policy.model))
+    batches = micro_batches(batch, batching, world, shares_prompts(batching, policy.model))
     fp32_sum = None
-    if config.optimization.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
+    if optimization.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
         fp32_sum = Fp32GradientSum(policy.trunk.parameters())
     summed = {"loss": 0.0}
     if batch.sampling_logps is not None:
         batch.is_ratio = torch.ones(batch.loss_mask.shape, dtype=torch.float32, device=device)
     for index, (micro, counts) in enumerate(batches):
-        hidden, weight, head = completion_hidden(policy, micro, config.policy.offload_activations)
+        hidden, weight, head = completion_hidden(policy, micro, policy.offload)
         mask = micro.completion(batch.loss_mask)
         kept = micro_kept(batch, micro)
         if batch.sampling_logps is not None:
             batch.is_ratio[micro.rows, :micro.completion_length] = own_rollout_correction(
                 hidden, weight, micro.completion(batch.completion_ids), mask, micro.completion(batch.sampling_logps),
-                head, config, kept)
+                head, batch.correction, temperature, kept)
         with torch.autocast(hidden.device.type, enabled=False):
             loss, metrics = loss_function(
                 hidden, weight, micro.completion(batch.completion_ids), batch.advantages[micro.rows], mask,
                 old_logps=micro.completion(batch.old_logps), ref_logps=micro.completion(batch.ref_logps),
-                bias=head.bias, config=loss_config, transform=head.transform(config.rollout.temperature, kept),
+                bias=head.bias, config=loss_config, transform=head.transform(temperature, kept),
                 weights=gf.TokenWeights(num_items_in_batch=totals["tokens"], is_ratio=micro.completion(batch.is_ratio)),
             )
         share = micro_batch_share(mask, loss_config, totals["sequences"], totals["tokens"]) if counts else 0.0
@@ -301,13 +308,15 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, config: TrainConfig
     return distributed.sum_over_ranks(summed, world, device)
 
 
-def policy_update(policy: Policy, optimizer, batch: UpdateBatch, config: TrainConfig,
+def policy_update(policy: Policy, optimizer, batch: UpdateBatch, loss_config: LossConfig, batching: BatchingConfig,
+                  optimization: OptimizationConfig, temperature: float,
                   world: distributed.World = distributed.World()) -> dict:
-    """One optimizer step of grpo_loss over the batch, with grad-norm clipping. A loss or gradient norm that is
+    """One optimizer step of grpo_loss over the batch (accumulate_gradients), with grad-norm clipping at
+    optimization.max_grad_norm. A loss or gradient norm that is
     not finite never reaches the weights: the step is skipped (metrics["skipped"] = 1) and the gradients dropped.
     Every rank decides alike: both values are already reduced over ranks."""
-    summed = accumulate_gradients(policy, batch, config, world)
-    norm = torch.nn.utils.clip_grad_norm_(policy.trunk.parameters(), config.optimization.max_grad_norm)
+    summed = accumulate_gradients(policy, batch, loss_config, batching, optimization, temperature, world)
+    norm = torch.nn.utils.clip_grad_norm_(policy.trunk.parameters(), optimization.max_grad_norm)
     summed["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     finite = math.isfinite(summed["loss"]) and math.isfinite(summed["grad_norm"])
     if finite:

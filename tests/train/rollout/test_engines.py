@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from grpo_fast.train.rollout.engines import HFEngine  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.tasks import prompt_ids  # noqa: E402
-from tests.helpers import arithmetic_policy, flat_config, run_result_script  # noqa: E402
+from tests.helpers import arithmetic_policy, flat_config, logprob_sections, run_result_script  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,7 +42,7 @@ def test_hf_engine_cuts_at_the_first_eos():
     prompts = [tokenizer(s["prompt"], add_special_tokens=False)["input_ids"] for s in samples[:3]]
     config = flat_config(group_size=4, max_completion_length=12)
     torch.manual_seed(0)
-    generation = HFEngine(model, tokenizer, config).generate(prompts, seed=0)
+    generation = HFEngine(model, tokenizer, config.rollout).generate(prompts, seed=0)
     assert generation.input_ids.shape[0] == 12 and generation.sampling_logps is None
     for ids, mask, truncated in zip(generation.completion_ids.tolist(), generation.completion_mask.tolist(),
                                     generation.truncated.tolist()):
@@ -104,7 +104,7 @@ def test_hf_engine_kept_sets_make_the_ratio_one_on_unchanged_weights():
     prompts = prompt_ids([s["prompt"] for s in samples[:3]], tokenizer)
     for fields in (dict(top_p=0.9), dict(top_k=12), dict(top_p=0.9, top_k=12)):
         config = flat_config(group_size=4, max_completion_length=10, **fields)
-        generation = HFEngine(model, tokenizer, config, sampling_logps=True).generate(prompts, seed=3)
+        generation = HFEngine(model, tokenizer, config.rollout, sampling_logps=True).generate(prompts, seed=3)
         mask = generation.completion_mask
         kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
         assert kept.num_tokens == mask.numel()
@@ -114,9 +114,9 @@ def test_hf_engine_kept_sets_make_the_ratio_one_on_unchanged_weights():
             assert int(kept.sizes().max()) <= fields["top_k"]
         batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                             generation.completion_ids, loss_mask=mask, advantages=torch.zeros(mask.shape[0]))
-        whole = completion_logprobs(Policy.of(model), batch, config)
+        whole = completion_logprobs(Policy.of(model), batch, *logprob_sections(config))
         batch.kept = kept
-        over_kept = completion_logprobs(Policy.of(model), batch, config)
+        over_kept = completion_logprobs(Policy.of(model), batch, *logprob_sections(config))
         log_ratio = (over_kept - generation.sampling_logps)[mask]
         assert log_ratio.abs().max() < 1e-4, (fields, log_ratio.abs().max())
         assert (whole - generation.sampling_logps)[mask].mean() < -1e-2      # the kept mass, always < 1
@@ -197,9 +197,9 @@ def test_hf_engine_samples_what_the_config_says_whatever_the_folder_sets(tmp_pat
         folders[name].lm_head.register_forward_hook(lambda module, inputs, logits: logits.index_add(
             -1, torch.tensor(FAVOURED), torch.full((*logits.shape[:-1], len(FAVOURED)), 4.0)))
         if wrapped == "lora":
-            folders[name] = lora.add_adapters(folders[name], flat_config(lora_rank=4))
+            folders[name] = lora.add_adapters(folders[name], flat_config(lora_rank=4).policy)
     assert folders["folder"].generation_config.repetition_penalty == 5.0
-    completions = {name: HFEngine(policy, tokenizer, config).generate(prompts, seed=3).completion_ids
+    completions = {name: HFEngine(policy, tokenizer, config.rollout).generate(prompts, seed=3).completion_ids
                    for name, policy in folders.items()}
     assert torch.equal(completions["folder"], completions["clean"])
     repeats = [len(set(row)) < len(row) for row in completions["clean"].tolist()]

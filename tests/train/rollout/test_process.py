@@ -19,7 +19,7 @@ from grpo_fast.train.rollout.generation import EngineError  # noqa: E402
 from grpo_fast.train.rollout.process import split_threads  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, completion_logprobs  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import flat_config  # noqa: E402
+from tests.helpers import flat_config, logprob_sections  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
             eval_every=0, max_staleness=1)
@@ -36,7 +36,7 @@ def trainer_logprobs(model, generation, config):
                       advantages=torch.zeros(generation.input_ids.shape[0]))
     if generation.kept_ids is not None:
         rollout.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
-    return completion_logprobs(Policy.of(model), rollout, config)
+    return completion_logprobs(Policy.of(model), rollout, *logprob_sections(config))
 
 
 def perturb(model, seed):
@@ -81,7 +81,7 @@ def test_the_process_serves_versions_in_order_with_the_trainers_numerics(tmp_pat
     assert torch.get_num_threads() == threads
     assert (info0["policy_version"], info1["policy_version"]) == (0, 1)
     assert info0["engine_generation_seconds"] > 0 and info1["engine_idle_seconds"] >= 0
-    local = HFEngine(model, tokenizer, config, sampling_logps=True)
+    local = HFEngine(model, tokenizer, config.rollout, sampling_logps=True)
     expected_second, expected_eval = local.generate(prompts, seed=5), local.generate(prompts[:2], seed=9, n=2)
     model.load_state_dict(v0)
     expected_first = local.generate(prompts, seed=5)

@@ -156,7 +156,7 @@ def test_an_engine_that_cannot_start_is_one_line_naming_the_folder(tmp_path):
     config = flat_config(max_staleness=1, output_dir=str(tmp_path))
     with pytest.raises(EngineStartError, match=r"^the rollout process could not start its hf engine on "
                                                rf"{missing}: \w*Error: .*{missing}") as caught:
-        RolloutProcess(config, missing, torch.float32, 64, torch.device("cpu"))
+        RolloutProcess(config.rollout, 0, missing, torch.float32, 64, torch.device("cpu"))
     assert isinstance(caught.value, ValueError) and "\n" not in str(caught.value)   # the CLI prints one line
 
 
@@ -168,7 +168,7 @@ def test_a_vllm_engine_that_cannot_start_is_one_line_naming_the_folder(tmp_path)
         from tests.helpers import flat_config
         from grpo_fast.train.rollout.engines import VLLMEngine
         try:
-            VLLMEngine({str(tmp_path / "no-model")!r}, flat_config(engine="vllm"), 64, torch.device("cpu"))
+            VLLMEngine({str(tmp_path / "no-model")!r}, flat_config(engine="vllm").rollout, 0, 64, torch.device("cpu"))
         except ValueError as error:
             print("ERROR", type(error).__name__, error)
     """)

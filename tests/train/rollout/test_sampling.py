@@ -52,7 +52,7 @@ def test_a_prompts_completions_do_not_depend_on_the_batch():
     model, tokenizer, samples = arithmetic_policy(32)
     model = model.double()
     a, short, long = [5, 9, 3, 7], [4], [6, 2, 8, 1, 1, 3, 5, 2, 9]
-    engine = HFEngine(model, tokenizer, flat_config(group_size=3, max_completion_length=10, temperature=1.0))
+    engine = HFEngine(model, tokenizer, flat_config(group_size=3, max_completion_length=10, temperature=1.0).rollout)
     state = torch.get_rng_state()
     first = engine.generate([a, short], seed=100)
     second = engine.generate([long, a], seed=99)                    # a is prompt 1: seed 99 + 1

@@ -15,20 +15,20 @@ from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
 from grpo_fast.train.rollout.engines import VLLMEngine, make_engine
 from grpo_fast.train.tasks import prompt_ids
 from grpo_fast.train.update.step import Policy, UpdateBatch, completion_logprobs
-from tests.helpers import flat_config
+from tests.helpers import flat_config, logprob_sections
 
 
 def trainer_logprobs(model, generation, config):
     rollout = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
                       generation.completion_ids, loss_mask=generation.completion_mask,
                       advantages=torch.zeros(generation.input_ids.shape[0]))
-    return completion_logprobs(Policy.of(model), rollout, config)
+    return completion_logprobs(Policy.of(model), rollout, *logprob_sections(config))
 
 
-def engine_vs_trainer(engine, model, prompts, seed):
+def engine_vs_trainer(engine, model, prompts, seed, config):
     """Largest |engine log-prob - trainer log-prob| over the sampled tokens, and the generation."""
     generation = engine.generate(prompts, seed=seed)
-    trainer = trainer_logprobs(model, generation, engine.config)
+    trainer = trainer_logprobs(model, generation, config)
     mask = generation.completion_mask
     return (generation.sampling_logps - trainer).abs()[mask].max().item(), generation, trainer
 
@@ -39,7 +39,7 @@ def check_generation(config, model, tokenizer, prompts, result: dict) -> tuple:
     engine = make_engine(config, model, tokenizer, max(map(len, prompts)))
     # vLLM's CPU worker swaps torch.set_num_threads for a no-op; the engine puts it back, threads unchanged
     result["threads_kept"] = torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
-    gap, first, _ = engine_vs_trainer(engine, model, prompts, seed=11)
+    gap, first, _ = engine_vs_trainer(engine, model, prompts, seed=11, config=config)
     result["gap_before"] = gap
     result["rows"] = first.input_ids.shape[0]
     result["prompts_match"] = all(first.input_ids[row, first.prompt_length - len(prompts[row // 3]):
@@ -78,18 +78,18 @@ def check_weight_pushes(engine, model, first, prompts, config, result: dict) -> 
     stale = trainer_logprobs(model, first, config)
     result["policy_moved"] = (stale - first.sampling_logps).abs()[first.completion_mask].max().item()
     engine.sync_weights(model)
-    result["gap_after_push"], _, _ = engine_vs_trainer(engine, model, prompts, seed=11)
+    result["gap_after_push"], _, _ = engine_vs_trainer(engine, model, prompts, seed=11, config=config)
 
     # LoRA: the engine gets the base with the adapters merged in
     base = trainer_logprobs(model, first, config)
-    adapted = lora.add_adapters(model, flat_config(lora_rank=4))
+    adapted = lora.add_adapters(model, flat_config(lora_rank=4).policy)
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_B" in name:                      # PEFT starts B at 0: make the adapters matter
                 parameter.normal_(0, 0.3, generator=generator)
     result["lora_moved"] = (trainer_logprobs(adapted, first, config) - base).abs()[first.completion_mask].max().item()
     engine.sync_weights(adapted)
-    result["gap_after_lora_push"], _, _ = engine_vs_trainer(engine, adapted, prompts, seed=11)
+    result["gap_after_lora_push"], _, _ = engine_vs_trainer(engine, adapted, prompts, seed=11, config=config)
 
 
 def check_run_evaluations(output_dir: str, result: dict) -> None:
@@ -142,16 +142,16 @@ def main(output_dir: str) -> None:
     exported = output_dir + "/run/model"
     exported_model = AutoModelForCausalLM.from_pretrained(exported).eval()
     run_prompts = prompt_ids([s["prompt"] for s in samples[:4]], AutoTokenizer.from_pretrained(exported))
-    exported_engine = VLLMEngine(exported, config, max(map(len, run_prompts)) + config.rollout.max_completion_length,
-                                 torch.device("cpu"))
-    result["gap_exported"], _, _ = engine_vs_trainer(exported_engine, exported_model, run_prompts, seed=11)
+    exported_engine = VLLMEngine(exported, config.rollout, config.run.seed,
+                                 max(map(len, run_prompts)) + config.rollout.max_completion_length, torch.device("cpu"))
+    result["gap_exported"], _, _ = engine_vs_trainer(exported_engine, exported_model, run_prompts, 11, config)
     result["train_steps"] = [r["step"] for r in history]
     result["is_ratio_mean"] = [r["is_ratio_mean"] for r in history]
     result["generation_tokens_per_s"] = [r["generation_tokens_per_s"] for r in history]
     check_run_evaluations(output_dir, result)
     check_async_run(output_dir, result)
-    folder_engine = VLLMEngine(dirty, config, max(map(len, prompts)) + config.rollout.max_completion_length,
-                               torch.device("cpu"))
+    folder_engine = VLLMEngine(dirty, config.rollout, config.run.seed,
+                               max(map(len, prompts)) + config.rollout.max_completion_length, torch.device("cpu"))
     result["folder_sampling_ignored"] = torch.equal(folder_engine.generate(prompts, seed=11).completion_ids,
                                                     first.completion_ids)
     print("RESULT " + json.dumps(result))

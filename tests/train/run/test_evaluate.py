@@ -38,6 +38,17 @@ def test_pass_at_k_is_the_mean_over_all_k_subsets(n):
         E.pass_at_k(n, 0, n + 1)
 
 
+def evaluate(engine, samples: list, tokenizer, config) -> dict:
+    """E.evaluate with the sections of a TrainConfig."""
+    return E.evaluate(engine, samples, tokenizer, config.evaluation, config.data,
+                      E.eval_reward(config.evaluation, config.scoring.rewards), config.run.seed)
+
+
+def load_task(config) -> tuple:
+    """tasks.load_task with the sections of a TrainConfig."""
+    return tasks.load_task(config.data, config.evaluation, config.run.seed)
+
+
 def test_k_values():
     assert E.k_values(1) == [1] and E.k_values(4) == [1, 2, 4] and E.k_values(6) == [1, 2, 4, 6]
 
@@ -58,8 +69,8 @@ def test_hold_out_is_disjoint_reproducible_and_drops_every_copy():
 def test_eval_task_problems_leave_the_training_set(tmp_path):
     config = flat_config(eval_task="max")                                # the same problems: nothing left
     with pytest.raises(ValueError, match="nothing is left to train on"):
-        tasks.load_task(config)
-    train, held = tasks.load_task(flat_config(task="gsm8k", eval_fraction=0.1))
+        load_task(config)
+    train, held = load_task(flat_config(task="gsm8k", eval_fraction=0.1))
     assert (len(train), len(held)) == (180, 20)
 
 
@@ -84,7 +95,7 @@ def test_evaluate_scores_each_completion_against_its_problem(eval_reward):
     # problem 1: 2 of 4 right, problem 2: 0 of 4, problem 3: 4 of 4
     completions = ["2", "3", "2", "5", "1", "1", "1", "1", "6", "6", "6", "6"]
     config = flat_config(eval_samples=4, eval_reward=eval_reward)          # None: exact_match, the first reward
-    record = E.evaluate(ScriptedEngine(tokenizer, completions), samples, tokenizer, config)
+    record = evaluate(ScriptedEngine(tokenizer, completions), samples, tokenizer, config)
     assert record["accuracy"] == pytest.approx(6 / 12)
     assert record["pass@1"] == pytest.approx(6 / 12)
     assert record["pass@2"] == pytest.approx((E.pass_at_k(4, 2, 2) + 0 + 1) / 3)
@@ -212,7 +223,7 @@ def test_a_dataset_folder_trains_on_its_train_split_and_evaluates_on_its_test_sp
     options = {**FAST, "max_steps": 2, "eval_every": 2, "eval_prompts": 100, "log_completions": 2}
     config = flat_config(**options, task=str(tmp_path / "data"), prompt_column="messages", solution_column="answer",
                          eval_split="test", output_dir=str(tmp_path / "run"))
-    train, held = tasks.load_task(config)
+    train, held = load_task(config)
     assert [s["solution"] for s in train] == [s["solution"] for s in problems[:50]]
     assert [s["prompt"][0]["content"] for s in held] == [s["prompt"] for s in problems[50:]]
     T.train(config, log=lambda *_: None)
@@ -223,7 +234,7 @@ def test_a_dataset_folder_trains_on_its_train_split_and_evaluates_on_its_test_sp
     assert all(c["prompt"].startswith("<|im_start|>user\nmax(") for c in completions)
     with pytest.raises(ValueError, match=r"no column 'solution' \(solution_column\); columns found: "
                                          r"\['answer', 'messages'\]|columns found: \['messages', 'answer'\]"):
-        tasks.load_task(flat_config(task=str(tmp_path / "data"), prompt_column="messages"))
+        load_task(flat_config(task=str(tmp_path / "data"), prompt_column="messages"))
 
 
 def test_splits_are_checked_with_the_config(tmp_path):
@@ -236,7 +247,7 @@ def test_splits_are_checked_with_the_config(tmp_path):
         flat_config(task=str(tmp_path / "data"), eval_split="test")
     with pytest.raises(ValueError, match=r"train_split='training': .* has the splits"):
         flat_config(task=str(tmp_path / "data"), train_split="training")
-    assert tasks.load_task(flat_config(task=str(tmp_path / "data"), eval_split="validation"))[1] == rows[4:]
+    assert load_task(flat_config(task=str(tmp_path / "data"), eval_split="validation"))[1] == rows[4:]
 
 
 def test_gsm8k_style_worked_solutions_are_cut_to_their_final_answer(tmp_path):
@@ -244,17 +255,17 @@ def test_gsm8k_style_worked_solutions_are_cut_to_their_final_answer(tmp_path):
     path.write_text(json.dumps({"question": "How many?", "answer": "2 + 3 = <<2+3=5>>5 apples\n#### 1,205"}) + "\n"
                     + json.dumps({"question": "And now?", "answer": "7"}) + "\n")
     config = flat_config(task=str(path), prompt_column="question", solution_column="answer")
-    assert [s["solution"] for s in tasks.load_source(config.data.task, config)] == ["1205", "7"]
+    assert [s["solution"] for s in tasks.load_source(config.data.task, config.data, config.run.seed)] == ["1205", "7"]
 
 
 def test_the_eval_reward_decides_what_is_correct():
     samples = [{"prompt": "1+1=", "solution": "2"}]
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples])
     engine = ScriptedEngine(tokenizer, ["2 apples", "2"])              # math-verify reads 2 in both
-    exact = E.evaluate(engine, samples, tokenizer, flat_config(eval_samples=2))
-    lenient = E.evaluate(engine, samples, tokenizer, flat_config(eval_samples=2, eval_reward="accuracy"))
+    exact = evaluate(engine, samples, tokenizer, flat_config(eval_samples=2))
+    lenient = evaluate(engine, samples, tokenizer, flat_config(eval_samples=2, eval_reward="accuracy"))
     assert (exact["accuracy"], lenient["accuracy"]) == (0.5, 1.0)
-    unscorable = E.evaluate(ScriptedEngine(tokenizer, ["2", "2"]), [{"prompt": "1+1=", "solution": "??"}],
+    unscorable = evaluate(ScriptedEngine(tokenizer, ["2", "2"]), [{"prompt": "1+1=", "solution": "??"}],
                             tokenizer, flat_config(eval_samples=2, eval_reward="accuracy"))
     assert (unscorable["problems"], unscorable["unscored"]) == (0, 1) and math.isnan(unscorable["accuracy"])
 

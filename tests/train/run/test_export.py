@@ -12,7 +12,7 @@ from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.policy import load_model  # noqa: E402
 from grpo_fast.train.run.export import export_run, exported_step  # noqa: E402
 from grpo_fast.train.update.step import Policy, completion_logprobs  # noqa: E402
-from tests.helpers import flat_config  # noqa: E402
+from tests.helpers import flat_config, logprob_sections  # noqa: E402
 from tests.train.update.test_batching import rollout  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=2, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
@@ -22,7 +22,7 @@ FAST = dict(sft_steps=20, max_steps=2, save_every=2, group_size=4, prompts_per_s
 def logprobs_of(model, config, vocab):
     batch = rollout(vocab=vocab)
     batch.old_logps = batch.ref_logps = None
-    return completion_logprobs(Policy.of(model), batch, config)
+    return completion_logprobs(Policy.of(model), batch, *logprob_sections(config))
 
 
 @pytest.mark.parametrize("memory", [{}, {"lora_rank": 4, "learning_rate": 0.05, "sft_steps": 0}],
@@ -46,7 +46,7 @@ def test_a_run_exports_a_model_transformers_loads_with_the_same_logprobs(tmp_pat
     expected = logprobs_of(model, config, vocab)
     torch.testing.assert_close(logprobs_of(again, config, vocab), expected, rtol=0, atol=1e-6)
     # and they are the trained policy's: a LoRA run's adapters really are in the exported weights
-    base = load_model(config, [], tokenizer)[0]
+    base = load_model(config.policy, [], tokenizer, seed=config.run.seed)[0]
     assert (logprobs_of(base, config, vocab) - expected).abs().max() > 1e-3
 
 
@@ -76,7 +76,7 @@ def test_a_lora_run_exports_its_adapters_for_peft(tmp_path, capsys):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "out" / "adapter"))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
-    base = load_model(config, [], tokenizer)[0]            # the tiny base the run started from (its seed)
+    base = load_model(config.policy, [], tokenizer, seed=config.run.seed)[0]  # the tiny base the run started from
     adapted = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter")
     vocab = merged.config.vocab_size
     torch.testing.assert_close(logprobs_of(adapted, config, vocab), logprobs_of(merged, config, vocab),

@@ -163,7 +163,7 @@ def test_the_checkpoint_keeps_the_tokenizer_the_weights_were_trained_with(tmp_pa
 
 def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
     history = run(tmp_path, max_steps=2, warmup_steps=5, learning_rate=1e-3)
-    assert history[0]["lr"] == pytest.approx(1e-3 * lr_factor(0, flat_config(warmup_steps=5)))
+    assert history[0]["lr"] == pytest.approx(1e-3 * lr_factor(0, flat_config(warmup_steps=5).optimization, 10))
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -77,7 +77,8 @@ def test_data_identity_names_what_changed_in_the_file(tmp_path):
 
     def identity(lines, **keys):
         path.write_text("\n".join(lines) + "\n")
-        return tasks.data_identity(*tasks.load_task(flat_config(task=str(path), **keys)))
+        config = flat_config(task=str(path), **keys)
+        return tasks.data_identity(*tasks.load_task(config.data, config.evaluation, config.run.seed))
 
     saved = identity(rows, eval_fraction=0.2)
     assert len(saved["held_out"]) == 4

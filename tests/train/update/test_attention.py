@@ -16,7 +16,7 @@ from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update.batching import completion_hidden_states, micro_batch  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients, shares_prompts  # noqa: E402
-from tests.helpers import flat_config, float64_norms  # noqa: E402
+from tests.helpers import flat_config, float64_norms, update_sections  # noqa: E402
 
 PROMPTS = [13, 15, 12, 14, 16, 13, 11, 17]
 COMPLETIONS = [17, 12, 19, 11, 15, 18, 10, 14]
@@ -60,7 +60,7 @@ def test_packed_update_builds_no_square_tensor_over_the_packed_tokens():
     tokens = int(batch.attention_mask.sum())
     config = flat_config(packing=True, micro_batch_size=32, max_completion_length=19, gradient_checkpointing=True)
     with LargestOutput() as recorder:
-        accumulate_gradients(Policy.of(model), batch, config)
+        accumulate_gradients(Policy.of(model), batch, *update_sections(config))
     assert tokens == 227 and recorder.largest < tokens * tokens, (recorder.op, recorder.largest, tokens * tokens)
 
 
@@ -119,7 +119,7 @@ def test_generation_is_sdpa_exactly():
                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": 63})()
         config = flat_config(group_size=3, max_completion_length=8, temperature=1.0)
-        sampled = HFEngine(model, tokenizer, config).generate([[5, 9, 3], [4, 4]], seed=3)
+        sampled = HFEngine(model, tokenizer, config.rollout).generate([[5, 9, 3], [4, 4]], seed=3)
         outputs[name] = (greedy.sequences, torch.stack(greedy.logits), sampled.completion_ids)
     (tokens, logits, sampled), (tokens_varlen, logits_varlen, sampled_varlen) = outputs.values()
     assert torch.equal(tokens, tokens_varlen) and torch.equal(sampled, sampled_varlen)
@@ -155,7 +155,7 @@ def test_set_through_peft_and_checkpointing_and_the_boundaries_reach_the_attenti
 
     monkeypatch.setattr(attention, "varlen_attention_forward", spy)
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1)
-    model = lora.add_adapters(model, flat_config(lora_rank=4))
+    model = lora.add_adapters(model, flat_config(lora_rank=4).policy)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     assert attention.use_varlen_attention(model, "cpu") == attention.NAME           # after both, on the wrapper
@@ -315,8 +315,8 @@ def test_gpt_oss_trains_with_the_attention_key_eager_and_auto_alike():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         policy = Policy.of(model)
-        assert shares_prompts(config, model) == (choice == "auto")
-        metrics = accumulate_gradients(policy, shared_prompt_rollout(), config)
+        assert shares_prompts(config.batching, model) == (choice == "auto")
+        metrics = accumulate_gradients(policy, shared_prompt_rollout(), *update_sections(config))
         results.append((metrics["loss"], {name: p.grad for name, p in model.named_parameters()}))
     (eager_loss, eager_grads), (auto_loss, auto_grads) = results
     assert all(grad is not None and torch.isfinite(grad).all() for grad in eager_grads.values())

@@ -9,7 +9,7 @@ from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update.batching import micro_batch, plan_micro_batches  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients, completion_logprobs  # noqa: E402
-from tests.helpers import flat_config  # noqa: E402
+from tests.helpers import flat_config, logprob_sections, update_sections  # noqa: E402
 
 
 def test_plan_micro_batches():
@@ -47,7 +47,7 @@ def rollout(seed=0, rows=6, vocab=64):
 
 def gradients(model, batch, config):
     model.zero_grad(set_to_none=True)
-    summed = accumulate_gradients(Policy.of(model), batch, config)
+    summed = accumulate_gradients(Policy.of(model), batch, *update_sections(config))
     return summed["loss"], {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -77,7 +77,8 @@ def test_packed_and_cut_match_one_padded_batch(loss_type, cut):
 def test_packed_logprobs_match_padded(cut):
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1, seed=1).double()
     batch = rollout(seed=1)
-    expected = completion_logprobs(Policy.of(model), batch, flat_config(packing=False, micro_batch_size=32))
-    got = completion_logprobs(Policy.of(model), batch, flat_config(**CUTS[cut]))
+    expected = completion_logprobs(Policy.of(model), batch, *logprob_sections(flat_config(packing=False,
+                                                                                       micro_batch_size=32)))
+    got = completion_logprobs(Policy.of(model), batch, *logprob_sections(flat_config(**CUTS[cut])))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert (expected[~batch.loss_mask] == 0).all() and (expected[batch.loss_mask] < 0).all()

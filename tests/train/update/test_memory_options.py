@@ -16,7 +16,7 @@ from grpo_fast.train.run import checkpoint
 from grpo_fast.train.update import optimizer as optim  # noqa: E402
 from grpo_fast.train.update import precision  # noqa: E402
 from grpo_fast.train.update.step import Policy, completion_logprobs, policy_update  # noqa: E402
-from tests.helpers import flat_config  # noqa: E402
+from tests.helpers import flat_config, logprob_sections, update_sections  # noqa: E402
 from tests.train.update.test_batching import rollout  # noqa: E402
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
@@ -147,8 +147,8 @@ def test_policy_log_probs_in_each_dtype_are_close_to_fp64(dtype):
     net = model(dtype=precision.weights_dtype(dtype))
     batch = rollout()
     config = flat_config(dtype=dtype)
-    got = completion_logprobs(Policy.of(net, dtype), batch, config)
-    exact = completion_logprobs(Policy.of(copy.deepcopy(net).double(), "auto"), batch, config)
+    got = completion_logprobs(Policy.of(net, dtype), batch, *logprob_sections(config))
+    exact = completion_logprobs(Policy.of(copy.deepcopy(net).double(), "auto"), batch, *logprob_sections(config))
     tolerance = {"fp32": 1e-5, "bf16-autocast": 0.1, "bf16": 0.1}[dtype]        # bf16: 8 bits of mantissa
     assert (got - exact).abs().max() < tolerance
     assert dtype == "fp32" or (got - exact).abs().max() > 1e-5              # the dtype is really used
@@ -160,7 +160,7 @@ def lora_config(**overrides):
 
 
 def peft_model(config, seed=0):
-    net = lora.add_adapters(model(seed), config)
+    net = lora.add_adapters(model(seed), config.policy)
     with torch.no_grad():                     # PEFT starts B at 0 (a no-op adapter): make the adapters matter
         for name, param in net.named_parameters():
             if "lora_B" in name:
@@ -176,7 +176,7 @@ def test_lora_trains_the_adapters_alone_with_the_head_frozen():
     policy = Policy.of(net)
     optimizer = optim.make_optimizer(net.parameters(), "adamw", config.optimization.learning_rate, 0.0)
     batch = rollout()
-    policy_update(policy, optimizer, batch, config)
+    policy_update(policy, optimizer, batch, *update_sections(config))
     changed = {name for name, param in net.named_parameters() if not torch.equal(param, before[name])}
     assert changed and all(".lora_" in name for name in changed)
     assert changed == {name for name, param in net.named_parameters() if param.requires_grad}
@@ -191,9 +191,9 @@ def test_lora_reference_is_the_base_model():
     net = peft_model(config)
     base = model()                         # the same base weights, no adapters
     batch = rollout()
-    reference = completion_logprobs(Policy.of(net, adapters_off=True), batch, config)
-    policy = completion_logprobs(Policy.of(net), batch, config)
-    assert torch.equal(reference, completion_logprobs(Policy.of(base), batch, config))
+    reference = completion_logprobs(Policy.of(net, adapters_off=True), batch, *logprob_sections(config))
+    policy = completion_logprobs(Policy.of(net), batch, *logprob_sections(config))
+    assert torch.equal(reference, completion_logprobs(Policy.of(base), batch, *logprob_sections(config)))
     assert (policy - reference).abs().max() > 1e-3                         # the adapters are on otherwise
 
 
@@ -214,9 +214,9 @@ def test_merged_weights_are_peft_merge_and_unload():
 def test_lora_refuses_targets_it_cannot_adapt():
     with pytest.raises(ValueError, match=r"lora_target_modules \['wq'\] name no linear layer of the model; its "
                                          r"linear layers are \['down_proj', 'gate_proj', 'k_proj', 'lm_head'"):
-        lora.add_adapters(model(), lora_config(lora_target_modules=["wq"]))
+        lora.add_adapters(model(), lora_config(lora_target_modules=["wq"]).policy)
     with pytest.raises(ValueError, match="lora_target_modules must not name the LM head \\('lm_head'\\)"):
-        lora.add_adapters(model(), lora_config(lora_target_modules=["q_proj", "lm_head"]))
+        lora.add_adapters(model(), lora_config(lora_target_modules=["q_proj", "lm_head"]).policy)
 
 
 @needs_peft
@@ -226,10 +226,10 @@ def test_lora_checkpoint_holds_the_adapters_and_restores_them():
     policy = Policy.of(net)
     optimizer = optim.make_optimizer(net.parameters(), "adamw", 1e-2, 0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    policy_update(policy, optimizer, rollout(), config)
+    policy_update(policy, optimizer, rollout(), *update_sections(config))
     state = checkpoint.training_state(policy, optimizer, scheduler, config=config)
     assert state["model"] and all(".lora_" in name for name in state["model"])
-    fresh = lora.add_adapters(model(seed=0), config)                        # base as loaded, adapters at init
+    fresh = lora.add_adapters(model(seed=0), config.policy)                 # base as loaded, adapters at init
     checkpoint.restore_model(fresh, {**state, "step": 1})
     for (name, param), (_, other) in zip(net.named_parameters(), fresh.named_parameters()):
         assert torch.equal(param, other), name
@@ -237,7 +237,8 @@ def test_lora_checkpoint_holds_the_adapters_and_restores_them():
     assert len(checkpoint.training_state(policy, optimizer, scheduler, config=lora_config(sft_steps=5))["model"]) \
         == len(net.state_dict())
     with pytest.raises(ValueError, match="its adapters do not fit this model: missing"):
-        checkpoint.restore_model(lora.add_adapters(model(), lora_config(lora_target_modules=["q_proj", "o_proj"])),
+        checkpoint.restore_model(lora.add_adapters(model(), lora_config(lora_target_modules=["q_proj", "o_proj"])
+                                                   .policy),
                                  {**state, "step": 1})
 
 
@@ -265,8 +266,8 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(monkeypatch):
         original_add(self)
 
     monkeypatch.setattr(update.Fp32GradientSum, "add", record)
-    accumulate_gradients(Policy.of(model), batch, flat_config(micro_batch_size=1, gradient_checkpointing=False,
-                                                              max_completion_length=8))
+    accumulate_gradients(Policy.of(model), batch, *update_sections(flat_config(
+        micro_batch_size=1, gradient_checkpointing=False, max_completion_length=8)))
     assert len(parts) == 8
     worst, errors, norms = 0.0, {"fp32": 0.0, "bf16": 0.0}, 0.0
     for param in model.parameters():
@@ -286,6 +287,6 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(monkeypatch):
     # grad_accum_dtype bf16: the sum stays in the bf16 .grad, as a bf16 .grad adds it
     parts.clear()
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(Policy.of(model), batch, flat_config(micro_batch_size=1, gradient_checkpointing=False,
-                                                              max_completion_length=8, grad_accum_dtype="bf16"))
+    accumulate_gradients(Policy.of(model), batch, *update_sections(flat_config(
+        micro_batch_size=1, gradient_checkpointing=False, max_completion_length=8, grad_accum_dtype="bf16")))
     assert not parts and all(p.grad.dtype == torch.bfloat16 for p in model.parameters())

@@ -11,7 +11,7 @@ from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update import step  # noqa: E402
 from grpo_fast.train.update.correction import importance_weights  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients, update_batch  # noqa: E402
-from tests.helpers import flat_config  # noqa: E402
+from tests.helpers import flat_config, logprob_sections, update_sections  # noqa: E402
 
 
 def model():
@@ -27,15 +27,19 @@ def generation(policy, config):
     rollout = pack(prompts, completions, [len(c) == 9 for c in completions], pad_token_id=0)
     plain = UpdateBatch(rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.completion_ids,
                         rollout.completion_mask, torch.zeros(6, dtype=torch.float64))
-    own = step.completion_logprobs(policy, plain, config)
+    own = step.completion_logprobs(policy, plain, *logprob_sections(config))
     noise = 0.03 * (2 * torch.rand(own.shape, generator=generator, dtype=torch.float64) - 1)
     rollout.sampling_logps = ((own + noise) * rollout.completion_mask).float()
     return rollout
 
 
+def batch_sections(config) -> tuple:
+    return (config.scoring, config.correction, config.optimization, config.batching, config.rollout.temperature)
+
+
 def gradients(policy, batch, config):
     policy.model.zero_grad(set_to_none=True)
-    summed = accumulate_gradients(policy, batch, config)
+    summed = accumulate_gradients(policy, batch, *update_sections(config))
     return summed, {name: p.grad.clone() for name, p in policy.model.named_parameters()}
 
 
@@ -52,7 +56,7 @@ def test_own_forward_correction_equals_the_separate_forward_in_float64(mode, mic
     # before: old log-probs from a forward of their own, then the ratio
     separate = UpdateBatch(rollout.input_ids, rollout.attention_mask, rollout.prompt_length, rollout.completion_ids,
                            rollout.completion_mask, advantages)
-    separate.old_logps = step.completion_logprobs(policy, separate, config)
+    separate.old_logps = step.completion_logprobs(policy, separate, *logprob_sections(config))
     separate.is_ratio = importance_weights(separate.old_logps, rollout.sampling_logps, rollout.completion_mask, mode,
                                            1.02, 0.98)
     # on-policy the PPO ratio is exp(logp - old_logps) = 1 but for the fp32 rounding of the stored old log-probs
@@ -64,7 +68,7 @@ def test_own_forward_correction_equals_the_separate_forward_in_float64(mode, mic
         raise AssertionError("the update's own forward gives the old log-probs: no separate forward")
 
     monkeypatch.setattr(step, "completion_logprobs", no_separate_forward)
-    batch = update_batch(rollout, advantages, policy, None, config)
+    batch = update_batch(rollout, advantages, policy, None, *batch_sections(config))
     assert batch.old_logps is None and batch.is_ratio is None and batch.sampling_logps is rollout.sampling_logps
     summed, grads = gradients(policy, batch, config)
 
@@ -91,7 +95,8 @@ def test_several_iterations_keep_the_separate_forward():
                          num_iterations=2)
     policy = Policy.of(model())
     rollout = generation(policy, config)
-    batch = update_batch(rollout, torch.ones(6, dtype=torch.float64), policy, None, config)
+    batch = update_batch(rollout, torch.ones(6, dtype=torch.float64), policy, None,
+                         *batch_sections(config))
     assert batch.sampling_logps is None and batch.old_logps is not None
     torch.testing.assert_close(batch.is_ratio, importance_weights(batch.old_logps, rollout.sampling_logps,
                                                                   rollout.completion_mask, "token_truncate",

@@ -19,7 +19,7 @@ from grpo_fast.train.update.step import (  # noqa: E402
     completion_logprobs,
     shares_prompts,  # noqa: E402
 )
-from tests.helpers import flat_config, float64_norms  # noqa: E402
+from tests.helpers import flat_config, float64_norms, logprob_sections, update_sections  # noqa: E402
 
 PROMPTS = [13, 9, 15, 7]                    # three groups of four and a group of one
 COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6], [10]]
@@ -119,10 +119,10 @@ def test_update_with_shared_prompts_equals_the_unshared_update(name, micro_batch
         config = flat_config(share_prompts=share, micro_batch_size=micro_batch_size, beta=0.0,
                              max_completion_length=14, loss_type="dapo")
         policy = Policy.of(model)
-        assert shares_prompts(config, model) is share
-        logps = completion_logprobs(policy, batch, config)
+        assert shares_prompts(config.batching, model) is share
+        logps = completion_logprobs(policy, batch, *logprob_sections(config))
         model.zero_grad(set_to_none=True)
-        metrics = accumulate_gradients(policy, batch, config)
+        metrics = accumulate_gradients(policy, batch, *update_sections(config))
         results[share] = logps, metrics, {n: p.grad.clone() for n, p in model.named_parameters()
                                           if p.grad is not None}
     (logps, metrics, grads), (shared_logps, shared_metrics, shared_grads) = results[False], results[True]
@@ -138,11 +138,11 @@ def test_update_with_shared_prompts_equals_the_unshared_update(name, micro_batch
 def test_shared_prompts_only_where_the_attention_reads_them():
     model = tiny_qwen2(64, hidden_size=64, num_heads=2, num_kv_heads=1)
     model.set_attn_implementation("sdpa")        # sdpa would let a row's completions attend to each other
-    assert not shares_prompts(flat_config(), model)
+    assert not shares_prompts(flat_config().batching, model)
     attention.use_varlen_attention(model, "cpu")
-    assert shares_prompts(flat_config(), model)
-    assert not shares_prompts(flat_config(packing=False), model)
-    assert not shares_prompts(flat_config(share_prompts=False), model)
+    assert shares_prompts(flat_config().batching, model)
+    assert not shares_prompts(flat_config(packing=False).batching, model)
+    assert not shares_prompts(flat_config(share_prompts=False).batching, model)
 
 
 def test_planner_counts_a_shared_prompt_once():
