@@ -8,8 +8,14 @@ nothing is downloaded:
 
 OUT_DIR receives the model folder (a random-init Qwen2 of 2 layers, hidden 256, and a byte-level BPE tokenizer
 trained on the task), train.parquet / val.parquet in verl's RL format (sums "a+b=" with their answers) and
-verl's checkpoints and logs. The reward is `compute_score` below (verl's custom_reward_function). Needs verl 0.9,
-vLLM and Ray; `--print-overrides` prints the main_ppo command's overrides and starts nothing.
+verl's checkpoints and logs. The reward is `partial_score` below (verl's custom_reward_function): exact answers
+score 1 and the others partial credit, so that a random model's samples of one prompt differ and its first steps
+have a gradient (`reward.custom_reward_function.name=compute_score` for exact match alone). With --cpu, vLLM's
+samples are seeded by prompt (GRPO_FAST_VLLM_SEED_BY_PROMPT, 0 unless the environment sets it), so two runs draw
+the same rollouts. verl's optimal token baseline (`algorithm.adv_estimator=optimal_token_baseline`) needs
+`trainer.use_v1=False`: verl 0.9's default V1 trainer never asks the actor for the sum of p^2 the baseline reads;
+the example refuses it otherwise, and asks the actor for that sum itself. Needs verl 0.9, vLLM and Ray;
+`--print-overrides` prints the main_ppo command's overrides and starts nothing.
 
 The grpo_fast part is the four `actor_rollout_ref.model` settings of GRPO_FAST (docs/verl.md); the rest
 is an ordinary small GRPO job. benchmarks/gpu_window.sh runs it for 2 steps where verl, vLLM and Ray import.
@@ -37,6 +43,12 @@ DATA_SOURCE = "grpo_fast/arithmetic"
 # process holding a model: 2 cores and a few GB of memory hold one each).
 CPU_ENVIRONMENT = {"VERL_USE_EXTERNAL_MODULES": "grpo_fast.integrations.verl_cpu",
                    "GRPO_FAST_VLLM_CPU_PLAIN_LINEAR": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# reproducible rollouts on CPU (grpo_fast.integrations.vllm_cpu): each request seeded from its prompt; the
+# environment's own value wins
+CPU_SAMPLING_SEED = {"GRPO_FAST_VLLM_SEED_BY_PROMPT": "0"}
+
+# verl's advantage estimators that read each token's sum of p^2 from the actor
+OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 CPU_OVERRIDES = [
     "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
     "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
@@ -113,12 +125,28 @@ def overrides(out_dir: str, paths: dict, mode: str = "fused") -> list:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64",
         f"reward.custom_reward_function.path={os.path.abspath(__file__)}",
-        "reward.custom_reward_function.name=compute_score",
+        "reward.custom_reward_function.name=partial_score",
         "trainer.logger=[console]", "trainer.project_name=grpo_fast", "trainer.experiment_name=verl_grpo_tiny",
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.val_before_train=False",
         "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.total_training_steps=20",
         f"trainer.default_local_dir={os.path.join(out_dir, 'checkpoints')}",
     ]
+
+
+def optimal_token_baseline_overrides(extra: list) -> list:
+    """The overrides verl's optimal token baseline needs beside `extra` (main_ppo overrides): the actor's
+    calculate_sum_pi_squared when `extra` chooses the baseline and does not set it; [] for other estimators.
+    Raises ValueError, in one line, when `extra` chooses it on verl's default V1 trainer (no trainer.use_v1=False),
+    which never asks the actor for the sum and so fails at the first advantage."""
+    values = dict(item.lstrip("+").split("=", 1) for item in extra if "=" in item)
+    estimator = values.get("algorithm.adv_estimator")
+    if estimator not in OPTIMAL_TOKEN_BASELINES:
+        return []
+    if values.get("trainer.use_v1", "true").strip().lower() != "false":
+        raise ValueError(f"algorithm.adv_estimator={estimator} needs trainer.use_v1=False: verl 0.9's default V1 "
+                         "trainer never asks the actor for the sum of p^2 the baseline reads")
+    key = "actor_rollout_ref.actor.calculate_sum_pi_squared"
+    return [] if key in values else [f"{key}=True"]
 
 
 def main(argv=None) -> int:
@@ -129,6 +157,11 @@ def main(argv=None) -> int:
                         help="fused: grpo_fast's head and loss in verl's actor; verl: verl's own")
     parser.add_argument("--cpu", action="store_true", help="run on a CPU host (CPU_ENVIRONMENT, CPU_OVERRIDES)")
     args, extra = parser.parse_known_args(argv)
+    try:
+        extra = extra + optimal_token_baseline_overrides(extra)
+    except ValueError as error:                      # one line, before anything is built or started
+        print(f"verl_grpo.py: {error}", file=sys.stderr)
+        return 2
     out_dir = os.path.abspath(args.out_dir)
     cpu = CPU_OVERRIDES if args.cpu else []
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(out_dir, input_paths(out_dir), args.mode),
@@ -139,7 +172,8 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     build_inputs(out_dir)
     print(" ".join(command), flush=True)
-    return subprocess.call(command, env={**os.environ, **(CPU_ENVIRONMENT if args.cpu else {})})
+    environment = {**CPU_SAMPLING_SEED, **os.environ, **CPU_ENVIRONMENT} if args.cpu else dict(os.environ)
+    return subprocess.call(command, env=environment)
 
 
 if __name__ == "__main__":

