@@ -190,6 +190,12 @@ def _check_across_sections(config: TrainConfig) -> None:
                          f"a packed row's sequences apart in every model), got attention={config.policy.attention!r}; "
                          "set packing: false to keep it")
     check_optimizer(config.policy.dtype, config.optimization.optimizer, config.policy.lora_rank)
+    if config.evaluation.eval_reward == "overlong":
+        raise ValueError("eval_reward 'overlong' scores lengths, not answers: name a reward that scores the answer "
+                         "(accuracy, exact_match, ...) or leave it unset")
+    if config.scoring.overlong_buffer > config.rollout.max_completion_length:
+        raise ValueError(f"overlong_buffer ({config.scoring.overlong_buffer}) must be at most max_completion_length "
+                         f"({config.rollout.max_completion_length}): the penalty ramps over the last tokens before it")
 
 
 def _unknown(names: list) -> ValueError:

@@ -93,7 +93,9 @@ def load_data(config: TrainConfig, state, log) -> RunData:
         if accepted:
             log(accepted)
     eval_problems = held_out[:config.evaluation.eval_prompts] if config.evaluation.eval_every else []
-    reward_fns = [load_reward(name) for name in config.scoring.rewards]
+    overlong = dict(max_completion_length=config.rollout.max_completion_length,
+                    buffer=config.scoring.overlong_buffer, penalty=config.scoring.overlong_penalty)
+    reward_fns = [load_reward(name, **(overlong if name == "overlong" else {})) for name in config.scoring.rewards]
     if config.evaluation.eval_reward and eval_problems:
         load_reward(config.evaluation.eval_reward)
     return RunData(samples, eval_problems, identity, reward_fns)
@@ -197,14 +199,15 @@ def progress_bar(run: RunConfig, start_step: int, world, log):
 
 
 # ------------------------------------------------------------------------------------ the stages of a step
-def score(reward_fns: list, completions: list, samples: list, step: int, scoring: ScoringConfig,
-          group_size: int) -> tuple:
+def score(reward_fns: list, completions: list, completion_ids: list, samples: list, step: int,
+          scoring: ScoringConfig, group_size: int) -> tuple:
     """(rewards, advantages, reward statistics): the (B,) fp32 weighted rewards of the completions (the scoring
-    section's reward_weights), group_size consecutive ones per sample, and their group_advantages as the scoring
-    section says."""
+    section's reward_weights; each reward gets the `solution` and `completion_ids` columns, as in TRL), group_size
+    consecutive ones per sample, and their group_advantages as the scoring section says."""
     solutions = [s["solution"] for s in samples for _ in range(group_size)]
     try:
-        rewards = weighted_rewards(reward_fns, scoring.reward_weights, completions, solution=solutions)
+        rewards = weighted_rewards(reward_fns, scoring.reward_weights, completions, solution=solutions,
+                                   completion_ids=completion_ids)
     except (RuntimeError, TypeError, ValueError) as error:
         raise RunError(f"step {step + 1}: {error}") from error
     rewards = torch.tensor(rewards, dtype=torch.float32)
@@ -312,8 +315,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
             generation, rollout_info = rollouts.get(step)
             clock.lap("generation")           # with max_staleness > 0: the time the trainer waited for it
             completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
-            rewards, advantages, reward_stats = score(data.reward_fns, completions, step_samples, step,
-                                                      config.scoring, config.rollout.group_size)
+            rewards, advantages, reward_stats = score(data.reward_fns, completions, generation.token_ids(),
+                                                      step_samples, step, config.scoring, config.rollout.group_size)
             clock.lap("scoring")
             batch = update_batch(generation, advantages, policy, reference_policy, config.scoring, config.correction,
                                  config.optimization, config.batching, config.rollout.temperature, world)

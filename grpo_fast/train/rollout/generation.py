@@ -43,6 +43,11 @@ class Generation:
     kept_ids: Optional[torch.Tensor] = None
     kept_offsets: Optional[torch.Tensor] = None
 
+    def token_ids(self) -> list:
+        """Each row's sampled tokens (completion_ids on completion_mask) as a list of ints: a reward's
+        completion_ids column."""
+        return [ids[mask].tolist() for ids, mask in zip(self.completion_ids.cpu(), self.completion_mask.cpu())]
+
 
 def kept_csr(kept_sets: list, completion_length: int, pad_token_id: int) -> tuple:
     """(kept_ids, kept_offsets) over rows x completion_length positions from per-row (ids, sizes), sizes one per

@@ -43,8 +43,9 @@ def eval_due(steps_done: int, eval_every: int, max_steps: int) -> bool:
 
 
 def eval_reward(evaluation: EvaluationConfig, rewards: list) -> str:
-    """The reward an evaluation scores with: evaluation.eval_reward, else the first of the run's `rewards`."""
-    return evaluation.eval_reward or rewards[0]
+    """The reward an evaluation scores with: evaluation.eval_reward, else the first of the run's `rewards` that
+    scores answers (not the length penalty 'overlong')."""
+    return evaluation.eval_reward or next(name for name in rewards if name != "overlong")
 
 
 def evaluate(engine, samples: list, tokenizer, evaluation: EvaluationConfig, data: DataConfig, reward: str,

@@ -123,6 +123,29 @@ def repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0) ->
     return reward
 
 
+def soft_overlong_penalty(max_completion_length: int, buffer: int, penalty: float = 1.0) -> Callable:
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13) of each completion's token count n: 0 up to
+    max_completion_length - buffer, then falling linearly to -penalty at max_completion_length (and -penalty past
+    it), -penalty * clamp((n - (max_completion_length - buffer)) / buffer, 0, 1): long completions are discouraged
+    before the length cut them, rather than only masked once cut. TRL's get_soft_overlong_punishment(max_len,
+    buffer) with penalty 1, verl's reward_model.overlong_buffer (len = buffer, penalty_factor = penalty). Reads
+    the completion_ids column (token ids, as TRL passes them; the trainer does); the trainer's keys are
+    scoring.overlong_buffer and overlong_penalty."""
+    if not 0 < buffer <= max_completion_length:
+        raise ValueError(f"overlong_buffer must be in 1..max_completion_length ({max_completion_length}), got "
+                         f"{buffer!r}")
+    if not (math.isfinite(penalty) and penalty >= 0):
+        raise ValueError(f"overlong_penalty must be a finite number >= 0, got {penalty!r}")
+    start = max_completion_length - buffer
+
+    def reward(completions, completion_ids=None, **kwargs):
+        if completion_ids is None:
+            raise TypeError("overlong needs the completions' token ids (a completion_ids column)")
+        return [-penalty * min(1.0, max(0.0, (len(ids) - start) / buffer)) for ids in completion_ids]
+    reward.__name__ = "soft_overlong_penalty"
+    return reward
+
+
 REWARDS = {
     "accuracy": lambda **_: accuracy_reward,
     "exact_match": lambda **_: exact_match_reward,
@@ -132,6 +155,7 @@ REWARDS = {
     "length": lambda **_: length_reward,
     "cosine": lambda **options: cosine_scaled_reward(**options),
     "repetition_penalty": lambda **options: repetition_penalty_reward(**options),
+    "overlong": lambda **options: soft_overlong_penalty(**options),
 }
 
 

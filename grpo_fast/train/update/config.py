@@ -45,6 +45,11 @@ class ScoringConfig:
     scale_rewards: str = key("group", f"advantages divided by the reward std of: {one_of(SCALES)}", choices=SCALES)
     advantage_estimator: str = key("grpo", f"advantage baseline: {one_of(ESTIMATORS)}", choices=ESTIMATORS)
     mask_truncated_completions: bool = key(False, "completions cut at max_completion_length get no loss")
+    overlong_buffer: int = key(0, "the reward 'overlong' (DAPO's soft overlong penalty): over the last overlong_buffer "
+                                  "tokens before max_completion_length it falls linearly from 0 to -overlong_penalty; "
+                                  "0: off", NON_NEGATIVE)
+    overlong_penalty: float = key(1.0, "the reward 'overlong' at max_completion_length: -overlong_penalty",
+                                  NON_NEGATIVE)
 
     def __post_init__(self):
         check_keys(self)
@@ -56,6 +61,13 @@ class ScoringConfig:
             if len(self.reward_weights) != len(self.rewards):
                 raise ValueError(f"reward_weights must have one weight per reward ({len(self.rewards)}), "
                                  f"got {self.reward_weights}")
+        if self.rewards == ["overlong"]:
+            raise ValueError("rewards ['overlong'] has no reward for the answers: the length penalty is added to "
+                             "one (DAPO: accuracy), e.g. rewards: [accuracy, overlong]")
+        if ("overlong" in self.rewards) != (self.overlong_buffer > 0):
+            raise ValueError("the reward 'overlong' and overlong_buffer > 0 go together (overlong_buffer is the "
+                             f"length its penalty ramps over): rewards {self.rewards}, overlong_buffer "
+                             f"{self.overlong_buffer}")
 
 
 @dataclass
