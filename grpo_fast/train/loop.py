@@ -35,8 +35,9 @@ from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.distributed import DistributionConfig
 from grpo_fast.train.plan.fit import log_run_plan
 from grpo_fast.train.policy import PolicyConfig, frozen_reference, load_model
-from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, start_rollouts
+from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, rollout_seed, start_rollouts
 from grpo_fast.train.rollout.config import RolloutConfig
+from grpo_fast.train.rollout.generation import select_rows
 from grpo_fast.train.run import checkpoint, export, signals, tracking
 from grpo_fast.train.run.config import RunConfig
 from grpo_fast.train.run.errors import RunError
@@ -200,19 +201,74 @@ def progress_bar(run: RunConfig, start_step: int, world, log):
 
 # ------------------------------------------------------------------------------------ the stages of a step
 def score(reward_fns: list, completions: list, completion_ids: list, samples: list, step: int,
-          scoring: ScoringConfig, group_size: int) -> tuple:
-    """(rewards, advantages, reward statistics): the (B,) fp32 weighted rewards of the completions (the scoring
-    section's reward_weights; each reward gets the `solution` and `completion_ids` columns, as in TRL), group_size
-    consecutive ones per sample, and their group_advantages as the scoring section says."""
+          scoring: ScoringConfig, group_size: int) -> torch.Tensor:
+    """(B,) fp32 weighted rewards of the completions (the scoring section's reward_weights), group_size consecutive
+    ones per sample; each reward gets the `solution` and `completion_ids` columns, as in TRL."""
     solutions = [s["solution"] for s in samples for _ in range(group_size)]
     try:
         rewards = weighted_rewards(reward_fns, scoring.reward_weights, completions, solution=solutions,
                                    completion_ids=completion_ids)
     except (RuntimeError, TypeError, ValueError) as error:
         raise RunError(f"step {step + 1}: {error}") from error
-    rewards = torch.tensor(rewards, dtype=torch.float32)
-    return (rewards, *group_advantages(rewards, group_size, scale=scoring.scale_rewards,
-                                       estimator=scoring.advantage_estimator))
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def step_advantages(rewards: torch.Tensor, scoring: ScoringConfig, group_size: int) -> tuple:
+    """(advantages (B,), reward statistics) of a step's rewards: group_advantages as the scoring section says."""
+    return group_advantages(rewards, group_size, scale=scoring.scale_rewards, estimator=scoring.advantage_estimator)
+
+
+def informative(rewards: torch.Tensor, group_size: int) -> list:
+    """Per group of group_size consecutive rewards: whether they differ (at least two scored and not all equal),
+    so that its advantages, and its gradient, are not all zero."""
+    flags = []
+    for group in rewards.view(-1, group_size):
+        scored = group[torch.isfinite(group)]
+        flags.append(scored.numel() >= 2 and bool(scored.max() > scored.min()))
+    return flags
+
+
+def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring: ScoringConfig,
+                rollout: RolloutConfig, clock: StageClock, world) -> tuple:
+    """(samples, prompt texts, Generation, completions, rewards, info) of a step: its prompts' rollouts (info: the
+    rollouts' metrics), decoded and scored (clock: the generation and scoring laps).
+
+    With rollout.dynamic_sampling (DAPO), groups whose rewards are all equal are dropped and further training
+    prompts (share.extra) are sampled from the policy as it is, a round at a time, until every rank has its share
+    of prompts_per_step informative groups or max_sampling_rounds rounds are done (every rank runs as many rounds
+    as the neediest: a sharded policy generates in lockstep); a step that ends short is filled with dropped groups
+    (they add no policy gradient). info then has frac_filtered_groups (dropped / generated, over ranks) and
+    sampling_rounds."""
+    samples, prompts = share.at(step)
+    generation, info = rollouts.get(step)
+    clock.lap("generation")
+    wanted, group_size, pool = len(samples), rollout.group_size, []
+    while True:
+        completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
+        rewards = score(reward_fns, completions, generation.token_ids(), samples, step, scoring, group_size)
+        clock.lap("scoring")
+        if not rollout.dynamic_sampling:
+            return samples, prompts, generation, completions, rewards, info
+        pool.append((samples, prompts, generation, completions, rewards, informative(rewards, group_size)))
+        found = sum(sum(entry[5]) for entry in pool)
+        device = generation.input_ids.device
+        if len(pool) == rollout.max_sampling_rounds or not distributed.all_reduce_max(int(found < wanted), world,
+                                                                                        device):
+            break
+        samples, prompts = share.extra(step, len(pool))
+        generation = rollouts.generate(tasks.prompt_ids(prompts, tokenizer), n=group_size,
+                                       seed=rollout_seed(step, share.first_row, share.seed, len(pool)))
+        clock.lap("generation")
+    groups = [(index, group) for index, entry in enumerate(pool) for group in range(len(entry[0]))]
+    kept = [pick for pick in groups if pool[pick[0]][5][pick[1]]][:wanted]
+    kept = sorted(kept + [pick for pick in groups if not pool[pick[0]][5][pick[1]]][:wanted - len(kept)])
+    rows = [(index, group * group_size + row) for index, group in kept for row in range(group_size)]
+    totals = distributed.sum_over_ranks({"groups": float(len(groups)), "informative": float(found)}, world, device)
+    info.update(frac_filtered_groups=1.0 - totals["informative"] / totals["groups"], sampling_rounds=len(pool))
+    return ([pool[index][0][group] for index, group in kept], [pool[index][1][group] for index, group in kept],
+            select_rows([entry[2] for entry in pool], rows, tokenizer.pad_token_id),
+            [pool[index][3][row] for index, row in rows],
+            torch.stack([pool[index][4][row] for index, row in rows]), info)
 
 
 def count_bad_steps(updates: list, bad_steps: int, step: int, run: RunConfig, log) -> int:
@@ -310,14 +366,10 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     try:
         held_out.at_start(start_step, log)      # the model as GRPO starts, or an evaluation an interrupt cut
         for step in progress:
-            clock = StageClock()
-            step_samples, prompts = share.at(step)
-            generation, rollout_info = rollouts.get(step)
-            clock.lap("generation")           # with max_staleness > 0: the time the trainer waited for it
-            completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
-            rewards, advantages, reward_stats = score(data.reward_fns, completions, generation.token_ids(),
-                                                      step_samples, step, config.scoring, config.rollout.group_size)
-            clock.lap("scoring")
+            clock = StageClock()              # generation: with max_staleness > 0, the time the trainer waited
+            step_samples, prompts, generation, completions, rewards, rollout_info = sample_step(
+                step, share, rollouts, tokenizer, data.reward_fns, config.scoring, config.rollout, clock, world)
+            advantages, reward_stats = step_advantages(rewards, config.scoring, config.rollout.group_size)
             batch = update_batch(generation, advantages, policy, reference_policy, config.scoring, config.correction,
                                  config.optimization, config.batching, config.rollout.temperature, world)
             warn_single_token_kept_sets(batch, config.rollout, step, log)

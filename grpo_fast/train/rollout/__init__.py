@@ -26,10 +26,10 @@ __all__ = ["AheadRollouts", "EngineError", "EngineStartError", "Generation", "Ro
            "log_ignored_generation_settings", "rollout_seed", "start_rollouts"]
 
 
-def rollout_seed(step: int, first_row: int, seed: int) -> int:
+def rollout_seed(step: int, first_row: int, seed: int, round_: int = 0) -> int:
     """The sampling seed of a step's rollouts (one per prompt follows it) from the run's `seed`, so that a resume
-    redraws them."""
-    return seed * 1_000_003 + step * 997 + first_row
+    redraws them; round_: dynamic sampling's further rounds of the step (0: the step's own prompts)."""
+    return seed * 1_000_003 + step * 997 + first_row + round_ * 104_729
 
 
 class Rollouts:

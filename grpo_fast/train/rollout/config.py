@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_fast.fields import FRACTION, NON_NEGATIVE, POSITIVE, Rule, check_keys, key
+from grpo_fast.fields import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Rule, check_keys, key
 
 ENGINES = ("hf", "vllm")
 VLLM_DTYPES = ("auto", "float32", "bfloat16")
@@ -48,6 +48,12 @@ class RolloutConfig:
                         "reference, training) are over it; engine 'vllm' needs top_k > 0 then (it bounds the kept "
                         "sets vLLM returns)", NON_NEGATIVE)
     ignore_eos: bool = key(False, "sample all max_completion_length tokens of every completion (length tests)")
+    dynamic_sampling: bool = key(False, "DAPO's dynamic sampling: a group whose rewards are all equal (zero advantage, "
+                                        "no gradient) is dropped and more training prompts are sampled until the step "
+                                        "has prompts_per_step informative groups, or max_sampling_rounds rounds")
+    max_sampling_rounds: int = key(3, "with dynamic_sampling, the step's rounds of generation at most (the first "
+                                      "included); then the step trains on what it has, filled with dropped groups",
+                                   AT_LEAST_ONE)
     vllm_gpu_memory_utilization: float = key(0.3, "vLLM's share of the GPU memory, in (0, 1]", FRACTION)
     vllm_dtype: str = key("auto", '"auto" (bfloat16 on a GPU, and on a CPU that computes bf16 natively: AMX or '
                                   'AVX512-BF16; else float32), "float32" or "bfloat16": the vLLM engine\'s weights '

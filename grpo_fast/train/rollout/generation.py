@@ -49,6 +49,41 @@ class Generation:
         return [ids[mask].tolist() for ids, mask in zip(self.completion_ids.cpu(), self.completion_mask.cpu())]
 
 
+def unpack(generation: Generation) -> list:
+    """pack's inverse, row by row: (prompt ids, completion ids, truncated, sampling log-probs or None, kept set
+    (ids, sizes) or None) of each row, as lists."""
+    rows = []
+    prompt_length, columns = generation.prompt_length, generation.completion_ids.shape[1]
+    input_ids, mask = generation.input_ids.cpu(), generation.attention_mask.cpu()
+    logps = None if generation.sampling_logps is None else generation.sampling_logps.cpu()
+    offsets = None if generation.kept_offsets is None else generation.kept_offsets.cpu()
+    kept_ids = None if generation.kept_ids is None else generation.kept_ids.cpu()
+    for row in range(input_ids.shape[0]):
+        prompt = input_ids[row, :prompt_length][mask[row, :prompt_length]].tolist()
+        completion = input_ids[row, prompt_length:][mask[row, prompt_length:]].tolist()
+        length = len(completion)
+        kept = None
+        if offsets is not None:
+            first = row * columns
+            bounds = offsets[first:first + length + 1]
+            kept = (kept_ids[bounds[0]:bounds[-1]].tolist(), bounds.diff().tolist())
+        rows.append((prompt, completion, bool(generation.truncated[row]),
+                     None if logps is None else logps[row, :length].tolist(), kept))
+    return rows
+
+
+def select_rows(generations: list, picks: list, pad_token_id: int) -> Generation:
+    """One Generation of rows from several: picks, (index into generations, row) pairs, in order (the rows of
+    each are re-padded together, as pack pads them)."""
+    unpacked = {index: unpack(generations[index]) for index in {index for index, _ in picks}}
+    rows = [unpacked[index][row] for index, row in picks]
+    with_logps = all(row[3] is not None for row in rows)
+    with_kept = all(row[4] is not None for row in rows)
+    return pack([row[0] for row in rows], [row[1] for row in rows], [row[2] for row in rows], pad_token_id,
+                [row[3] for row in rows] if with_logps else None, generations[0].input_ids.device,
+                [row[4] for row in rows] if with_kept else None)
+
+
 def kept_csr(kept_sets: list, completion_length: int, pad_token_id: int) -> tuple:
     """(kept_ids, kept_offsets) over rows x completion_length positions from per-row (ids, sizes), sizes one per
     sampled token; the positions past a row's completion get {pad_token_id}, the token there."""

@@ -256,6 +256,15 @@ class StepShare:
         """The prompts of this share at `step` as token ids, one list per prompt."""
         return prompt_ids(self.at(step)[1], self.tokenizer)
 
+    def extra(self, step: int, round_: int) -> tuple:
+        """(samples, prompt texts): this share's count of further training prompts for round `round_` >= 1 of
+        `step` (dynamic sampling), drawn at random from the training samples by (seed, step, round, rank), so a
+        resumed run draws the same ones."""
+        count = self.prompts_per_step // self.world_size
+        rng = random.Random(f"extra-{self.seed}-{step}-{round_}-{self.rank}")
+        chosen = [self.samples[rng.randrange(len(self.samples))] for _ in range(count)]
+        return chosen, [prompt_text(sample, self.tokenizer, self.data) for sample in chosen]
+
 
 def prompt_text(sample: dict, tokenizer, data: DataConfig) -> str:
     """The text the policy is prompted with: the chat template (data.prompt_format "chat", or a prompt that is a

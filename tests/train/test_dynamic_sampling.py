@@ -1,0 +1,215 @@
+"""DAPO's dynamic sampling (rollout.dynamic_sampling, max_sampling_rounds): groups whose rewards are all equal are
+dropped and further training prompts sampled until the step has its informative groups, or the rounds run out
+(then it trains on what it has, filled with dropped groups); metrics.jsonl gains frac_filtered_groups and
+sampling_rounds. Checked on scripted rollouts (which groups are kept, in what order, from which prompts), on
+the trainer with both engines, a rollout process (max_staleness 1) and two processes, and across a resume."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from grpo_fast.train import loop as T  # noqa: E402
+from grpo_fast.train import tasks  # noqa: E402
+from grpo_fast.train.policy import train_tokenizer  # noqa: E402
+from grpo_fast.train.rollout.generation import pack, select_rows, unpack  # noqa: E402
+from grpo_fast.train.run import checkpoint  # noqa: E402
+from grpo_fast.train.run.record import StageClock  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import flat_config, free_port  # noqa: E402
+
+GENERATION_FIELDS = ("input_ids", "attention_mask", "completion_ids", "completion_mask", "truncated", "sampling_logps",
+                     "kept_ids", "kept_offsets")
+
+
+def ragged_generation(seed: int, rows: int = 4, kept: bool = True):
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 40, (int(n),), generator=generator).tolist()
+               for n in torch.randint(1, 6, (rows,), generator=generator)]
+    completions = [torch.randint(3, 40, (int(n),), generator=generator).tolist()
+                   for n in torch.randint(1, 7, (rows,), generator=generator)]
+    logps = [(-torch.rand(len(c), generator=generator)).tolist() for c in completions]
+    kept_sets = [(sum(([token, token + 1] for token in c), []), [2] * len(c)) for c in completions] if kept else None
+    return pack(prompts, completions, [len(c) == 6 for c in completions], 0, logps, kept_sets=kept_sets)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_rows_selected_from_several_generations_are_packed_as_if_generated_together(kept):
+    first, second = ragged_generation(0, kept=kept), ragged_generation(1, kept=kept)
+    whole = select_rows([first], [(0, row) for row in range(4)], pad_token_id=0)
+    for name in GENERATION_FIELDS:
+        want, got = getattr(first, name), getattr(whole, name)
+        assert (want is None and got is None) or torch.equal(got, want), name
+    picks = [(1, 2), (0, 0), (1, 0)]
+    mixed = select_rows([first, second], picks, pad_token_id=0)
+    rows = [unpack([first, second][index])[row] for index, row in picks]
+    assert unpack(mixed) == rows
+    assert rows[0][4] is None if not kept else rows[0][4][1] == [2] * len(rows[0][1])
+
+
+class ScriptedRollouts:
+    """Rollouts whose completion for a prompt is the answer for prompts in `right` and "x" otherwise, except that
+    the first completion of each group of a prompt in `mixed` is right: `right` groups all score 1, `mixed` ones
+    differ, the rest all score 0."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, group_size, right=(), mixed=()):
+        self.tokenizer, self.group_size, self.right, self.mixed = tokenizer, group_size, set(right), set(mixed)
+        self.calls = []
+
+    def _generation(self, prompt_ids, seed):
+        texts = [self.tokenizer.decode(ids) for ids in prompt_ids]
+        completions = []
+        for text in texts:
+            answer = str(eval(text.rstrip("=")))                    # noqa: S307 (our own "a+b=" prompts)
+            for sample in range(self.group_size):
+                good = text in self.right or (text in self.mixed and sample == 0)
+                completions.append(self.tokenizer(answer if good else "x")["input_ids"] +
+                                   [self.tokenizer.eos_token_id])
+        rows = [ids for ids in prompt_ids for _ in range(self.group_size)]
+        self.calls.append((texts, seed))
+        return pack(rows, completions, [False] * len(rows), self.tokenizer.pad_token_id)
+
+    def get(self, step):
+        return self._generation(self.share.ids(step), seed=step), {}
+
+    def generate(self, prompt_ids, seed, n=None):
+        assert n == self.group_size
+        return self._generation(prompt_ids, seed)
+
+
+def scripted(samples, right=(), mixed=(), rounds=3, dynamic=True, prompts_per_step=4, seed=0):
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples] + ["x"])
+    config = flat_config(dynamic_sampling=dynamic, max_sampling_rounds=rounds, group_size=3,
+                         prompts_per_step=prompts_per_step)
+    share = tasks.StepShare(samples, tokenizer, config.data, prompts_per_step, seed)
+    rollouts = ScriptedRollouts(tokenizer, 3, right, mixed)
+    rollouts.share = share
+    result = T.sample_step(0, share, rollouts, tokenizer, [helpers.counting_reward], config.scoring,
+                           config.rollout, StageClock(), T.distributed.World())
+    return share, rollouts, result
+
+
+def test_uninformative_groups_are_replaced_by_further_prompts_in_order():
+    samples = tasks.arithmetic_task(40, seed=1)
+    share = tasks.StepShare(samples, None, flat_config().data, 4, 0)
+    first = [s["prompt"] for s in share.at(0)[0]]
+    extra = [s["prompt"] for s in share.extra(0, 1)[0]]
+    # the step's own prompts: one mixed group (kept), two all right and one all wrong (dropped); the next round's
+    # prompts are all mixed: the first three fill the step
+    share, rollouts, (kept, prompts, generation, completions, rewards, info) = scripted(
+        samples, right=first[1:3], mixed=[first[0]] + extra)
+    assert [s["prompt"] for s in kept] == [first[0]] + extra[:3]
+    assert prompts == [tasks.prompt_text(s, share.tokenizer, share.data) for s in kept]
+    assert len(rollouts.calls) == 2 and rollouts.calls[1][0] == extra            # one further round, then enough
+    assert info == {"frac_filtered_groups": 3 / 8, "sampling_rounds": 2}
+    assert generation.completion_ids.shape[0] == 12 and len(completions) == 12
+    assert torch.equal(rewards, torch.tensor([1.0, 0, 0] * 4))
+    texts = share.tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
+    assert texts == completions
+    # the same draws again (a resumed run), and none of them a held-out problem
+    assert [s["prompt"] for s in scripted(samples, right=first[1:3], mixed=[first[0]] + extra)[2][0]] == \
+        [s["prompt"] for s in kept]
+
+
+def test_the_round_cap_trains_on_what_it_has_filled_with_dropped_groups():
+    samples = tasks.arithmetic_task(40, seed=1)
+    first = [s["prompt"] for s in tasks.StepShare(samples, None, flat_config().data, 4, 0).at(0)[0]]
+    _, rollouts, (kept, _, generation, _, rewards, info) = scripted(samples, mixed=[first[2]], rounds=2)
+    assert len(rollouts.calls) == 2 and info["sampling_rounds"] == 2
+    assert info["frac_filtered_groups"] == pytest.approx(7 / 8)
+    # the informative group first in draw order, then the earliest dropped ones: always prompts_per_step groups
+    assert [s["prompt"] for s in kept] == sorted([first[0], first[1], first[2], first[3]], key=first.index)
+    assert torch.equal(rewards.view(4, 3).amax(1), torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    off = scripted(samples, mixed=[first[2]], dynamic=False)
+    assert len(off[1].calls) == 1 and off[2][5] == {}                          # off: one round, no new metrics
+
+
+def test_held_out_problems_are_never_drawn():
+    config = flat_config(task="arithmetic", num_prompts=30, eval_fraction=0.5)
+    training, held_out = tasks.load_task(config.data, config.evaluation, config.run.seed)
+    share = tasks.StepShare(training, None, config.data, 8, 0)
+    drawn = {s["prompt"] for step in range(20) for round_ in (1, 2, 3) for s in share.extra(step, round_)[0]}
+    assert drawn <= {s["prompt"] for s in training} and not drawn & {s["prompt"] for s in held_out}
+
+
+RUN = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
+           eval_every=0, dynamic_sampling=True, max_sampling_rounds=3, rewards=["tests.helpers:counting_reward"])
+
+
+def test_a_run_logs_the_filter_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    captured, original = {}, checkpoint.save_checkpoint
+
+    def keep_model(output_dir, step, state, *args, **kwargs):
+        captured[output_dir] = state["model"]
+        return original(output_dir, step, state, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
+    helpers.CALLS.update(n=0, interrupt_at=None)
+    straight = T.train(flat_config(**RUN, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
+    calls = helpers.CALLS["n"]
+    assert calls > 4                                   # more scoring calls than steps: further rounds were drawn
+    assert all(0 <= r["frac_filtered_groups"] <= 1 and 1 <= r["sampling_rounds"] <= 3 for r in straight)
+    assert any(r["sampling_rounds"] > 1 for r in straight)
+    helpers.CALLS.update(n=0, interrupt_at=calls - 2)  # Ctrl-C while scoring in step 3 or 4
+    with pytest.raises(KeyboardInterrupt):
+        T.train(flat_config(**RUN, output_dir=str(tmp_path / "resumed")), log=lambda *_: None)
+    helpers.CALLS.update(interrupt_at=None)
+    T.train(flat_config(**RUN, output_dir=str(tmp_path / "resumed")), resume=True, log=lambda *_: None)
+    a, b = captured[str(tmp_path / "straight")], captured[str(tmp_path / "resumed")]
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    lines = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [(r["step"], r["reward"], r["frac_filtered_groups"], r["sampling_rounds"]) for r in lines] == \
+        [(r["step"], r["reward"], r["frac_filtered_groups"], r["sampling_rounds"]) for r in straight]
+
+
+def test_a_rollout_process_samples_the_further_rounds(tmp_path):
+    """max_staleness 1: the step's own rollouts come from the process a step ahead, the further rounds from it too
+    (blocking requests, from the newest weights); the importance correction weighs both."""
+    history = T.train(flat_config(**{**RUN, "max_steps": 3}, max_staleness=1, importance_sampling="token_truncate",
+                                  output_dir=str(tmp_path / "run")), log=lambda *_: None)
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert any(r["sampling_rounds"] > 1 for r in history) and all("staleness" in r for r in history)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_vllm_engine_samples_the_further_rounds(tmp_path):
+    code = f"""
+import json
+from grpo_fast.train.loop import train
+from tests.helpers import flat_config
+history = train(flat_config(**{{**{RUN!r}, "max_steps": 2}}, engine="vllm", output_dir={str(tmp_path / "run")!r}),
+                log=lambda *_: None)
+print("RESULT " + json.dumps([[r["sampling_rounds"], r["frac_filtered_groups"]] for r in history]))
+"""
+    env = {**os.environ, "PYTHONPATH": helpers.ROOT}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=helpers.ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout.split("RESULT ")[-1])
+    assert len(rows) == 2 and any(rounds > 1 for rounds, _ in rows)
+
+
+def test_two_processes_run_their_rounds_in_lockstep(tmp_path):
+    """torchrun, FSDP2: each rank draws its own further prompts, and every rank runs as many rounds as the
+    neediest (a sharded policy generates in lockstep: a rank that stopped early would hang the other)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "two"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "grpo_fast.cli", "train", "--sft-steps", "20", "--max-steps", "2",
+               "--group-size", "4", "--prompts-per-step", "4", "--log-completions", "0", "--eval-every", "0",
+               "--dynamic-sampling", "true", "--distributed", "fsdp2", "--output-dir", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and all(1 <= r["sampling_rounds"] <= 3 for r in rows)
