@@ -4,6 +4,7 @@ that name the key. The keys themselves are declared with grpo_fast.fields (`key`
 
 from __future__ import annotations
 
+import json
 import typing
 
 from grpo_fast.fields import base, type_name
@@ -26,6 +27,12 @@ def convert(name: str, text, kind, choices=None):
             return [convert(name, item, item_kind) for item in items]
         except ValueError:
             raise ValueError(f"config key {name!r} expects {type_name(kind)}, got {text!r}") from None
+    if kind is dict and isinstance(text, str):      # on the command line: JSON
+        try:
+            text = json.loads(text)
+        except ValueError:
+            raise ValueError(f"config key {name!r} expects a dict (JSON on the command line), got {text!r}") \
+                from None
     if isinstance(text, kind) and not (kind is not bool and isinstance(text, bool)):
         return text
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -53,6 +54,11 @@ class PolicyConfig:
     lora_dropout: float = key(0.0, "dropout on the LoRA adapters' input, in [0, 1)", UNIT_INTERVAL)
     lora_target_modules: list[str] = key(LORA_TARGETS, "names of the linear layers that get adapters "
                                                        "(comma-separated; never the LM head)")
+    rope_scaling: Optional[dict] = key(None, "RoPE scaling to run the model past its context, the transformers "
+                                             'dict (e.g. {"rope_type": "yarn", "factor": 2.0, '
+                                             '"original_max_position_embeddings": 8192}; rope_type yarn, linear or '
+                                             "dynamic): the trained model and both engines apply it alike, and the "
+                                             "context is max_position_embeddings x factor")
 
     def __post_init__(self):
         if isinstance(self.model, str):                  # a path: "~" is the home folder, as in a shell
@@ -70,6 +76,8 @@ class PolicyConfig:
             if importlib.util.find_spec("peft") is None:
                 raise ValueError(f"lora_rank={self.lora_rank} needs peft, which is not installed: pip install peft "
                                  "(or 'grpo-fast[train]'), or set lora_rank: 0")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -105,10 +113,42 @@ TINY_HIDDEN, TINY_LAYERS, TINY_HEADS, TINY_KV_HEADS = 128, 2, 4, 2     # the def
 TINY_VOCAB = 300                  # the trainer's tokenizer on the task: at most this many ids
 
 
+ROPE_TYPES = ("yarn", "linear", "dynamic")       # the scalings whose context is max_position_embeddings x factor
+
+
+def check_rope_scaling(rope_scaling: dict) -> None:
+    """Raises ValueError naming policy.rope_scaling unless it is a dict with a rope_type of ROPE_TYPES and a
+    finite factor >= 1."""
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    factor = rope_scaling.get("factor")
+    if kind not in ROPE_TYPES or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+            or not math.isfinite(factor) or factor < 1:
+        raise ValueError(f"rope_scaling must have a rope_type of {', '.join(ROPE_TYPES)} and a factor >= 1 "
+                         f"(policy.rope_scaling), got {rope_scaling!r}")
+
+
+def scaled_rope(model_config, rope_scaling: Optional[dict]) -> None:
+    """Applies `rope_scaling` (policy.rope_scaling) to a transformers config in place, over its own RoPE
+    parameters (rope_theta stays: transformers replaces the whole dict when given rope_scaling alone). YaRN's
+    max_position_embeddings becomes original_max_position_embeddings (default: the config's) x factor, the
+    convention transformers' YaRN and vLLM both assume; linear and dynamic keep it (vLLM multiplies it by the
+    factor). Applying it twice changes nothing. The trained model, the rollout process's copy and vLLM's
+    (through hf_overrides) all take it from here."""
+    if rope_scaling is None:
+        return
+    scaling = {("rope_type" if name == "type" else name): value for name, value in rope_scaling.items()}
+    merged = {**(getattr(model_config, "rope_parameters", None) or {}), **scaling}
+    if merged["rope_type"] == "yarn":
+        original = merged.setdefault("original_max_position_embeddings", model_config.max_position_embeddings)
+        model_config.max_position_embeddings = int(original * merged["factor"])
+    model_config.rope_parameters = merged
+
+
 def tiny_qwen2(vocab_size: int, *, hidden_size: int = TINY_HIDDEN, num_layers: int = TINY_LAYERS,
                num_heads: int = TINY_HEADS, num_kv_heads: int = TINY_KV_HEADS, max_positions: int = 1024,
-               seed: int = 0, eos_token_id=None, pad_token_id=None):
-    """A Qwen2ForCausalLM of a few hundred thousand parameters with tied embeddings, built from a config."""
+               seed: int = 0, eos_token_id=None, pad_token_id=None, rope_scaling: Optional[dict] = None):
+    """A Qwen2ForCausalLM of a few hundred thousand parameters with tied embeddings, built from a config (with
+    rope_scaling applied, see scaled_rope)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if hidden_size % num_heads or hidden_size // num_heads < 32:
@@ -118,6 +158,7 @@ def tiny_qwen2(vocab_size: int, *, hidden_size: int = TINY_HIDDEN, num_layers: i
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
                          tie_word_embeddings=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    scaled_rope(config, rope_scaling)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
@@ -135,9 +176,9 @@ def load_model(policy: PolicyConfig, samples: list, tokenizer=None, weights_dtyp
                                         vocab_size=TINY_VOCAB)
         model = tiny_qwen2(len(tokenizer), seed=seed, eos_token_id=tokenizer.eos_token_id,
                            max_positions=max(1024, max_completion_length + 1024),
-                           pad_token_id=tokenizer.pad_token_id).to(weights_dtype)
+                           pad_token_id=tokenizer.pad_token_id, rope_scaling=policy.rope_scaling).to(weights_dtype)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         source = pretrained.model_folder(policy.model)
         is_path = os.path.exists(source) or source.startswith(("/", ".", "~"))
@@ -150,7 +191,7 @@ def load_model(policy: PolicyConfig, samples: list, tokenizer=None, weights_dtyp
             raise ValueError(f"model {policy.model!r} is not a local folder and could not be loaded as a "
                              f"Hugging Face hub id: {str(error).splitlines()[0]}") from None
         check_causal_lm(source, policy.model)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype)
+        model = from_pretrained(source, weights_dtype, policy.rope_scaling)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
@@ -158,6 +199,16 @@ def load_model(policy: PolicyConfig, samples: list, tokenizer=None, weights_dtyp
                          f"template: set prompt_format: plain, or give the tokenizer a chat_template")
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def from_pretrained(source: str, weights_dtype, rope_scaling: Optional[dict] = None):
+    """AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype), its config given rope_scaling (see
+    scaled_rope): the trainer's model and the rollout process's copy load so."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_config = AutoConfig.from_pretrained(source)
+    scaled_rope(model_config, rope_scaling)
+    return AutoModelForCausalLM.from_pretrained(source, config=model_config, dtype=weights_dtype)
 
 
 def check_causal_lm(source: str, name: str) -> None:

@@ -171,7 +171,8 @@ def test_a_tokenizer_without_a_chat_template_under_chat_is_one_line(tmp_path):
 
 
 def test_a_prompt_beyond_the_real_models_context_is_one_line(folder, tmp_path):
-    with pytest.raises(ValueError, match=r"beyond the model's context of 8192 \(max_position_embeddings\)"):
+    with pytest.raises(ValueError, match=r"beyond the model's context of 8192 \(max_position_embeddings; "
+                                         r"policy.rope_scaling extends it\)"):
         train(flat_config(model=pretrained.SMOLLM2, prompt_format="chat", max_completion_length=8190,
                           output_dir=str(tmp_path / "run")), log=lambda *_: None)
     assert not os.path.exists(tmp_path / "run")

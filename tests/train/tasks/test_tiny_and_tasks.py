@@ -103,7 +103,8 @@ def test_prompt_and_completion_must_fit_the_models_context():
     tasks.check_context(5000, 5000, SimpleNamespace())                                   # no limit known
     with pytest.raises(ValueError, match=r"^the longest prompt \(1000 tokens\) plus max_completion_length \(25\) "
                                          r"is 1025 tokens, beyond the model's context of 1024 "
-                                         r"\(max_position_embeddings\): set max_completion_length to at most 24, or "
+                                         r"\(max_position_embeddings; policy.rope_scaling extends it\): set "
+                                         r"max_completion_length to at most 24, or "
                                          r"shorten the prompts$"):
         tasks.check_context(1000, 25, SimpleNamespace(max_position_embeddings=1024))
     with pytest.raises(ValueError, match=r"1030 tokens, .*: shorten the prompts"):
