@@ -37,7 +37,7 @@ from grpo_fast.fields import Rule, hints, one_of, type_name
 from grpo_fast.train import keys
 from grpo_fast.train.distributed import DistributionConfig
 from grpo_fast.train.policy import PolicyConfig
-from grpo_fast.train.rollout.config import RolloutConfig
+from grpo_fast.train.rollout.config import RolloutConfig, length_stages
 from grpo_fast.train.run.config import EvaluationConfig, RunConfig
 from grpo_fast.train.tasks.config import TASKS, DataConfig, check_split
 from grpo_fast.train.update.config import (
@@ -193,9 +193,10 @@ def _check_across_sections(config: TrainConfig) -> None:
     if config.evaluation.eval_reward == "overlong":
         raise ValueError("eval_reward 'overlong' scores lengths, not answers: name a reward that scores the answer "
                          "(accuracy, exact_match, ...) or leave it unset")
-    if config.scoring.overlong_buffer > config.rollout.max_completion_length:
+    shortest = min(length for _, length in config.rollout.stages())
+    if config.scoring.overlong_buffer > shortest:
         raise ValueError(f"overlong_buffer ({config.scoring.overlong_buffer}) must be at most max_completion_length "
-                         f"({config.rollout.max_completion_length}): the penalty ramps over the last tokens before it")
+                         f"({shortest}, of its shortest stage): the penalty ramps over the last tokens before it")
 
 
 def _unknown(names: list) -> ValueError:
@@ -240,6 +241,8 @@ def _build(placed: dict, convert: bool) -> TrainConfig:
         if convert:
             for item, value in values.items():
                 key = KEYS[NAMES[section, item]]
+                if (section, item) == ("rollout", "max_completion_length") and length_stages(value) is not None:
+                    continue                            # a schedule: RolloutConfig reads it
                 values[item] = keys.convert(key.name, value, key.kind, key.choices)
         if section == "loss":
             sections[section] = _loss_section(values, sections["rollout"].max_completion_length)

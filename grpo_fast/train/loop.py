@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -201,13 +202,15 @@ def progress_bar(run: RunConfig, start_step: int, world, log):
 
 # ------------------------------------------------------------------------------------ the stages of a step
 def score(reward_fns: list, completions: list, completion_ids: list, samples: list, step: int,
-          scoring: ScoringConfig, group_size: int) -> torch.Tensor:
+          scoring: ScoringConfig, group_size: int, max_tokens: Optional[int] = None) -> torch.Tensor:
     """(B,) fp32 weighted rewards of the completions (the scoring section's reward_weights), group_size consecutive
-    ones per sample; each reward gets the `solution` and `completion_ids` columns, as in TRL."""
+    ones per sample; each reward gets the `solution` and `completion_ids` columns, as in TRL, and with max_tokens
+    (the step's completion budget) a `max_completion_length` column."""
     solutions = [s["solution"] for s in samples for _ in range(group_size)]
+    columns = {} if max_tokens is None else {"max_completion_length": [max_tokens] * len(completions)}
     try:
         rewards = weighted_rewards(reward_fns, scoring.reward_weights, completions, solution=solutions,
-                                   completion_ids=completion_ids)
+                                   completion_ids=completion_ids, **columns)
     except (RuntimeError, TypeError, ValueError) as error:
         raise RunError(f"step {step + 1}: {error}") from error
     return torch.tensor(rewards, dtype=torch.float32)
@@ -242,10 +245,11 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
     samples, prompts = share.at(step)
     generation, info = rollouts.get(step)
     clock.lap("generation")
-    wanted, group_size, pool = len(samples), rollout.group_size, []
+    wanted, group_size, pool, max_tokens = len(samples), rollout.group_size, [], rollout.completion_length_at(step)
     while True:
         completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
-        rewards = score(reward_fns, completions, generation.token_ids(), samples, step, scoring, group_size)
+        rewards = score(reward_fns, completions, generation.token_ids(), samples, step, scoring, group_size,
+                        max_tokens)
         clock.lap("scoring")
         if not rollout.dynamic_sampling:
             return samples, prompts, generation, completions, rewards, info
@@ -256,7 +260,7 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
                                                                                         device):
             break
         samples, prompts = share.extra(step, len(pool))
-        generation = rollouts.generate(tasks.prompt_ids(prompts, tokenizer), n=group_size,
+        generation = rollouts.generate(tasks.prompt_ids(prompts, tokenizer), n=group_size, max_tokens=max_tokens,
                                        seed=rollout_seed(step, share.first_row, share.seed, len(pool)))
         clock.lap("generation")
     groups = [(index, group) for index, entry in enumerate(pool) for group in range(len(entry[0]))]
@@ -297,6 +301,22 @@ def warn_single_token_kept_sets(batch, rollout: RolloutConfig, step: int, log) -
         log(f"warning: step 1: every sampled token's kept set is that token alone (top_p {rollout.top_p}, "
             f"top_k {rollout.top_k}): over it each log-prob is 0, so the loss and its gradient are exactly 0 "
             f"and nothing is learned; raise top_p (or top_k)")
+
+
+def stage_loss(loss: LossConfig, rollout: RolloutConfig, step: int, log) -> LossConfig:
+    """The loss section of `step` under completion_length_stages: the dr_grpo normalizer follows the stage's
+    length (unless loss.max_completion_length was set to another); one line when a stage begins."""
+    stages = rollout.stages()
+    if len(stages) == 1:
+        return loss
+    length = rollout.completion_length_at(step)
+    starts = [start for start, _ in stages]
+    if step in starts:
+        log(f"step {step + 1}: completions of up to {length} tokens from here (stage {starts.index(step) + 1} of "
+            f"{len(stages)})")
+    if loss.max_completion_length != rollout.max_completion_length:
+        return loss
+    return dataclasses.replace(loss, max_completion_length=length)
 
 
 def update_policy(policy: Policy, optimizer, scheduler, batch, loss: LossConfig, batching: BatchingConfig,
@@ -374,7 +394,8 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                                  config.optimization, config.batching, config.rollout.temperature, world)
             warn_single_token_kept_sets(batch, config.rollout, step, log)
             with signals.interrupts_deferred():   # from the first optimizer step to the step's records: whole
-                updates, lr = update_policy(policy, optimizer, scheduler, batch, config.loss, config.batching,
+                updates, lr = update_policy(policy, optimizer, scheduler, batch,
+                                            stage_loss(config.loss, config.rollout, step, log), config.batching,
                                             config.optimization, config.rollout.temperature, world)
                 bad_steps = count_bad_steps(updates, bad_steps, step, config.run, log)
                 clock.lap("update")

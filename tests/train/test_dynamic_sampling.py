@@ -80,7 +80,7 @@ class ScriptedRollouts:
     def get(self, step):
         return self._generation(self.share.ids(step), seed=step), {}
 
-    def generate(self, prompt_ids, seed, n=None):
+    def generate(self, prompt_ids, seed, n=None, max_tokens=None):
         assert n == self.group_size
         return self._generation(prompt_ids, seed)
 

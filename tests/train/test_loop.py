@@ -188,7 +188,7 @@ def test_resume_keeps_the_kl_reference(tmp_path):
 def test_a_crashed_rollout_names_the_step_and_prompts(tmp_path, monkeypatch):
     from grpo_fast.train.rollout import engines
 
-    def crash(self, prompt_ids, seed, n=None):
+    def crash(self, prompt_ids, seed, n=None, max_tokens=None):
         raise MemoryError("out of KV cache")
 
     monkeypatch.setattr(engines.HFEngine, "generate", crash)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from grpo_fast.train.config import load_config
 from grpo_fast.train.plan.fit import training_job, training_shape
@@ -12,12 +12,14 @@ from grpo_fast.train.plan.memory import (
     ATTENTIONS,
     DTYPES,
     ENGINES,
+    GIB,
     LOSSES,
     OPTIMIZERS,
     PRESETS,
     Job,
     JobValueError,
     load_shape,
+    plan,
 )
 from grpo_fast.train.plan.report import format_report, report
 
@@ -65,8 +67,13 @@ def main(args) -> int:
             config = load_config(args.model)
             config.rollout.check_for_training()
             shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
-            result = report(args.model, shape, job)
+            result = report(args.model, shape, job)       # the largest stage of completion_length_stages
             print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
+            stages = config.rollout.stages()
+            for start, length in stages if len(stages) > 1 and not args.json else []:
+                staged = plan(shape, replace(job, completion_length=length))
+                print(f"stage from step {start + 1}: completions of up to {length} tokens, training peak "
+                      f"{staged['total'] / GIB:.2f} GiB")
             return 0
         shape = load_shape(args.model)
         job = Job(prompt_length=args.prompt_length, completion_length=args.completion_length,

@@ -4,6 +4,7 @@ that makes a job fit a card (fit_advice), and the plan the trainer logs before i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -102,9 +103,14 @@ def log_run_plan(config, samples: list, device, log) -> None:
     except ValueError:                            # a hub id that matches no preset: nothing to plan from
         return
     prompt_bytes = max(len((tasks.problem_key(s) + (config.data.system_prompt or "")).encode()) for s in samples) + 64
-    job = training_job(config, prompt_bytes, device.type)
+    job = training_job(config, prompt_bytes, device.type)        # sized by the largest stage
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     log(f"memory plan (grpo-fast plan for the table): {summary(plan(shape, job, capacity))}")
+    stages = config.rollout.stages()
+    for start, length in stages if len(stages) > 1 else []:     # a line per completion_length_stages stage
+        staged = plan(shape, dataclasses.replace(job, completion_length=length), capacity)
+        log(f"  stage from step {start + 1}: completions of up to {length} tokens, peak "
+            f"{staged['total'] / GIB:.2f} GiB")
     if device.type == "cuda":
         advice = fit_advice(config, shape, prompt_bytes, capacity)
         if advice:

@@ -52,7 +52,7 @@ class Rollouts:
         prompt_ids = self.share.ids(step)
         try:
             seed = rollout_seed(step, self.share.first_row, self.share.seed)
-            generation = self.engine.generate(prompt_ids, seed=seed)
+            generation = self.engine.generate(prompt_ids, seed=seed, max_tokens=self.rollout.completion_length_at(step))
         except Exception as error:
             texts = [text[:60] for text in self.share.at(step)[1]]
             raise EngineError(f"the {self.name} engine failed to generate for prompts {texts}: "
@@ -63,9 +63,10 @@ class Rollouts:
         """The policy after step `step`'s update, into the engine (nothing to do for HF on the policy itself)."""
         self.engine.sync_weights(model)
 
-    def generate(self, prompt_ids: list, seed: int, n=None) -> Generation:
-        """n completions of each prompt (default group_size) from the current policy: the evaluation's."""
-        return self.engine.generate(prompt_ids, seed=seed, n=n)
+    def generate(self, prompt_ids: list, seed: int, n=None, max_tokens=None) -> Generation:
+        """n completions of each prompt (default group_size, of at most max_tokens, default max_completion_length)
+        from the current policy: the evaluation's, and dynamic sampling's further rounds."""
+        return self.engine.generate(prompt_ids, seed=seed, n=n, max_tokens=max_tokens)
 
     def close(self) -> None:
         """Nothing to stop in this process."""
@@ -85,7 +86,7 @@ class AheadRollouts(Rollouts):
     def _submit(self, step: int) -> None:
         if step < self.max_steps:
             seed = rollout_seed(step, self.share.first_row, self.share.seed)
-            self.engine.submit(step, self.share.ids(step), seed)
+            self.engine.submit(step, self.share.ids(step), seed, self.rollout.completion_length_at(step))
 
     def get(self, step: int) -> tuple[Generation, dict]:
         """(Generation, info): info has the policy version it was sampled from, its staleness, the engine's

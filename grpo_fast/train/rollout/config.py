@@ -26,6 +26,28 @@ def check_sampling(engine: str, top_k: int, top_p: float, training: bool = True)
                          "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
 
 
+def length_stages(value):
+    """[(from step, length)] of a length schedule: "0:8192,200:16384", {0: 8192, 200: 16384} or [[0, 8192], ...],
+    sorted by step; None for a single length (an int, or text without ":"). Raises ValueError naming the key."""
+    try:
+        if isinstance(value, dict):
+            pairs = [(int(step), int(length)) for step, length in value.items()]
+        elif isinstance(value, (list, tuple)):
+            pairs = [(int(step), int(length)) for step, length in value]
+        elif isinstance(value, str) and ":" in value:
+            pairs = [tuple(int(part) for part in item.split(":")) for item in value.split(",") if item.strip()]
+            if any(len(pair) != 2 for pair in pairs):
+                raise ValueError
+        else:
+            return None
+    except (TypeError, ValueError):
+        raise ValueError(f"max_completion_length / completion_length_stages: a schedule is FROM_STEP:LENGTH,... "
+                         f"(e.g. 0:8192,200:16384), got {value!r}") from None
+    if not pairs:
+        raise ValueError(f"completion_length_stages: no stage in {value!r}")
+    return sorted(pairs)
+
+
 @dataclass
 class RolloutConfig:
     """The config section `rollout`. vLLM samples with its own numerics: the `correction` section weighs each
@@ -40,7 +62,14 @@ class RolloutConfig:
                           Rule(">= 2 (advantages compare completions)", lambda v: v >= 2))
     prompts_per_step: int = key(16, "prompts per step, split across processes", POSITIVE)
     max_completion_length: int = key(6, "tokens sampled per completion at most (and the dr_grpo normalizer unless "
-                                        "loss.max_completion_length is set)", POSITIVE)
+                                        "loss.max_completion_length is set); a schedule FROM_STEP:LENGTH,... (YAML: "
+                                        "{0: 8192, 200: 16384}) sets completion_length_stages and the largest "
+                                        "length here", POSITIVE)
+    completion_length_stages: list[str] = key([], "the completion budget grown in stages, FROM_STEP:LENGTH each "
+                                                  "(0:8192,200:16384: the first from step 0, then later steps, the "
+                                                  "last length max_completion_length): each step samples up to its "
+                                                  "stage's length; the context, vLLM and the planner are sized by "
+                                                  "the largest")
     temperature: float = key(1.0, "sampling temperature", POSITIVE)
     top_p: float = key(1.0, "nucleus sampling probability mass, in (0, 1]", FRACTION)
     top_k: int = key(0, "sample among the top_k most likely tokens (0: every token), before top_p. With top_k > 0 "
@@ -61,8 +90,30 @@ class RolloutConfig:
                           choices=VLLM_DTYPES)
 
     def __post_init__(self):
+        stages = length_stages(self.max_completion_length)
+        if stages is not None:                          # max_completion_length given as a schedule
+            self.completion_length_stages = [f"{step}:{length}" for step, length in stages]
+            self.max_completion_length = max(length for _, length in stages)
         check_keys(self)
         check_sampling(self.engine, self.top_k, self.top_p, training=False)
+        if self.completion_length_stages:
+            stages = length_stages(",".join(self.completion_length_stages))
+            if stages[0][0] != 0 or any(later[0] <= earlier[0] for earlier, later in zip(stages, stages[1:])) \
+                    or any(length <= 0 for _, length in stages):
+                raise ValueError(f"completion_length_stages must start at step 0, with later steps after and "
+                                 f"positive lengths, got {self.completion_length_stages}")
+            largest = max(length for _, length in stages)
+            if largest != self.max_completion_length:
+                raise ValueError(f"completion_length_stages' largest length ({largest}) must be "
+                                 f"max_completion_length ({self.max_completion_length})")
+
+    def stages(self) -> list:
+        """[(from step, length)] of completion_length_stages, or [(0, max_completion_length)]."""
+        return length_stages(",".join(self.completion_length_stages)) or [(0, self.max_completion_length)]
+
+    def completion_length_at(self, step: int) -> int:
+        """The completion budget of the (0-based) `step`: its stage's length."""
+        return [length for start, length in self.stages() if start <= step][-1]
 
     def check_for_training(self) -> None:
         """The sampling a training job may use (`check_sampling`): `grpo-fast train` and `grpo-fast plan` call it;

@@ -61,13 +61,15 @@ class HFEngine:
         self.sampling_logps = sampling_logps
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
-        """n completions of each prompt (default group_size), n consecutive rows per prompt; with
+    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None,
+                 max_tokens: Optional[int] = None) -> Generation:
+        """n completions of each prompt (default group_size) of at most max_tokens tokens (default
+        max_completion_length: a staged run's step passes its stage's), n consecutive rows per prompt; with
         sampling_logps, each sampled token's log-prob under the generating weights (full vocabulary, at the
         temperature: the trainer's definition), for a policy that is not the one being trained (a rollout
         process's copy)."""
         rollout, tokenizer = self.rollout, self.tokenizer
-        n = n or rollout.group_size
+        n, max_tokens = n or rollout.group_size, max_tokens or rollout.max_completion_length
         device = next(self.model.parameters()).device
         longest = max(map(len, prompt_ids))
         pad = tokenizer.pad_token_id
@@ -82,9 +84,9 @@ class HFEngine:
             with attention.sdpa_while_generating(self.model), trainer_sampling_only(self.model):
                 output = self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
-                    temperature=None, top_p=None, top_k=None, max_new_tokens=rollout.max_completion_length,
+                    temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
                     use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
-                    min_new_tokens=rollout.max_completion_length if rollout.ignore_eos else 0,
+                    min_new_tokens=max_tokens if rollout.ignore_eos else 0,
                     synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
                     return_dict_in_generate=True)
         finally:
@@ -318,14 +320,15 @@ class VLLMEngine:
         self.device = device
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
-    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None) -> Generation:
+    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None,
+                 max_tokens: Optional[int] = None) -> Generation:
         """As HFEngine.generate, with the engine's log-prob of each sampled token."""
         from vllm import SamplingParams
 
         rollout = self.rollout
         kept_source = self.kept_source if rollout.truncates_sampling else None
         params = [SamplingParams(n=n or rollout.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
-                                 top_k=rollout.top_k, max_tokens=rollout.max_completion_length,
+                                 top_k=rollout.top_k, max_tokens=max_tokens or rollout.max_completion_length,
                                  logprobs=min(rollout.top_k, self.vocab_size) if kept_source == "logprobs" else 0,
                                  seed=seed + index,
                                  detokenize=False, ignore_eos=rollout.ignore_eos)

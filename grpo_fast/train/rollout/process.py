@@ -140,8 +140,8 @@ def serve(requests, results, spec: dict) -> None:
                 continue
             waited = time.perf_counter() - idle_since
             started = time.perf_counter()
-            prompt_ids, seed, n = message[2:]
-            generation = engine.generate(prompt_ids, seed=seed, n=n)
+            prompt_ids, seed, n, max_tokens = message[2:]
+            generation = engine.generate(prompt_ids, seed=seed, n=n, max_tokens=max_tokens)
             idle_since = time.perf_counter()
             send(("generation", request, version, generation, idle_since - started, waited))
     except Exception as error:   # noqa: BLE001 -- sent whole to the trainer, which names the step
@@ -275,10 +275,10 @@ class RolloutProcess:
         weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in engine_weights(model).items()}
         self.requests.put((WEIGHTS, self.version, weights))
 
-    def submit(self, step: int, prompt_ids: list, seed: int) -> None:
+    def submit(self, step: int, prompt_ids: list, seed: int, max_tokens: Optional[int] = None) -> None:
         """Ask for step `step`'s rollout (group_size completions per prompt) from the weights pushed last."""
         self._check_alive(step)
-        self.requests.put((GENERATE, step, prompt_ids, seed, None))
+        self.requests.put((GENERATE, step, prompt_ids, seed, None, max_tokens))
 
     def take(self, step: int):
         """(Generation, info) of a submitted step, waiting for it: info has the policy version it was sampled
@@ -287,12 +287,12 @@ class RolloutProcess:
         return generation, {"policy_version": version, "engine_generation_seconds": seconds,
                             "engine_idle_seconds": idle}
 
-    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None):
+    def generate(self, prompt_ids: list, seed: int, n: Optional[int] = None, max_tokens: Optional[int] = None):
         """As the in-process engines' generate: a blocking request, served after those sent before it."""
         self._check_alive("evaluation")
         self.eval_requests += 1
         request = f"eval-{self.eval_requests}"
-        self.requests.put((GENERATE, request, prompt_ids, seed, n))
+        self.requests.put((GENERATE, request, prompt_ids, seed, n, max_tokens))
         return self._wait_for(lambda: request in self.done, request).pop(request)[3]
 
     # ------------------------------------------------------------------------------------------- plumbing

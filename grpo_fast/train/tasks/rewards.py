@@ -138,10 +138,14 @@ def soft_overlong_penalty(max_completion_length: int, buffer: int, penalty: floa
         raise ValueError(f"overlong_penalty must be a finite number >= 0, got {penalty!r}")
     start = max_completion_length - buffer
 
-    def reward(completions, completion_ids=None, **kwargs):
+    def reward(completions, completion_ids=None, max_completion_length=None, **kwargs):
         if completion_ids is None:
             raise TypeError("overlong needs the completions' token ids (a completion_ids column)")
-        return [-penalty * min(1.0, max(0.0, (len(ids) - start) / buffer)) for ids in completion_ids]
+        # a staged run's step passes its own budget (a max_completion_length column): the ramp ends there
+        starts = [start] * len(completion_ids) if max_completion_length is None else \
+            [length - buffer for length in max_completion_length]
+        return [-penalty * min(1.0, max(0.0, (len(ids) - first) / buffer))
+                for ids, first in zip(completion_ids, starts)]
     reward.__name__ = "soft_overlong_penalty"
     return reward
 
