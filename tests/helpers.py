@@ -256,6 +256,21 @@ def logprob_sections(config) -> tuple:
 CALLS = {"n": 0, "interrupt_at": None}
 
 
+def saved_models(monkeypatch) -> dict:
+    """{output_dir: the model state its last checkpoint saved}, filled for the rest of the test (a resumed run's
+    weights against an uninterrupted one's)."""
+    from grpo_fast.train.run import checkpoint
+
+    captured, original = {}, checkpoint.save_checkpoint
+
+    def keep_model(output_dir, step, state, *args, **kwargs):
+        captured[output_dir] = state["model"]
+        return original(output_dir, step, state, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
+    return captured
+
+
 def counting_reward(completions, solution, **kwargs):
     CALLS["n"] += 1
     if CALLS["interrupt_at"] is not None and CALLS["n"] == CALLS["interrupt_at"]:

@@ -19,7 +19,6 @@ from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train import tasks  # noqa: E402
 from grpo_fast.train.policy import train_tokenizer  # noqa: E402
 from grpo_fast.train.rollout.generation import pack, select_rows, unpack  # noqa: E402
-from grpo_fast.train.run import checkpoint  # noqa: E402
 from grpo_fast.train.run.record import StageClock  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import flat_config, free_port  # noqa: E402
@@ -145,13 +144,7 @@ RUN = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_st
 
 
 def test_a_run_logs_the_filter_and_resumes_bit_for_bit(tmp_path, monkeypatch):
-    captured, original = {}, checkpoint.save_checkpoint
-
-    def keep_model(output_dir, step, state, *args, **kwargs):
-        captured[output_dir] = state["model"]
-        return original(output_dir, step, state, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
+    captured = helpers.saved_models(monkeypatch)
     helpers.CALLS.update(n=0, interrupt_at=None)
     straight = T.train(flat_config(**RUN, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
     calls = helpers.CALLS["n"]

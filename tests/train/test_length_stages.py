@@ -16,7 +16,6 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.config import load_config, parse_overrides  # noqa: E402
-from grpo_fast.train.run import checkpoint  # noqa: E402
 from grpo_fast.train.tasks.rewards import soft_overlong_penalty  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import flat_config  # noqa: E402
@@ -96,13 +95,7 @@ def test_each_step_samples_up_to_its_stages_length(tmp_path, staleness):
 def test_a_resume_at_or_across_a_stage_boundary_is_the_uninterrupted_run(tmp_path, monkeypatch, interrupt_at):
     """Ctrl-C while scoring step 2 (resumed from step 1: it crosses the boundary) or step 3 (resumed from
     checkpoint-2: it starts at the boundary); weights and metrics equal the uninterrupted run's."""
-    captured, original = {}, checkpoint.save_checkpoint
-
-    def keep_model(output_dir, step, state, *args, **kwargs):
-        captured[output_dir] = state["model"]
-        return original(output_dir, step, state, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
+    captured = helpers.saved_models(monkeypatch)
     options = {**RUN, "ignore_eos": False}
     helpers.CALLS.update(n=0, interrupt_at=None)
     straight = T.train(flat_config(**options, output_dir=str(tmp_path / "straight")), log=lambda *_: None)

@@ -53,14 +53,7 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch, mem
     if memory == "bf16-adamw8bit":
         pytest.importorskip("torchao")
     options = {**FAST, **MEMORY[memory]}
-    captured = {}
-    original = checkpoint.save_checkpoint
-
-    def keep_model(output_dir, step, state, *args, **kwargs):
-        captured[output_dir] = state["model"]
-        return original(output_dir, step, state, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", keep_model)
+    captured = helpers.saved_models(monkeypatch)
     helpers.CALLS.update(n=0, interrupt_at=None)
     straight = T.train(flat_config(**options, output_dir=str(tmp_path / "straight")), log=lambda *_: None)
     helpers.CALLS.update(n=0, interrupt_at=3)          # Ctrl-C while scoring step 3
