@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -231,6 +231,17 @@ def informative(rewards: torch.Tensor, group_size: int) -> list:
     return flags
 
 
+class Round(NamedTuple):
+    """One round of a step's rollouts under dynamic sampling: group_size rows per sample, scored."""
+
+    samples: list
+    prompts: list
+    generation: object
+    completions: list
+    rewards: torch.Tensor
+    informative: list          # per group: its rewards differ
+
+
 def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring: ScoringConfig,
                 rollout: RolloutConfig, clock: StageClock, world) -> tuple:
     """(samples, prompt texts, Generation, completions, rewards, info) of a step: its prompts' rollouts (info: the
@@ -253,8 +264,8 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
         clock.lap("scoring")
         if not rollout.dynamic_sampling:
             return samples, prompts, generation, completions, rewards, info
-        pool.append((samples, prompts, generation, completions, rewards, informative(rewards, group_size)))
-        found = sum(sum(entry[5]) for entry in pool)
+        pool.append(Round(samples, prompts, generation, completions, rewards, informative(rewards, group_size)))
+        found = sum(sum(entry.informative) for entry in pool)
         device = generation.input_ids.device
         if len(pool) == rollout.max_sampling_rounds or not distributed.all_reduce_max(int(found < wanted), world,
                                                                                         device):
@@ -263,16 +274,19 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
         generation = rollouts.generate(tasks.prompt_ids(prompts, tokenizer), n=group_size, max_tokens=max_tokens,
                                        seed=rollout_seed(step, share.first_row, share.seed, len(pool)))
         clock.lap("generation")
-    groups = [(index, group) for index, entry in enumerate(pool) for group in range(len(entry[0]))]
-    kept = [pick for pick in groups if pool[pick[0]][5][pick[1]]][:wanted]
-    kept = sorted(kept + [pick for pick in groups if not pool[pick[0]][5][pick[1]]][:wanted - len(kept)])
+    # informative groups first (in draw order), filled with the earliest dropped ones; then in draw order
+    groups = [(index, group) for index, entry in enumerate(pool) for group in range(len(entry.samples))]
+    kept = [(index, group) for index, group in groups if pool[index].informative[group]][:wanted]
+    kept = sorted(kept + [(index, group) for index, group in groups
+                          if not pool[index].informative[group]][:wanted - len(kept)])
     rows = [(index, group * group_size + row) for index, group in kept for row in range(group_size)]
     totals = distributed.sum_over_ranks({"groups": float(len(groups)), "informative": float(found)}, world, device)
     info.update(frac_filtered_groups=1.0 - totals["informative"] / totals["groups"], sampling_rounds=len(pool))
-    return ([pool[index][0][group] for index, group in kept], [pool[index][1][group] for index, group in kept],
-            select_rows([entry[2] for entry in pool], rows, tokenizer.pad_token_id),
-            [pool[index][3][row] for index, row in rows],
-            torch.stack([pool[index][4][row] for index, row in rows]), info)
+    return ([pool[index].samples[group] for index, group in kept],
+            [pool[index].prompts[group] for index, group in kept],
+            select_rows([entry.generation for entry in pool], rows, tokenizer.pad_token_id),
+            [pool[index].completions[row] for index, row in rows],
+            torch.stack([pool[index].rewards[row] for index, row in rows]), info)
 
 
 def count_bad_steps(updates: list, bad_steps: int, step: int, run: RunConfig, log) -> int:
