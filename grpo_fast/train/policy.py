@@ -113,17 +113,14 @@ TINY_HIDDEN, TINY_LAYERS, TINY_HEADS, TINY_KV_HEADS = 128, 2, 4, 2     # the def
 TINY_VOCAB = 300                  # the trainer's tokenizer on the task: at most this many ids
 
 
-ROPE_TYPES = ("yarn", "linear", "dynamic")       # the scalings whose context is max_position_embeddings x factor
-
-
 def check_rope_scaling(rope_scaling: dict) -> None:
-    """Raises ValueError naming policy.rope_scaling unless it is a dict with a rope_type of ROPE_TYPES and a
+    """Raises ValueError naming policy.rope_scaling unless it is a dict with a rope_type of tasks.ROPE_SCALINGS and a
     finite factor >= 1."""
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     factor = rope_scaling.get("factor")
-    if kind not in ROPE_TYPES or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+    if kind not in tasks.ROPE_SCALINGS or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
             or not math.isfinite(factor) or factor < 1:
-        raise ValueError(f"rope_scaling must have a rope_type of {', '.join(ROPE_TYPES)} and a factor >= 1 "
+        raise ValueError(f"rope_scaling must have a rope_type of {', '.join(tasks.ROPE_SCALINGS)} and a factor >= 1 "
                          f"(policy.rope_scaling), got {rope_scaling!r}")
 
 

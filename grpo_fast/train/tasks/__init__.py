@@ -288,6 +288,10 @@ def longest_prompt(samples: list, tokenizer, data: DataConfig) -> int:
     return max(map(len, prompt_ids([prompt_text(s, tokenizer, data) for s in samples], tokenizer)))
 
 
+# the RoPE scalings (policy.rope_scaling) the trainer applies and the context check counts
+ROPE_SCALINGS = ("yarn", "linear", "dynamic")
+
+
 def check_context(prompt_tokens: int, max_completion_length: int, model_config) -> None:
     """Raises ValueError when the longest prompt (prompt_tokens, see longest_prompt) and max_completion_length
     sampled tokens do not fit the model's context, model_config.max_position_embeddings (of its text config for a
@@ -299,7 +303,7 @@ def check_context(prompt_tokens: int, max_completion_length: int, model_config) 
     if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
         return
     rope = getattr(model_config, "rope_parameters", None) or {}
-    scaled = rope.get("rope_type") in ("yarn", "linear", "dynamic") and (rope.get("factor") or 1) > 1
+    scaled = rope.get("rope_type") in ROPE_SCALINGS and (rope.get("factor") or 1) > 1
     if scaled and rope["rope_type"] != "yarn":   # RoPE scaling, as vLLM counts it (YaRN's is already scaled)
         context = int(context * rope["factor"])
     if total <= context:
