@@ -6,7 +6,8 @@
 - demo: a two-row run of the harness, the full-logits loss against grpo_fast's (`grpo-fast demo`).
 - gpu_check: the one-GPU script: correctness against float64 that fails on a wrong kernel, per-pass times at the
   headline shape, end to end against the floor and the peers, a SUMMARY printed last, within a time budget.
-- long_context: peak memory and step time of the trainer's update per completion length, against the planner.
+- long_context: peak memory and step time of the trainer's update per completion length, against the planner, on a
+  tiny random model or a real checkpoint (SmolLM2-135M-Instruct with YaRN to 16k), with one long rollout per engine.
 - real_shapes: the same on Qwen2.5-0.5B's shape for each memory option (fp32, bf16 with AdamW / 8-bit / bf16-state
   AdamW, LoRA), against the planner.
 - fit_table: by the planner, the memory option that makes a 16k-token job of each preset fit each card.

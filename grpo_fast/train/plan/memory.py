@@ -33,7 +33,10 @@ The loss buffers are what each implementation holds for the micro-batch's comple
 their fp32 copies (naive), TRL 1.16's fused LM head tile, or grpo_fast's chunk buffer, whose default budget on
 CUDA depends on the card (grpo_fast.chunked.cuda_chunk_bytes).
 Constants are checked against measured peaks (tests/test_memory_plan.py on CPU, benchmarks/long_context.py), not
-guessed.
+guessed. The plan counts live tensors (what CUDA's allocator reports); on CPU, glibc's default allocator keeps
+freed blocks below its rising mmap threshold (up to 32 MiB) in the process, so peak RSS can exceed the plan by
+much (SmolLM2-135M at 4k tokens: 5.1 GiB of RSS for 2.7 GiB live); the benchmark fixes the threshold
+(--malloc-mmap-threshold) where it compares.
 """
 
 from __future__ import annotations
