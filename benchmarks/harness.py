@@ -1,6 +1,6 @@
 """Side-by-side benchmark of the LM head + GRPO loss: time, peak memory, GEMM passes and accuracy per method.
 
-grpo-fast bench --quick                          # CPU subset, a few minutes on 2 cores
+grpo-fast bench --quick                          # CPU subset, a few minutes on 2 cores: runs/bench-quick-<time>/
 grpo-fast bench --device cuda                    # the GPU sweep (bf16, Qwen2.5 / Gemma-2 head shapes)
 
 For each shape every implementation runs forward + backward on the same inputs. Time: median of the repeats
@@ -384,7 +384,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=default_device)
     parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timed repeats (default 5 on GPU, 3 on CPU)")
-    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: benchmarks/results/cpu or gpu, the committed results; with "
+                             "--quick a new folder of its own, runs/bench-quick-YYYYmmdd-HHMMSS)")
     parser.add_argument("--time-budget", type=seconds, default=None, help="seconds after which rows are skipped")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
 
@@ -397,7 +399,7 @@ def main(args) -> int:
     names = args.impls or default_impls(args.device, args.quick)
     if "floor" not in names:
         names = ["floor", *names]
-    out = args.out or os.path.join("benchmarks", "results", "gpu" if cuda else "cpu")
+    out = args.out or default_out(args.device, args.quick)
     if not getattr(args, "overwrite", False) and os.path.isfile(os.path.join(out, "bench.json")):
         print(f"grpo-fast bench: {os.path.join(out, 'bench.json')} exists: pass --overwrite to replace it, or "
               "another --out", file=sys.stderr)
@@ -415,6 +417,16 @@ def main(args) -> int:
               + "; ".join(f"{r['shape']} {r['impl']}: {r['error']}" for r in failed[:3])
               + ("; ..." if len(failed) > 3 else ""), file=sys.stderr)
     return 0 if rows and not failed else 1
+
+
+def default_out(device: str, quick: bool, now: float | None = None) -> str:
+    """The output folder when --out is not given. A quick run is a try of the harness, not results to keep: it gets
+    a new folder under runs/ (which git ignores), so that it runs as given in a fresh clone, whose
+    benchmarks/results/cpu holds the committed results. A sweep writes to benchmarks/results/cpu or gpu, where it
+    replaces what is there only with --overwrite."""
+    if quick:
+        return os.path.join("runs", time.strftime("bench-quick-%Y%m%d-%H%M%S", time.localtime(now)))
+    return os.path.join("benchmarks", "results", "gpu" if device.startswith("cuda") else "cpu")
 
 
 def unwritable(out_dir: str):

@@ -129,3 +129,29 @@ def test_torch_linear_cross_entropy_row_computes_the_same_loss():
     result = harness.check("torch_linear_ce", torch.float32, "cpu")
     assert result["loss_error"] < 1e-5 and result["grad_error"] < 1e-5, result
     assert result["gemm_passes"] >= 3.0, result
+
+
+def test_a_quick_run_writes_a_folder_of_its_own_beside_the_committed_results(tmp_path, monkeypatch):
+    """`grpo-fast bench --quick` as the docs give it, in a clone whose benchmarks/results/cpu holds the committed
+    results: it runs (no --overwrite needed) into a new folder under runs/ and leaves those results as they are; a
+    sweep still refuses to replace them without --overwrite."""
+    from grpo_fast import cli
+
+    monkeypatch.chdir(tmp_path)
+    committed = tmp_path / "benchmarks" / "results" / "cpu" / "bench.json"
+    committed.parent.mkdir(parents=True)
+    committed.write_text("committed")
+    written = []
+
+    def fake_run(shapes, names, dtype_name, device, repeats, out_dir, *args, **kwargs):
+        written.append(out_dir)
+        return [{"impl": "floor", "time_s": 1.0}]
+
+    monkeypatch.setattr(harness, "run", fake_run)
+    assert cli.main(["bench", "--quick", "--device", "cpu"]) == 0
+    assert written[0].startswith("runs/bench-quick-") and (tmp_path / written[0]).is_dir(), written
+    assert committed.read_text() == "committed"
+    assert cli.main(["bench", "--device", "cpu"]) == 2 and len(written) == 1
+    assert harness.default_out("cpu", quick=False) == "benchmarks/results/cpu"
+    # a new folder per run: one made a second later is another
+    assert harness.default_out("cpu", True, now=0.0) != harness.default_out("cpu", True, now=1.0)
