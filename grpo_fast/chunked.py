@@ -66,10 +66,10 @@ def chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_bytes: int, ops: Chunk
 
 
 def balanced_rows(tokens: int, rows: int) -> int:
-    """Tokens per chunk when a chunk may hold at most `rows`: as many chunks as that takes, all of one size (the
-    last at most one token short). A chunk as large as the budget allows would leave a ragged last one and a buffer
-    larger than the tokens need: 2048 tokens at 682 rows are four chunks either way, and 512 rows a chunk hold
-    them in a buffer a quarter smaller."""
+    """Tokens per chunk when a chunk may hold at most `rows`: as many chunks as that takes, all of one size but the
+    last, which is up to chunks - 1 tokens short (913 tokens at 304 rows: four chunks of 229, the last 226). A chunk
+    as large as the budget allows would leave a ragged last one and a buffer larger than the tokens need: 2048
+    tokens at 682 rows are four chunks either way, and 512 rows a chunk hold them in a buffer a quarter smaller."""
     if tokens <= rows:
         return max(tokens, 1)
     chunks = -(-tokens // rows)

@@ -204,3 +204,19 @@ def test_uninitialized_memory_never_reaches_the_gradients(dtype, monkeypatch):
     assert_close(loss, expected_loss, rtol=tolerance, name="loss")
     assert_close(hidden.grad, expected[0].grad, rtol=tolerance, atol=tolerance * 1e-2, name="d(hidden)")
     assert_close(weight.grad, expected[1].grad, rtol=tolerance, atol=tolerance * 1e-2, name="d(weight)")
+
+
+def test_balanced_chunks_are_as_few_as_the_budget_allows_and_the_last_is_up_to_chunks_minus_one_short():
+    """chunked.balanced_rows against its definition, exhaustively on small sizes: the fewest chunks of at most
+    `rows` tokens, all of one size but the last, which falls short by less than the number of chunks (and by
+    exactly that bound less one somewhere: the bound is tight, not one token)."""
+    shortfalls = set()
+    for tokens in range(1, 200):
+        for rows in range(1, 64):
+            size = chunked.balanced_rows(tokens, rows)
+            chunks = -(-tokens // size)
+            last = tokens - (chunks - 1) * size
+            assert size <= rows and chunks == -(-tokens // rows), (tokens, rows, size)
+            assert 0 <= size - last <= chunks - 1, (tokens, rows, size, last)
+            shortfalls.add((chunks, size - last))
+    assert (4, 3) in shortfalls and chunked.balanced_rows(913, 304) == 229
