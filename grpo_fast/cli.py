@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
 
 def _export(run_dir: str, out_dir: str, adapter: bool = False) -> int:
-    from grpo_fast.train.run.export import export_run
+    from grpo_fast.train.saved.export import export_run
 
     try:
         print(f"exported {export_run(os.path.expanduser(run_dir), os.path.expanduser(out_dir), adapter)}")
@@ -89,7 +89,7 @@ def _export(run_dir: str, out_dir: str, adapter: bool = False) -> int:
 
 def _eval(target: str, arguments: list) -> int:
     from grpo_fast.train.config import parse_overrides
-    from grpo_fast.train.run.eval_command import main as evaluate_main
+    from grpo_fast.train.saved.eval_command import main as evaluate_main
 
     try:
         overrides = parse_overrides(arguments)
@@ -108,7 +108,7 @@ def _train(arguments: list) -> int:
     from grpo_fast.train.config import load_config, parse_overrides
     from grpo_fast.train.loop import RunError, train
     from grpo_fast.train.run import signals
-    from grpo_fast.train.run.checkpoint import latest_checkpoint
+    from grpo_fast.train.saved.checkpoint import latest_checkpoint
 
     arguments = list(arguments)
     config_path = arguments.pop(0) if arguments and not arguments[0].startswith("--") else None

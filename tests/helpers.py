@@ -259,7 +259,7 @@ CALLS = {"n": 0, "interrupt_at": None}
 def saved_models(monkeypatch) -> dict:
     """{output_dir: the model state its last checkpoint saved}, filled for the rest of the test (a resumed run's
     weights against an uninterrupted one's)."""
-    from grpo_fast.train.run import checkpoint
+    from grpo_fast.train.saved import checkpoint
 
     captured, original = {}, checkpoint.save_checkpoint
 

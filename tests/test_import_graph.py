@@ -109,3 +109,44 @@ def test_the_checker_finds_a_cycle(tmp_path):
     assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a", "pkg.b"}}
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
     assert "pkg.a <-> pkg.b" in describe(cycles(graph))
+
+
+def room_graph(graph: dict, room) -> dict:
+    """The graph of `room(module)` (a folder or a module, or None to leave the module out): an edge from one room
+    to another wherever a module of the first imports one of the second."""
+    rooms = {}
+    for module, targets in graph.items():
+        if room(module) is not None:
+            rooms.setdefault(room(module), set()).update(
+                room(t) for t in targets if room(t) is not None and room(t) != room(module))
+    return rooms
+
+
+def package_room(depth: int, package: tuple):
+    """Rooms one level below `package`: grpo_fast.train.run.atomic -> grpo_fast.train.run at depth 3."""
+    def room(module):
+        parts = module.split(".")
+        if tuple(parts[: len(package)]) != package or len(parts) == len(package):
+            return None                                          # outside, or the package's own face (__init__)
+        return ".".join(parts[:depth])
+    return room
+
+
+def test_each_folder_stands_above_all_it_imports():
+    """Drawn as floors, with each folder and module one room, no import runs back up: the rooms of grpo_fast/
+    and those of grpo_fast/train/ (its stage folders, the loop, the config) form no cycle. A low helper the
+    stages use (run/atomic, run/errors) and the top of the trainer that imports the TrainConfig
+    (saved/checkpoint, saved/export) live in different folders for this reason."""
+    for package in (("grpo_fast",), ("grpo_fast", "train")):
+        rooms = room_graph(GRAPH, package_room(len(package) + 1, package))
+        assert "grpo_fast.train.run" in rooms or package == ("grpo_fast",)
+        found = cycles(rooms)
+        assert not found, f"under {'.'.join(package)}: " + describe(found)
+
+
+def test_the_floor_check_finds_an_import_running_up():
+    """A stage folder's module importing the top of a trainer that imports the stage: no module cycle, a room
+    cycle."""
+    graph = {"p.low.a": set(), "p.low.b": {"p.top.c"}, "p.top.c": {"p.low.a"}}
+    assert cycles(graph) == []
+    assert cycles(room_graph(graph, package_room(2, ("p",)))) == [["p.low", "p.top"]]

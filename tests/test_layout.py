@@ -23,9 +23,9 @@ WHOLE_CONFIG = {
     "rollout/__init__.py:start_rollouts": "hands the engine and the rollout process their sections",
     "rollout/__init__.py:start_process": "hands the rollout process its sections and the model's folder",
     "rollout/engines.py:make_engine": "builds the configured engine (also for `grpo-fast eval`)",
-    "run/checkpoint.py:training_state": "saved: the checkpoint holds the whole config",
-    "run/checkpoint.py:resume_changes": "compared: a resumed run's config against the checkpoint's",
-    "run/checkpoint.py:resume_point": "compared: hands the config to resume_changes",
+    "saved/checkpoint.py:training_state": "saved: the checkpoint holds the whole config",
+    "saved/checkpoint.py:resume_changes": "compared: a resumed run's config against the checkpoint's",
+    "saved/checkpoint.py:resume_point": "compared: hands the config to resume_changes",
 }
 
 
@@ -64,4 +64,4 @@ def test_the_trainer_unwraps_the_model_only_where_a_peft_base_is_saved():
                     tree = ast.parse(source.read(), path)
                 calls += [os.path.relpath(path, TRAIN) for node in ast.walk(tree) if isinstance(node, ast.Call)
                           and getattr(node.func, "id", getattr(node.func, "attr", None)) == "unwrap"]
-    assert sorted(calls) == ["lora.py", "run/export.py"], calls
+    assert sorted(calls) == ["lora.py", "run/model_folder.py"], calls

@@ -7,14 +7,17 @@
     tasks/           the prompts of each step (generated tasks, GSM8K, dataset files) and the rewards
     rollout/         the completions: one Rollouts interface over HF / vLLM, in process or in a rollout process
     update/          advantages, micro-batches, the loss step, dtypes, the optimizer, the rollout correction
-    run/             checkpoints and resume, metrics files, trackers, evaluation, export, stops
+    run/             what every stage may use: atomic folders, stops between steps, RunError, metrics files,
+                     trackers, evaluation, the model folder
+    saved/           checkpoints and resume, `grpo-fast export` and `grpo-fast eval`: what a run saved
     policy.py        the policy: load_model, the tiny model built in code, the frozen KL reference
     config.py        `TrainConfig` (every option, checked once), `load_config`, `parse_overrides`
     plan/            the memory planner behind `grpo-fast plan`: the memory model, fit advice, the report
     lora.py          LoRA adapters (PEFT)
     distributed.py   DDP / FSDP2 under torchrun and the few collectives the trainer needs
 
-Each folder's __init__ lists its modules. The import graph has no cycle (tests/test_import_graph.py).
+Each folder's __init__ lists its modules. The import graph has no cycle, and no folder or module here imports one
+that imports it back (tests/test_import_graph.py): each stands above all it imports.
 """
 
 from grpo_fast.train.config import TrainConfig, load_config

@@ -10,7 +10,7 @@ section and `--key value` overrides, checked once.
     optimization  the optimizer, the schedule, updates per rollout            grpo_fast.train.update.config
     batching      micro-batches, packing, shared prompts                      grpo_fast.train.update.config
     warm_start    supervised steps before GRPO                                grpo_fast.train.update.config
-    evaluation    held-out problems                                           grpo_fast.train.run.config
+    evaluation    held-out problems                                           grpo_fast.train.tasks.config
     distribution  DDP or FSDP2 under torchrun                                 grpo_fast.train.distributed
     run           steps, seed, the output folder, checkpoints, trackers       grpo_fast.train.run.config
 
@@ -38,8 +38,8 @@ from grpo_fast.train import keys
 from grpo_fast.train.distributed import DistributionConfig
 from grpo_fast.train.policy import PolicyConfig
 from grpo_fast.train.rollout.config import RolloutConfig, length_stages
-from grpo_fast.train.run.config import EvaluationConfig, RunConfig
-from grpo_fast.train.tasks.config import TASKS, DataConfig, check_split
+from grpo_fast.train.run.config import RunConfig
+from grpo_fast.train.tasks.config import TASKS, DataConfig, EvaluationConfig, check_split
 from grpo_fast.train.update.config import (
     BatchingConfig,
     CorrectionConfig,

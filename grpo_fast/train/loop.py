@@ -12,7 +12,7 @@ sequences and tokens, num_iterations times (grpo_fast.train.update), then push t
 record the step (grpo_fast.train.run). Before the first step, every eval_every steps and after the last, the
 policy answers held-out problems (run.evaluate). The output folder gets metrics.jsonl (one line per step),
 eval.jsonl (one per evaluation), completions.jsonl, curves.png, checkpoints written atomically (`resume=True`
-continues from the latest) and, at the end, the trained model as a Hugging Face folder in model/ (run.export);
+continues from the latest) and, at the end, the trained model as a Hugging Face folder in model/ (saved.export);
 the report_to trackers get the same numbers (run.tracking). Under torchrun each rank does this for its share of
 the prompts (grpo_fast.train.distributed).
 """
@@ -39,11 +39,12 @@ from grpo_fast.train.policy import PolicyConfig, frozen_reference, load_model
 from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, rollout_seed, start_rollouts
 from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.generation import select_rows
-from grpo_fast.train.run import checkpoint, export, signals, tracking
+from grpo_fast.train.run import signals, tracking
 from grpo_fast.train.run.config import RunConfig
 from grpo_fast.train.run.errors import RunError
 from grpo_fast.train.run.evaluate import HeldOut, eval_reward
 from grpo_fast.train.run.record import RunFiles, StageClock, step_record
+from grpo_fast.train.saved import checkpoint, export
 from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
 from grpo_fast.train.update import precision
 from grpo_fast.train.update.advantages import group_advantages

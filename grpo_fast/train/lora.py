@@ -6,7 +6,7 @@
 
 The LM head is never adapted (the loss reads its weight directly: two GEMM passes per step, no weight gradient),
 the adapters are fp32 whatever the base's dtype, and a checkpoint holds the adapters alone (and the base too when
-a warm start trained it: grpo_fast.train.run.checkpoint.training_state).
+a warm start trained it: grpo_fast.train.saved.checkpoint.training_state).
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ def test_a_checkpoint_of_an_earlier_flat_config_is_read_and_compared():
     import dataclasses
 
     from grpo_fast.train.config import flat_values, saved_config
-    from grpo_fast.train.run.checkpoint import resume_changes
+    from grpo_fast.train.saved.checkpoint import resume_changes
 
     config = flat_config(group_size=4, learning_rate=2.5e-4)
     flat = {name: value for name, value in flat_config(group_size=4).flat().items() if "." not in name}

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.config import load_config, parse_overrides  # noqa: E402
-from grpo_fast.train.run import checkpoint  # noqa: E402
+from grpo_fast.train.saved import checkpoint  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import ROOT, flat_config  # noqa: E402
 

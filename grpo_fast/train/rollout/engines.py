@@ -31,6 +31,7 @@ from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError, Generation, pack
 from grpo_fast.train.rollout.sampling import PromptSeededSampler
 from grpo_fast.train.run.config import RunConfig
+from grpo_fast.train.run.model_folder import save_model_folder
 
 
 def left_padded(prompt_ids: list, n: int, pad: int, device=None) -> tuple:
@@ -380,9 +381,6 @@ def engine_model_folder(policy: PolicyConfig, run: RunConfig, model, tokenizer) 
     """The Hugging Face folder an engine outside the policy loads: policy.model's own, or, for the tiny model
     built in code, the policy saved to run.output_dir/engine_model (written whole or not at all, by rank 0 when
     distributed). The engine gets the policy's current weights after loading either."""
-    # here, not at the top: run.export imports the TrainConfig, which imports this package
-    from grpo_fast.train.run.export import save_model_folder
-
     if policy.model != "tiny":
         return pretrained.model_folder(policy.model)
     folder = os.path.join(run.output_dir, "engine_model")

@@ -1,42 +1,13 @@
-"""The config sections of the run: `evaluation` (the held-out problems, how often and how many answers each) and
-`run` (how long, which seed, and what the output folder gets: metrics, checkpoints, trackers)."""
+"""The config section `run`: how long, which seed, and what the output folder gets (metrics, checkpoints,
+trackers). The `evaluation` section, the held-out problems, is the task's: grpo_fast.train.tasks.config."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
-from grpo_fast.fields import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, Rule, check_keys, key
+from grpo_fast.fields import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Rule, check_keys, key
 from grpo_fast.train.run import tracking
-from grpo_fast.train.tasks.config import check_task
-
-
-@dataclass
-class EvaluationConfig:
-    """The config section `evaluation`: held-out problems (never trained on) answered eval_samples times each,
-    before the first step, every eval_every steps and after the last: accuracy and pass@k in eval.jsonl
-    (grpo_fast.train.run.evaluate)."""
-
-    eval_every: int = key(50, "steps between evaluations on the held-out problems (also before the first step and "
-                              "after the last; 0: none)", NON_NEGATIVE)
-    eval_prompts: int = key(100, "held-out problems per evaluation at most", POSITIVE)
-    eval_samples: int = key(4, "completions per held-out problem: accuracy is their mean, pass@k for k up to this",
-                            POSITIVE)
-    eval_reward: Optional[str] = key(None, "the reward that scores an evaluation, 1.0 or more counting as correct "
-                                           "(None: the first of rewards)")
-    eval_task: Optional[str] = key(None, "where the held-out problems come from, as task (arithmetic, gsm8k, a file "
-                                         "or folder); None: eval_split or eval_fraction")
-    eval_split: Optional[str] = key(None, "the held-out split of a save_to_disk folder (e.g. test)")
-    eval_fraction: float = key(0.1, "share of the task's distinct problems held out (never trained on) when neither "
-                                    "eval_task nor eval_split is set", UNIT_INTERVAL)
-
-    def __post_init__(self):
-        if isinstance(self.eval_task, str):              # a path: "~" is the home folder, as in a shell
-            self.eval_task = os.path.expanduser(self.eval_task)
-        check_keys(self)
-        if self.eval_task is not None:
-            check_task(self.eval_task, "eval_task")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 During training (eval_every > 0) HeldOut writes the record to output_dir/eval.jsonl before the first step, every
 eval_every steps and after the last, so a run shows its gain over the model it started from. `grpo-fast eval`
-(grpo_fast.train.run.eval_command) prints the same record for a run's checkpoint or a model folder.
+(grpo_fast.train.saved.eval_command) prints the same record for a run's checkpoint or a model folder.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import math
 import time
 
 from grpo_fast.train import distributed, tasks
-from grpo_fast.train.run.config import EvaluationConfig, RunConfig
+from grpo_fast.train.run.config import RunConfig
 from grpo_fast.train.run.errors import RunError
-from grpo_fast.train.tasks.config import DataConfig
+from grpo_fast.train.tasks.config import DataConfig, EvaluationConfig
 from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
 
 EVAL_SEED_OFFSET = 7_777_777        # evaluation draws its own seeds: it never shares one with a training step

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING
 from grpo_fast.train.tasks import dataset_files
 
 if TYPE_CHECKING:                      # the sections' types, for annotations only
-    from grpo_fast.train.run.config import EvaluationConfig
-    from grpo_fast.train.tasks.config import DataConfig
+    from grpo_fast.train.tasks.config import DataConfig, EvaluationConfig
 
 GSM8K_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_test_200.jsonl")
 GSM8K_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")

@@ -97,7 +97,7 @@ def check_run_evaluations(output_dir: str, result: dict) -> None:
     # the run's evaluations went through the vLLM engine; `grpo-fast eval --engine vllm` loads the export in one
     with open(output_dir + "/run/eval.jsonl") as f:
         result["evals"] = [[r["step"], r["problems"], r["samples"]] for r in map(json.loads, f)]
-    from grpo_fast.train.run import eval_command
+    from grpo_fast.train.saved import eval_command
 
     record = eval_command.main(output_dir + "/run", {"engine": "vllm", "vllm_dtype": "float32", "eval_prompts": 10},
                                log=lambda *_: None)

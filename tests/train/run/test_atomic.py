@@ -50,7 +50,8 @@ import signal  # noqa: E402
 
 import torch  # noqa: E402
 
-from grpo_fast.train.run import checkpoint, signals  # noqa: E402
+from grpo_fast.train.run import signals  # noqa: E402
+from grpo_fast.train.saved import checkpoint  # noqa: E402
 
 # the filesystem calls a checkpoint write is made of (shutil.rmtree unlinks and removes through os's own)
 FILE_OPERATIONS = ("makedirs", "mkdir", "replace", "rename", "unlink", "rmdir", "open")

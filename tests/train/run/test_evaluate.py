@@ -17,8 +17,8 @@ from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train import tasks  # noqa: E402
 from grpo_fast.train.policy import train_tokenizer  # noqa: E402
 from grpo_fast.train.rollout.generation import pack  # noqa: E402
-from grpo_fast.train.run import eval_command  # noqa: E402
 from grpo_fast.train.run import evaluate as E  # noqa: E402
+from grpo_fast.train.saved import eval_command  # noqa: E402
 from tests.helpers import flat_config  # noqa: E402
 
 FAST = dict(sft_steps=20, max_steps=5, save_every=5, group_size=4, prompts_per_step=4, log_completions=0,

@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.rollout import Rollouts, engines  # noqa: E402
-from grpo_fast.train.run import checkpoint, evaluate, export, record  # noqa: E402
+from grpo_fast.train.run import evaluate, record  # noqa: E402
+from grpo_fast.train.saved import checkpoint, export
 from grpo_fast.train.update import step as update_step  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import flat_config  # noqa: E402

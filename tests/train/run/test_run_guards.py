@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.config import KEYS  # noqa: E402
-from grpo_fast.train.run import checkpoint
+from grpo_fast.train.saved import checkpoint
 from grpo_fast.train.update import step as update  # noqa: E402
 from grpo_fast.train.update.optimizer import lr_factor  # noqa: E402
 from tests import helpers  # noqa: E402

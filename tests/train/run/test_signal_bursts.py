@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from grpo_fast.train.run import checkpoint  # noqa: E402
+from grpo_fast.train.saved import checkpoint  # noqa: E402
 
 ARGUMENTS = ["--save-every", "1", "--eval-every", "0", "--group-size", "4", "--prompts-per-step", "4",
              "--sft-steps", "0"]

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from grpo_fast.train import lora
 from grpo_fast.train.config import load_config  # noqa: E402
 from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
-from grpo_fast.train.run import checkpoint
+from grpo_fast.train.saved import checkpoint
 from grpo_fast.train.update import optimizer as optim  # noqa: E402
 from grpo_fast.train.update import precision  # noqa: E402
 from grpo_fast.train.update.step import Policy, completion_logprobs, policy_update  # noqa: E402

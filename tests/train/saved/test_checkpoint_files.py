@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
-from grpo_fast.train.run import checkpoint  # noqa: E402
+from grpo_fast.train.saved import checkpoint  # noqa: E402
 
 ARGUMENTS = ["--sft-steps", "0", "--eval-every", "0", "--group-size", "2", "--prompts-per-step", "2",
              "--save-every", "1"]

@@ -10,7 +10,8 @@ pytest.importorskip("transformers")
 from grpo_fast.cli import main as cli  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
 from grpo_fast.train.policy import load_model  # noqa: E402
-from grpo_fast.train.run.export import export_run, exported_step  # noqa: E402
+from grpo_fast.train.run.model_folder import exported_step  # noqa: E402
+from grpo_fast.train.saved.export import export_run  # noqa: E402
 from grpo_fast.train.update.step import Policy, completion_logprobs  # noqa: E402
 from tests.helpers import flat_config, logprob_sections  # noqa: E402
 from tests.train.update.test_batching import rollout  # noqa: E402

@@ -22,8 +22,9 @@ from grpo_fast.train import distributed, tasks
 from grpo_fast.train.config import key_names, load_config, saved_config
 from grpo_fast.train.policy import load_model
 from grpo_fast.train.rollout.engines import log_ignored_generation_settings, make_engine
-from grpo_fast.train.run import checkpoint, export
 from grpo_fast.train.run.evaluate import eval_reward, evaluate
+from grpo_fast.train.run.model_folder import exported_step
+from grpo_fast.train.saved import checkpoint, export
 from grpo_fast.train.update import precision
 
 
@@ -32,7 +33,7 @@ def eval_config(target: str, overrides: dict):
 
     A run folder (one with checkpoints) is evaluated with its own config on its held-out problems, and always on
     its newest state: its newest checkpoint (model folder None: the caller exports it). Its model/ folder stands in
-    for that checkpoint only when it records the same step (grpo_fast_export.json, see grpo_fast.train.run.export):
+    for that checkpoint only when it records the same step (grpo_fast_export.json, see grpo_fast.train.saved.export):
     the model/ of a run that finished and was then resumed and stopped early holds older weights. A Hugging Face
     model folder is evaluated with the trainer's defaults and needs --task. overrides: TrainConfig keys."""
     overrides = key_names(overrides)
@@ -54,7 +55,7 @@ def eval_config(target: str, overrides: dict):
         overrides = {"eval_task": overrides.pop("task"), **overrides}
     config = saved_config(state["config"], overrides)
     exported, step = os.path.join(target, "model"), state["step"]
-    if os.path.isfile(os.path.join(exported, "config.json")) and export.exported_step(exported) == step:
+    if os.path.isfile(os.path.join(exported, "config.json")) and exported_step(exported) == step:
         return config, exported, f"model {exported} (step {step}, the export of {folder})"
     return config, None, f"checkpoint {folder} (step {step})"
 

@@ -4,72 +4,25 @@
     grpo-fast export RUN_DIR OUT_DIR --peft-adapter   # and, for a LoRA run, the adapters in OUT_DIR/adapter
     output_dir/model/                            # written by `grpo-fast train` at the end of every run
 
-The folder holds config.json, model.safetensors, the tokenizer, generation_config.json and, when the step is known,
-grpo_fast_export.json ({"step": N}: the training step whose weights these are, which `grpo-fast eval` compares with
-the run's newest checkpoint); a LoRA run's adapters
-are merged into the base weights (the same merge the vLLM engine gets), so `AutoModelForCausalLM.from_pretrained`
-and `vllm.LLM(model=...)` load it as a plain model. It is written to a temporary folder and renamed: an export
-that fails leaves nothing behind, and an existing target is never overwritten.
+The folder is grpo_fast.train.run.model_folder's: a LoRA run's adapters merged into the base weights, so
+`AutoModelForCausalLM.from_pretrained` and `vllm.LLM(model=...)` load it as a plain model. It is written to a
+temporary folder and renamed: an export that fails leaves nothing behind, and an existing target is never
+overwritten.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
-from grpo_fast.models import unwrap
 from grpo_fast.train import lora
 from grpo_fast.train.config import saved_config
-from grpo_fast.train.lora import engine_weights
 from grpo_fast.train.policy import load_model
-from grpo_fast.train.run import checkpoint
-from grpo_fast.train.run.atomic import atomic_folder, free_gib
+from grpo_fast.train.run.atomic import free_gib
+from grpo_fast.train.run.model_folder import check_target, save_model_folder
+from grpo_fast.train.saved import checkpoint
 from grpo_fast.train.update import precision
-
-EXPORT_RECORD = "grpo_fast_export.json"
-
-
-def exported_step(model_dir: str):
-    """The training step recorded in a model folder this module wrote (EXPORT_RECORD), or None (no record, or
-    an unreadable one)."""
-    try:
-        with open(os.path.join(model_dir, EXPORT_RECORD)) as f:
-            step = json.load(f).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def check_target(out_dir: str) -> None:
-    """Raises ValueError when out_dir exists (a folder or a file): an export never overwrites."""
-    if os.path.lexists(out_dir):
-        kind = "folder" if os.path.isdir(out_dir) else "file"
-        raise ValueError(f"export target {out_dir!r} already exists (a {kind}); remove it or choose another folder")
-
-
-def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: bool = False,
-                      adapter: bool = False, step: int | None = None) -> str:
-    """Writes `model` (a causal LM, PEFT-wrapped or not) and `tokenizer` to out_dir as a Hugging Face folder, the
-    LoRA adapters merged. weights: the state dict to write (default `engine_weights(model)`; pass it when every
-    rank of a sharded model had to gather it). replace: an existing out_dir is replaced once the new folder is
-    complete (a run's own output_dir/model); otherwise it is refused. adapter: also write the PEFT adapters
-    (adapter_config.json, adapter_model.safetensors) to out_dir/adapter. step: the training step of these
-    weights, recorded in out_dir/grpo_fast_export.json (None: no record). Returns out_dir."""
-    if not replace:
-        check_target(out_dir)
-    weights = engine_weights(model) if weights is None else weights
-    base = unwrap(model)
-    with atomic_folder(out_dir, replace=True) as temporary:       # check_target above refuses an existing one
-        base.save_pretrained(temporary, state_dict={name: tensor.contiguous() for name, tensor in weights.items()})
-        tokenizer.save_pretrained(temporary)
-        if adapter:
-            model.save_pretrained(os.path.join(temporary, "adapter"))      # PEFT: the adapters alone
-        if step is not None:
-            with open(os.path.join(temporary, EXPORT_RECORD), "w") as f:
-                json.dump({"step": int(step)}, f)
-    return out_dir
 
 
 def save_final_model(model, tokenizer, output_dir: str, weights, step: int) -> str:
