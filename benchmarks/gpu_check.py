@@ -123,6 +123,18 @@ def chunk_bytes_for(rows, vocab, dtype, ops) -> int:
     return budget
 
 
+def ragged_rows(tokens, least=3) -> int:
+    """Tokens per chunk that split `tokens` into more than `least` chunks as the chunk loop sizes them
+    (chunked.balanced_rows: equal chunks), the last one shorter than the others, so that a partial chunk is
+    checked; where no such split exists (a handful of tokens), the nearest equal one."""
+    start = max(4, (tokens - 1) // least)
+    for limit in range(start, 3, -1):
+        rows = chunked.balanced_rows(tokens, limit)
+        if tokens % rows:
+            return rows
+    return chunked.balanced_rows(tokens, start)
+
+
 def weight_grad_paths() -> str:
     """The d(weight) GEMM paths the chunked passes took since the last reset, e.g. "fp32-out-gemm"."""
     return "+".join(name for name, count in chunked.weight_grad_paths().items() if count) or "none"
@@ -284,10 +296,12 @@ def check_case(name, inputs, dtype, backend, ops) -> dict:
     exact_logp = reference.token_logprobs(hidden.double(), weight.double(), inputs["sampled"], **transform,
                                           **kept_keywords(name, inputs, vocab))
     old, ref = ((exact_logp + noise).float() for noise in inputs["noise"])       # ratios near the clip band
-    tokens = inputs["sampled"].numel() if name == "token_logprobs" else int(inputs["mask"].sum())
-    rows = max(4, (tokens - 1) // 3)
+    # the chunk loop's tokens: all of them for token_logprobs, the masked ones compacted for a loss
+    looped = hidden if name == "token_logprobs" else hidden[inputs["mask"]]
+    tokens = looped.numel() // looped.shape[-1]
+    fused = dict(chunk_bytes=chunk_bytes_for(ragged_rows(tokens), vocab, dtype, ops), backend=backend)
+    _, _, rows = chunked.chunk_plan(looped, weight, fused["chunk_bytes"], backend, ops)     # as the loop plans it
     chunks = -(-tokens // rows)
-    fused = dict(chunk_bytes=chunk_bytes_for(rows, vocab, dtype, ops), backend=backend)
     ours = case_outputs(name, inputs, hidden, weight, old, ref, fused)
     naive = case_outputs(name, inputs, hidden, weight, old, ref)
     exact = case_outputs(name, inputs, hidden.double(), weight.double(), old, ref)

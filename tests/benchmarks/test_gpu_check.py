@@ -43,6 +43,11 @@ def shift_logp(real, delta=1e-3):
     return stats_
 
 
+def chunks_of(row) -> int:
+    """The number of chunks of a correctness row's "chunks", e.g. 4 of "4 x 229 rows, last 226"."""
+    return int(row["chunks"].split(" x ")[0])
+
+
 def failing(rows):
     return {row["case"] for row in rows if not row["ok"]}
 
@@ -52,7 +57,7 @@ def test_fp32_rows_pass_on_the_real_passes_and_fail_on_injected_bugs(backend, mo
     ops = ops_module(backend)
     rows = gpu_check.correctness(DEVICE, backend, [torch.float32], **SIZES, log=lambda line: None)
     assert not failing(rows), [gpu_check.row_line(r) for r in rows]
-    assert len(rows) == len(gpu_check.CONFIGS) and all(r["chunks"].startswith("4 x ") for r in rows)
+    assert len(rows) == len(gpu_check.CONFIGS) and all(chunks_of(r) >= 4 for r in rows)
 
     with monkeypatch.context() as patch:          # the sign of the entropy term: only the cases that use it
         patch.setattr(ops, "dlogits_", flip_entropy_gradient(ops.dlogits_))
@@ -70,6 +75,32 @@ def test_fp32_rows_pass_on_the_real_passes_and_fail_on_injected_bugs(backend, mo
         patch.setattr(ops, "stats_", shift_logp(ops.stats_))
         rows = gpu_check.correctness(DEVICE, backend, [torch.float32], **SIZES, log=lambda line: None)
     assert failing(rows) == set(gpu_check.CONFIGS)
+
+
+def test_each_row_records_the_chunks_the_loop_ran_the_last_one_short(monkeypatch):
+    """A correctness row's "chunks" is what the chunk loop ran (its balanced rows, seen here as the buffers the
+    stats pass gets), and its last chunk is a partial one."""
+    ops = ops_module("torch")
+    buffers = []
+
+    def recording_stats(real):
+        def stats_(buffer, *args, **kwargs):
+            buffers.append(buffer.shape[0])
+            return real(buffer, *args, **kwargs)
+        return stats_
+
+    monkeypatch.setattr(ops, "stats_", recording_stats(ops.stats_))
+    for case in ("dapo+kl", "token_logprobs"):
+        buffers.clear()
+        row, = gpu_check.correctness(DEVICE, "torch", [torch.float32], **SIZES, cases=(case,), log=lambda line: None)
+        # one sweep: equal chunks up to the first short one (token_logprobs sweeps again in its backward)
+        rows = buffers[0]
+        sweep = buffers[:next((i + 1 for i, b in enumerate(buffers) if b < rows), len(buffers))]
+        assert buffers == sweep * (len(buffers) // len(sweep)), buffers
+        assert row["chunks"] == f"{len(sweep)} x {rows} rows, last {sweep[-1]}", (row["chunks"], buffers)
+        assert len(sweep) >= 4 and 0 < sweep[-1] < rows, buffers
+    # 913 tokens at a budget of 304 rows run as 4 x 229, the last 226; 72 as 4 x 18 would have no short chunk: 5 x 15
+    assert gpu_check.ragged_rows(913) == 229 and gpu_check.ragged_rows(72) == 15
 
 
 def test_bf16_rows_pass_on_the_real_passes_and_fail_on_injected_bugs(monkeypatch):
