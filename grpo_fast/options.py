@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, ParamSpec, TypeVar
 
 import torch
 
-from grpo_fast.fields import is_number
+from grpo_fast.fields import COEFFICIENT_MAX, is_number, plain
 
 # a decorated entry keeps its signature for type checkers and IDEs
 P = ParamSpec("P")
@@ -43,7 +43,7 @@ class Execution:
     process_group: Any = None
 
     def __post_init__(self):
-        chunk_bytes = self.chunk_bytes
+        chunk_bytes = plain(self.chunk_bytes)          # np.int64(4096) -> 4096
         if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool)
                                         or chunk_bytes <= 0):
             raise ValueError(f"chunk_bytes must be a positive int or None (Execution.chunk_bytes), got "
@@ -55,6 +55,7 @@ class Execution:
                                       and isinstance(group, torch.distributed.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None "
                             f"(Execution.process_group), got {_shown(group)}")
+        object.__setattr__(self, "chunk_bytes", chunk_bytes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +64,7 @@ class TokenWeights:
     bf16 / fp16, values where the mask is 0 ignored. Each None keeps the loss type's own.
 
     num_items_in_batch: the dapo / cispo / vespo normalizer (default: the number of mask tokens in this call; pass
-        the global count when accumulating gradients over calls).
+        the global count when accumulating gradients over calls), at most 1e18; a number or a 1-element tensor.
     is_ratio: the rollout importance-sampling correction per token (e.g. vLLM's), a constant factor of the policy
         term; vespo multiplies it into each sequence's ratio instead.
     loss_weights: weights of the per-token losses (policy term plus KL) in place of loss_type's reduction: loss =
@@ -79,7 +80,7 @@ class TokenWeights:
     entropy_weights: Optional[torch.Tensor] = None
 
     def __post_init__(self):
-        items = self.num_items_in_batch
+        items = plain(self.num_items_in_batch)
         if isinstance(items, torch.Tensor):
             # a device tensor's value is not read here (that would wait for the device); a CPU one's is
             if items.numel() != 1 or not (items.is_floating_point() or items.dtype in _INTEGER_DTYPES):
@@ -88,9 +89,17 @@ class TokenWeights:
             if items.device.type == "cpu" and not bool(torch.isfinite(items).all() and (items >= 0).all()):
                 raise ValueError(f"num_items_in_batch must be a finite number >= 0 "
                                  f"(TokenWeights.num_items_in_batch), got {items.item()!r}")
+            if items.device.type == "cpu" and float(items) > COEFFICIENT_MAX:
+                raise ValueError(f"num_items_in_batch must be in [0, {COEFFICIENT_MAX!r}] "
+                                 f"(TokenWeights.num_items_in_batch), got {items.item()!r}")
         elif items is not None and not (is_number(items) and math.isfinite(items) and items >= 0):
             raise ValueError(f"num_items_in_batch must be a finite number >= 0 or None "
                              f"(TokenWeights.num_items_in_batch), got {_shown(items)}")
+        elif items is not None and items > COEFFICIENT_MAX:
+            # the loss divides by it in float32: its reciprocal stays a normal float32 (grpo_fast.fields)
+            raise ValueError(f"num_items_in_batch must be a finite number in [0, {COEFFICIENT_MAX!r}] or None "
+                             f"(TokenWeights.num_items_in_batch), got {_shown(items)}")
+        object.__setattr__(self, "num_items_in_batch", items)
         for name in ("is_ratio", "loss_weights", "entropy_weights"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.Tensor):

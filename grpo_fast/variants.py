@@ -17,7 +17,19 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.fields import ANY, NON_NEGATIVE, POSITIVE, check_keys, key, one_of
+from grpo_fast.fields import (
+    COEFFICIENT,
+    COEFFICIENT_MAX,
+    LENGTH,
+    NON_NEGATIVE_COEFFICIENT,
+    NON_NEGATIVE_FP32,
+    POSITIVE,
+    POSITIVE_FP32,
+    bounded,
+    check_keys,
+    key,
+    one_of,
+)
 
 # name -> how the per-token losses are reduced (see `token_weights`) and which per-token objective is used.
 #   sequence_mean: mean over each sequence's tokens, then over sequences          (grpo, sapo)
@@ -36,6 +48,8 @@ LOSS_TYPES = {
     "vespo": ("num_items", "vespo"),        # VESPO, arXiv:2602.10693 (a weight per sequence: two phases)
 }
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# SAPO's gate sigmoid(tau * (r - 1)) * 4 / tau: both tau and 4 / tau multiply per-token terms (grpo_fast.fields)
+SAPO_TEMPERATURE = bounded(POSITIVE, 1 / COEFFICIENT_MAX, COEFFICIENT_MAX)
 
 
 @dataclass(frozen=True)
@@ -62,35 +76,40 @@ class LossConfig:
         [-log_ratio_clamp, log_ratio_clamp] (verl: 20), so that no exp overflows; None: no clamp.
     kl_clamp: clamp the per-token k3 KL to [-kl_clamp, kl_clamp] (verl's low_var_kl: 10); None: no clamp. A
         clamped term passes no gradient, as torch.clamp outside its interval.
+
+    Bounds, where the float32 math takes each number (grpo_fast.fields): clamp bounds and exponents (epsilon_*,
+    delta, log_ratio_clamp, kl_clamp, vespo_*) up to float32's largest, 3.4028234663852886e+38; the coefficients
+    beta and |entropy_coef| up to 1e18, sapo_temperature_* within [1e-18, 1e18] (the gate divides by it);
+    max_completion_length up to 2**31 - 1.
     """
 
     loss_type: str = key("dapo", f"one of {one_of(LOSS_TYPES)}", choices=tuple(LOSS_TYPES))
     importance_sampling_level: str = key(
         "token", '"token" (a ratio per token: PPO, GRPO) or "sequence" (GSPO: one ratio per sequence, the exp of '
         "its mean log-ratio)", choices=IMPORTANCE_SAMPLING_LEVELS)
-    epsilon_low: float = key(0.2, "clip range [1 - epsilon_low, 1 + epsilon_high]", NON_NEGATIVE)
+    epsilon_low: float = key(0.2, "clip range [1 - epsilon_low, 1 + epsilon_high]", NON_NEGATIVE_FP32)
     epsilon_high: Optional[float] = key(0.28, "clip range [1 - epsilon_low, 1 + epsilon_high] (DAPO's clip-higher; "
-                                              "cispo: the cap of the ratio; None: epsilon_low)", NON_NEGATIVE)
+                                              "cispo: the cap of the ratio; None: epsilon_low)", NON_NEGATIVE_FP32)
     delta: Optional[float] = key(None, "upper cap on the unclipped ratio (two-sided clipping, INTELLECT-2; None: "
-                                       "none)", POSITIVE)
-    beta: float = key(0.0, "weight of the k3 KL to the reference policy", NON_NEGATIVE)
+                                       "none)", POSITIVE_FP32)
+    beta: float = key(0.0, "weight of the k3 KL to the reference policy", NON_NEGATIVE_COEFFICIENT)
     use_bias_correction_kl: bool = key(False, "multiply the KL by the importance ratio")
-    sapo_temperature_pos: float = key(1.0, "SAPO's gate temperature for A > 0", POSITIVE)
-    sapo_temperature_neg: float = key(1.05, "SAPO's gate temperature for A <= 0", POSITIVE)
+    sapo_temperature_pos: float = key(1.0, "SAPO's gate temperature for A > 0", SAPO_TEMPERATURE)
+    sapo_temperature_neg: float = key(1.05, "SAPO's gate temperature for A <= 0", SAPO_TEMPERATURE)
     # k < 0 would weigh sequences the more the less likely they became; lambda <= 0 removes the decay that bounds
     # the weight of large ratios (TRL raises such a lambda to 1e-4 without a word)
     vespo_k_pos: float = key(2.0, "VESPO's weight e^lambda * w^k * e^(-lambda * w) of the sequence ratio w: k for "
-                                  "A >= 0", NON_NEGATIVE)
-    vespo_lambda_pos: float = key(3.0, "VESPO's lambda for A >= 0", POSITIVE)
-    vespo_k_neg: float = key(3.0, "VESPO's k for A < 0", NON_NEGATIVE)
-    vespo_lambda_neg: float = key(2.0, "VESPO's lambda for A < 0", POSITIVE)
-    entropy_coef: float = key(0.0, "subtracts entropy_coef * the mean entropy from the loss", ANY)
+                                  "A >= 0", NON_NEGATIVE_FP32)
+    vespo_lambda_pos: float = key(3.0, "VESPO's lambda for A >= 0", POSITIVE_FP32)
+    vespo_k_neg: float = key(3.0, "VESPO's k for A < 0", NON_NEGATIVE_FP32)
+    vespo_lambda_neg: float = key(2.0, "VESPO's lambda for A < 0", POSITIVE_FP32)
+    entropy_coef: float = key(0.0, "subtracts entropy_coef * the mean entropy from the loss", COEFFICIENT)
     max_completion_length: Optional[int] = key(None, "the dr_grpo normalizer (the trainer: None follows the "
-                                                     "rollout's max_completion_length)", POSITIVE)
+                                                     "rollout's max_completion_length)", LENGTH)
     log_ratio_clamp: Optional[float] = key(None, "clamp of every log-ratio the loss exponentiates, to [-c, c] "
-                                                 "(verl: 20; None: none)", POSITIVE)
+                                                 "(verl: 20; None: none)", POSITIVE_FP32)
     kl_clamp: Optional[float] = key(None, "clamp of the per-token k3 KL to [-c, c] (verl's low_var_kl: 10; None: "
-                                          "none)", POSITIVE)
+                                          "none)", POSITIVE_FP32)
 
     def __post_init__(self):
         check_keys(self, "LossConfig")            # each field's type, finiteness, range and choices
