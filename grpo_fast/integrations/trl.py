@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from grpo_fast import packed_attention as attention
+from grpo_fast.fields import check_value, hints
 from grpo_fast.integrations import peer_import_error
 from grpo_fast.logprobs import token_logprobs
 from grpo_fast.loss import checked_policy_loss
@@ -177,7 +178,8 @@ class FastGRPOTrainer(GRPOTrainer):
     level, in two phases: 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, the entropy bonus (static
     or adaptive), gradient accumulation, mixture-of-experts models (router aux loss), vision-language inputs
     (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains (`fallback_reasons` lists
-    it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
+    it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs. Options the loss type never
+    reads are ignored, as TRL ignores them; a value grpo_fast refuses is refused by the constructor, in one line.
 
     share_prompts (default False: on SmolLM2 it pays at short completions, 0.46x of TRL's update at 64 tokens
     against 0.80x padded, but not at 256, where its runs' generation was slower, unexplained; see docs/trl.md):
@@ -194,9 +196,14 @@ class FastGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, share_prompts: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        # What grpo_fast refuses is refused here, before any rollout: every log-prob takes the head's transform at
+        # this temperature, and the fused loss the options its loss type reads (`loss_config`).
+        lm_head(unwrap(self.model)).transform(self.temperature)
         self.share_prompts = share_prompts and self._use_shared_prompt_attention()
         patch_grpo_trainer(self)
         reasons = self.fallback_reasons({})
+        if not reasons:
+            self.loss_config()
         if reasons:             # once, at construction: what this configuration leaves to TRL's loss, and why
             warnings.warn("grpo_fast: TRL's own loss code runs on grpo_fast's log-probs (4 GEMM passes, not the "
                           "fused loss) for: " + "; ".join(reasons), stacklevel=2)
@@ -242,6 +249,42 @@ class FastGRPOTrainer(GRPOTrainer):
                                "vllm_importance_sampling_clip_max < 1")
         return reasons
 
+    def loss_config(self) -> LossConfig:
+        """The fused loss's LossConfig from TRL's options, of those the loss type reads only: TRL never reads the
+        others (vespo_* under dapo, sapo_* under grpo, ...), so their values are not checked either, and
+        LossConfig's defaults stand in for them. A value read that grpo_fast refuses is a one-line ValueError
+        naming the GRPOConfig field; the entropy bonus's coefficients are checked here too, as the loss takes them
+        step by step."""
+        args = self.args
+        objective = LOSS_TYPES[self.loss_type][1]
+        read = {"beta": (self.beta, "beta")}
+        if self.beta != 0.0:                    # TRL reads the correction of the KL only
+            read["use_bias_correction_kl"] = (bool(args.use_bias_correction_kl), "use_bias_correction_kl")
+        epsilon_high = (self.epsilon_high, "epsilon" if args.epsilon_high is None else "epsilon_high")
+        if objective == "clip":
+            read.update(epsilon_low=(self.epsilon_low, "epsilon"), epsilon_high=epsilon_high,
+                        delta=(args.delta, "delta"))
+        elif objective == "cispo":
+            read["epsilon_high"] = epsilon_high
+        else:
+            names = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+                     "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}[objective]
+            read.update({name: (getattr(args, name), name) for name in names})
+        if self.loss_type == "dr_grpo":
+            read["max_completion_length"] = (self.max_completion_length, "max_completion_length")
+        coefficients = {}
+        if self._entropy_bonus_enabled:
+            names = ("entropy_coef", "entropy_coef_min", "entropy_coef_max") if self.use_adaptive_entropy \
+                else ("entropy_coef",)
+            coefficients = {name: getattr(args, name) for name in names}
+        kinds, fields = hints(LossConfig), {item.name: item.metadata for item in dataclasses.fields(LossConfig)}
+        checks = [(field, name, value) for field, (value, name) in read.items()]
+        checks += [("entropy_coef", name, value) for name, value in coefficients.items()]
+        for field, name, value in checks:
+            check_value(name, value, kinds[field], fields[field]["rule"], fields[field]["choices"], "GRPOConfig")
+        return LossConfig(loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+                          **{field: value for field, (value, _) in read.items()})
+
     def fused_loss_unsupported(self, inputs) -> str | None:
         """Why this batch needs TRL's loss code (the first reason of `fallback_reasons`), or None."""
         reasons = self.fallback_reasons(inputs)
@@ -256,15 +299,7 @@ class FastGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        config = LossConfig(
-            loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-            delta=self.args.delta, beta=self.beta, use_bias_correction_kl=self.args.use_bias_correction_kl,
-            sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg,
-            vespo_k_pos=self.args.vespo_k_pos, vespo_lambda_pos=self.args.vespo_lambda_pos,
-            vespo_k_neg=self.args.vespo_k_neg, vespo_lambda_neg=self.args.vespo_lambda_neg,
-            max_completion_length=self.max_completion_length,
-        )
+        config = self.loss_config()
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         per_token_normalized = config.reduction == "num_items"

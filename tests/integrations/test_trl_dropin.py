@@ -352,3 +352,39 @@ def test_generation_runs_sdpa_and_the_loss_the_variable_length_attention(tmp_pat
     assert attention.attention_name(trainer.model) == attention.NAME
     layers = trainer.model.config.num_hidden_layers
     assert calls.count(True) == 2 * layers, calls   # the packed row's forward and its recomputation, every layer
+
+
+def test_options_the_loss_never_reads_are_ignored_as_trl_ignores_them(tmp_path, calls):
+    """dapo reads no vespo_* nor sapo_* option: values grpo_fast would refuse there (lambda 0, a gate temperature
+    of 0) are ignored, as GRPOTrainer ignores them, and the fused loss trains to GRPOTrainer's weights."""
+    config = dict(loss_type="dapo", vespo_lambda_pos=0.0, sapo_temperature_neg=0.0)
+    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=2, **config)
+    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=2, **config)
+    assert calls["fused_loss"] > 0, "the fused loss was not used"
+    for (param_name, ours), theirs in zip(actual.model.named_parameters(), expected.model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4, msg=param_name)
+    initial = tiny_model(len(actual.processing_class)).state_dict()
+    assert max((p - initial[n]).abs().max().item() for n, p in actual.model.named_parameters()) > 1e-4
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(loss_type="sapo", sapo_temperature_neg=0.0),
+     "sapo_temperature_neg must be a finite number > 0 (GRPOConfig.sapo_temperature_neg), got 0.0"),
+    (dict(epsilon=1e39),
+     "epsilon must be a finite number in [0, 3.4028234663852886e+38] (GRPOConfig.epsilon), got 1e+39"),
+    (dict(loss_type="cispo", epsilon_high=-1.0),
+     "epsilon_high must be a finite number >= 0 (GRPOConfig.epsilon_high), got -1.0"),
+    (dict(beta=1e38), "beta must be a finite number in [0, 1e+18] (GRPOConfig.beta), got 1e+38"),
+    (dict(entropy_coef=1e19),
+     "entropy_coef must be a finite number in [-1e+18, 1e+18] (GRPOConfig.entropy_coef), got 1e+19"),
+    (dict(temperature=1e-12), "temperature must be in [1e-09, 1e+09] (LogitTransform.temperature), got 1e-12"),
+], ids=["sapo_temperature", "epsilon", "cispo_cap", "beta", "entropy_coef", "temperature"])
+def test_what_grpo_fast_refuses_is_refused_at_construction(config, message, tmp_path, monkeypatch):
+    """An option the loss reads, out of grpo_fast's range: one line naming the GRPOConfig field, raised by the
+    constructor, before any rollout (GRPOTrainer itself builds with it)."""
+    import re
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_and_score_completions",
+                        lambda *a, **k: pytest.fail("a rollout ran before the refusal"))
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        build_grpo(dropin.FastGRPOTrainer, tmp_path, **config)
