@@ -1,5 +1,6 @@
-"""The `grpo-fast` command: train, eval, export, plan, bench, demo. The loss library never imports this module; it
-imports the trainer, the planner and the benchmark harness (`grpo_fast.benchmarks`, installed from benchmarks/)."""
+"""The `grpo-fast` command: train, eval, generate, export, plan, bench, demo. The loss library never imports this
+module; it imports the trainer, the planner and the benchmark harness (`grpo_fast.benchmarks`, installed from
+benchmarks/)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["eval"] and argv[1:2] and not {"-h", "--help"} & set(argv[1:]):
         return _eval(argv[1], argv[2:])
     from grpo_fast.train.plan import command as plan_command
+    from grpo_fast.train.saved import generate as generate_command
 
     try:
         from grpo_fast.benchmarks import demo, harness
@@ -51,6 +53,14 @@ def main(argv=None) -> int:
                     "for k up to K; default eval_samples). Any key of `grpo-fast train` may follow (e.g. "
                     "--eval-prompts 200 --max-completion-length 512 --prompt-format chat). Prints the record as one "
                     "JSON line.")
+    generate_parser = commands.add_parser(
+        "generate", help="the trained model answers a prompt, rendered and sampled as its run does (a run or a "
+                         "model folder)",
+        description="RUN_OR_MODEL: a training run, answering with its config (prompt format, system prompt, "
+                    "temperature, top_p, top_k, max_completion_length) at its newest checkpoint (its model/ export "
+                    "when that is the same step), or a Hugging Face model folder, with the trainer's defaults. "
+                    "Prints each completion's text, a header line before each when there are several.")
+    generate_command.add_arguments(generate_parser)
     from grpo_fast.train.config import keys_help
 
     commands.add_parser(
@@ -64,6 +74,8 @@ def main(argv=None) -> int:
         return plan_command.main(args)
     if args.command == "export":
         return _export(args.run_dir, args.out_dir, args.peft_adapter)
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "eval":                  # here only without a target (else dispatched above)
         print("grpo-fast eval: name a run folder or a model folder (grpo-fast eval --help)", file=sys.stderr)
         return 2
@@ -83,6 +95,18 @@ def _export(run_dir: str, out_dir: str, adapter: bool = False) -> int:
         print(f"exported {export_run(os.path.expanduser(run_dir), os.path.expanduser(out_dir), adapter)}")
     except (ValueError, OSError) as error:
         print(f"grpo-fast export: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _generate(args) -> int:
+    from grpo_fast.train.saved import generate
+
+    try:
+        generate.main(os.path.expanduser(args.target), args.prompt, generate.overrides_of(args), args.max_new_tokens,
+                      args.num_samples)
+    except (ValueError, OSError) as error:
+        print(f"grpo-fast generate: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -9,7 +9,8 @@
     update/          advantages, micro-batches, the loss step, dtypes, the optimizer, the rollout correction
     run/             what every stage may use: atomic folders, stops between steps, RunError, metrics files,
                      trackers, evaluation, the model folder
-    saved/           checkpoints and resume, `grpo-fast export` and `grpo-fast eval`: what a run saved
+    saved/           checkpoints and resume, `grpo-fast export`, `grpo-fast eval` and `grpo-fast generate`: what a
+                     run saved
     policy.py        the policy: load_model, the tiny model built in code, the frozen KL reference
     config.py        `TrainConfig` (every option, checked once), `load_config`, `parse_overrides`
     plan/            the memory planner behind `grpo-fast plan`: the memory model, fit advice, the report

@@ -291,10 +291,13 @@ def longest_prompt(samples: list, tokenizer, data: DataConfig) -> int:
 ROPE_SCALINGS = ("yarn", "linear", "dynamic")
 
 
-def check_context(prompt_tokens: int, max_completion_length: int, model_config) -> None:
+def check_context(prompt_tokens: int, max_completion_length: int, model_config, *, one_prompt: bool = False,
+                  length_key: str = "max_completion_length") -> None:
     """Raises ValueError when the longest prompt (prompt_tokens, see longest_prompt) and max_completion_length
     sampled tokens do not fit the model's context, model_config.max_position_embeddings (of its text config for a
-    multimodal one); a config without it is not checked. The error says which key to change."""
+    multimodal one); a config without it is not checked. The error says which key to change: length_key, the name
+    the caller's user gave the length by (`grpo-fast generate`'s --max-new-tokens), and one_prompt speaks of a
+    single prompt rather than a dataset's."""
     if getattr(model_config, "max_position_embeddings", None) is None and hasattr(model_config, "get_text_config"):
         model_config = model_config.get_text_config()
     context = getattr(model_config, "max_position_embeddings", None)
@@ -307,13 +310,14 @@ def check_context(prompt_tokens: int, max_completion_length: int, model_config) 
         context = int(context * rope["factor"])
     if total <= context:
         return
-    fix = (f"set max_completion_length to at most {context - prompt_tokens}, or shorten the prompts"
-           if prompt_tokens < context else "shorten the prompts (or leave the longest out of the dataset)")
+    prompts = "the prompt" if one_prompt else "the prompts"
+    fix = (f"set {length_key} to at most {context - prompt_tokens}, or shorten {prompts}" if prompt_tokens < context
+           else f"shorten {prompts}" + ("" if one_prompt else " (or leave the longest out of the dataset)"))
     where = "max_position_embeddings x the factor of policy.rope_scaling" if scaled else \
         "max_position_embeddings; policy.rope_scaling extends it"
-    raise ValueError(f"the longest prompt ({prompt_tokens} tokens) plus max_completion_length "
-                     f"({max_completion_length}) is {total} tokens, beyond the model's context of {context} "
-                     f"({where}): {fix}")
+    raise ValueError(f"{'the prompt' if one_prompt else 'the longest prompt'} ({prompt_tokens} tokens) plus "
+                     f"{length_key} ({max_completion_length}) is {total} tokens, beyond the model's context of "
+                     f"{context} ({where}): {fix}")
 
 
 def prompt_ids(texts: list, tokenizer) -> list:
