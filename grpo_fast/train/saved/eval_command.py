@@ -45,9 +45,11 @@ def run_config(target: str, overrides: dict, command: str = "eval", verb: str = 
     opened_model exports it). Its model/ folder stands in for that checkpoint only when it records the same step
     (grpo_fast_export.json, see grpo_fast.train.saved.export): the model/ of a run that finished and was then
     resumed and stopped early holds older weights. command, verb: the errors' words ("eval", "evaluate")."""
+    # "model" required: a state.pt without weights (a partial copy, another program's) is named as what it is, not
+    # taken for an older version's for want of its config
     folder, state = checkpoint.require_latest(target, command, f"and no model, config.json, either: nothing to "
                                               f"{verb}; a run writes a checkpoint every save_every steps and at "
-                                              "its end")
+                                              "its end", required=("step", "model"))
     if state.get("config") is None:
         raise ValueError(f"{folder} was written by an older version without its config: {verb} its export "
                          f"instead (grpo-fast export, then grpo-fast {command} on that folder)")

@@ -200,6 +200,12 @@ def test_eval_errors(tmp_path, capsys):
     assert "eval: no checkpoint in" in capsys.readouterr().err
     assert cli(["eval", str(tmp_path / "missing")]) == 2
     assert "no such folder" in capsys.readouterr().err
+    partial = tmp_path / "partial" / "checkpoint-1"        # a state.pt with neither weights nor config
+    os.makedirs(partial)
+    torch.save({"step": 1, "optimizer": {}}, partial / "state.pt")
+    assert cli(["eval", str(tmp_path / "partial")]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {partial / 'state.pt'} is not a checkpoint's state: it has no 'model'" in err, err
     model_dir = tmp_path / "model"
     os.makedirs(model_dir)
     (model_dir / "config.json").write_text("{}")
