@@ -13,11 +13,65 @@ import warnings
 NOT_INSTALLED = ("grpo-fast {command}: the benchmark harness (grpo_fast.benchmarks, from the repository's benchmarks/ "
                  "folder) is importable only from an install: run `pip install -e .` in the repository")
 
+# Lines dependencies log on every run, by logger and how the message starts, that say nothing about the run: torchao's
+# optional C++ kernels (MX formats, sm_90a CUTLASS) built for another torch or a GPU (grpo_fast uses none of them;
+# transformers imports torchao), torch's deprecation of the enums torchao registers with pytree, and DeepSpeed's
+# accelerator guess (accelerate imports DeepSpeed, installed with the optional extras, when a model is saved).
+DEPENDENCY_NOISE = {"torchao": "Failed to load ",
+                    "torch.utils._pytree": "%s is an Enum subclass and is now natively supported",
+                    "DeepSpeed": "Setting accelerator to CPU."}
+
+
+class _DropNoise:
+    """A logging filter that drops the records whose message starts with `prefix` (and keeps every other)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _own_roots() -> tuple:
+    """The folders of grpo_fast's modules: the package, and the kernels and benchmarks mapped into it."""
+    import importlib.util
+
+    roots = [os.path.dirname(os.path.abspath(__file__))]
+    for name in ("grpo_fast.kernels", "grpo_fast.benchmarks"):
+        spec = importlib.util.find_spec(name)
+        roots += [os.path.abspath(path) for path in (spec.submodule_search_locations or [])] if spec else []
+    return tuple(root + os.sep for root in roots)
+
+
+def _quiet_output() -> None:
+    """What the process prints besides its results: DEPENDENCY_NOISE dropped, and grpo_fast's own warnings as one
+    line, `warning: <message>` on stderr, instead of Python's file:line and source line (every other warning as
+    Python shows it). Only for the process's own command line (main with argv None): a program that calls main
+    keeps its logging and warnings as they are."""
+    import logging
+
+    for name, prefix in DEPENDENCY_NOISE.items():
+        logging.getLogger(name).addFilter(_DropNoise(prefix))
+    roots, python_show = _own_roots(), warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not os.path.abspath(filename).startswith(roots):
+            return python_show(message, category, filename, lineno, file, line)
+        try:
+            print(f"warning: {message}", file=file or sys.stderr)
+        except OSError:                         # as Python's own: a closed stderr loses the warning, not the run
+            pass
+
+    warnings.showwarning = show
+
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    own = argv is None                          # this process's command line (not a program calling main)
+    if own:
+        _quiet_output()
+    argv = sys.argv[1:] if own else list(argv)
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
-        return _train(argv[1:])                 # free-form --key value pairs: parsed by the config itself
+        return _train(argv[1:], own)            # free-form --key value pairs: parsed by the config itself
     if argv[:1] == ["eval"] and argv[1:2] and not {"-h", "--help"} & set(argv[1:]):
         return _eval(argv[1], argv[2:])
     from grpo_fast.train.plan import command as plan_command
@@ -64,7 +118,8 @@ def main(argv=None) -> int:
     from grpo_fast.train.config import keys_help
 
     commands.add_parser(
-        "train", help="GRPO training (default: a tiny model on the arithmetic task, on CPU)",
+        "train", help="GRPO training (default: a tiny model on the max task, the largest of four numbers, on "
+                      "CPU)",
         usage="grpo-fast train [CONFIG.yaml] [--output-dir DIR] [--max-steps N] [--resume] [--key value ...]",
         description="Keys (in CONFIG.yaml, or as --key value with dashes or underscores), with their defaults:\n\n"
                     + keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,7 +183,31 @@ def _eval(target: str, arguments: list) -> int:
     return 0
 
 
-def _train(arguments: list) -> int:
+def _late_config(arguments: list):
+    """The YAML file named where a --key belongs (after --key value pairs), or None."""
+    index = 0
+    while index < len(arguments):
+        item = arguments[index]
+        if not item.startswith("--"):
+            return item if item.endswith((".yaml", ".yml")) else None
+        index += 1 if "=" in item else 2
+    return None
+
+
+def _thread_note(device: str) -> None:
+    """A line of the run's log when torch runs several threads on CPU on a host of at most 2 cores: when other
+    processes share those cores, OpenMP's threads wait for each other and run tens of times slower than one thread.
+    The count is the user's (OMP_NUM_THREADS): it is named, not changed."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and cores <= 2 and torch.get_num_threads() > 1:
+        print(f"note: torch runs {torch.get_num_threads()} threads on {cores} cores; if other processes share them, "
+              "set OMP_NUM_THREADS=1 (several threads on busy cores run tens of times slower than one)")
+
+
+def _train(arguments: list, own: bool = False) -> int:
     from grpo_fast.train.config import load_config, parse_overrides
     from grpo_fast.train.loop import RunError, train
     from grpo_fast.train.run import signals
@@ -138,6 +217,12 @@ def _train(arguments: list) -> int:
     config_path = arguments.pop(0) if arguments and not arguments[0].startswith("--") else None
     resume = "--resume" in arguments
     arguments = [item for item in arguments if item != "--resume"]
+    late = None if config_path else _late_config(arguments)
+    if late:
+        rest = " ".join([item for item in arguments if item is not late] + ["--resume"] * resume)
+        print(f"grpo-fast train: the config file comes first, got {late!r} after --key value pairs: grpo-fast train "
+              f"{late} {rest}", file=sys.stderr)
+        return 2
     try:
         with warnings.catch_warnings(record=True) as caught:      # a flat config file: one line, then it trains
             warnings.simplefilter("always", FutureWarning)
@@ -147,6 +232,8 @@ def _train(arguments: list) -> int:
     except (ValueError, OSError) as error:
         print(f"grpo-fast train: {error}", file=sys.stderr)
         return 2
+    if own:                            # a program calling main sets its own threads
+        _thread_note(config.policy.device)
     signals.stop_once_for_good()       # the first Ctrl-C / SIGTERM stops the run; later ones cannot cut its save
     try:
         history = train(config, resume=resume)
