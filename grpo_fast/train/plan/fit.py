@@ -1,5 +1,6 @@
-"""A TrainConfig's job for the planner, and whether it fits: the shape and Job a config trains, the one change
-that makes a job fit a card (fit_advice), and the plan the trainer logs before it loads a model (log_run_plan).
+"""A TrainConfig's job for the planner, and whether it fits: the shape and Job a config trains, what would make a
+job fit a card (fitting_change; fit_advice for a config), and the plan the trainer logs before it loads a model
+(log_run_plan).
 """
 
 from __future__ import annotations
@@ -55,39 +56,78 @@ def training_job(config, prompt_length: int, device: str) -> Job:
 
 
 
-# single changes of a training config that lower its peak without changing what it learns, tried in this order
+# single changes of a job that lower its peak without changing what it learns, tried in this order, as trainer keys
 FIT_CHANGES = (("gradient_checkpointing", True), ("loss_implementation", "grpo_fast"), ("micro_batch_size", 1),
                ("vllm_gpu_memory_utilization", 0.2))
 # then the memory options (grpo_fast.train.update.precision, lora), from the most exact: they change the numerics or
 # what is trained
 MEMORY_CHANGES = ({"dtype": "bf16", "optimizer": "adamw-bf16"}, {"dtype": "bf16", "optimizer": "adamw8bit"},
                   {"dtype": "bf16", "optimizer": "adamw", "lora_rank": 64})
+# the Job field each trainer key of those changes sets (training_job's mapping)
+JOB_FIELDS = {"gradient_checkpointing": "gradient_checkpointing", "loss_implementation": "loss",
+              "micro_batch_size": "micro_batch_size", "vllm_gpu_memory_utilization": "gpu_memory_utilization",
+              "dtype": "dtype", "optimizer": "optimizer", "lora_rank": "lora_rank",
+              "max_completion_length": "completion_length"}
+
+
+def config_words(key: str, value) -> str:
+    """A trainer key's value as a config file writes it (`micro_batch_size: 1`)."""
+    return f"{key}: {value}"
 
 
 def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
     """None when the TrainConfig's job fits a CUDA card of `capacity` bytes; otherwise one sentence saying how
-    much it needs and the first change in FIT_CHANGES, else in MEMORY_CHANGES, that makes it fit (or that none
-    does)."""
+    much it needs and what would make it fit (fitting_change)."""
     job = training_job(config, prompt_length, "cuda")
     ok, needed = fits_in(shape, job, plan(shape, job, capacity), capacity)
     if ok:
         return None
     message = f"the plan needs {needed / GIB:.1f} GiB on this {capacity / GIB:.1f} GiB card" + (
         f" ({pool_shortfall(shape, job, capacity)})" if needed <= capacity else "")
-    changes = [({key: value}, "") for key, value in FIT_CHANGES] + [
-        (change, " (it changes the numerics or what is trained)") for change in MEMORY_CHANGES]
-    current = config.flat()
-    for change, caveat in changes:
-        if all(current[key] == value for key, value in change.items()):
-            continue
-        changed = training_job(config.replace(**change), prompt_length, "cuda")
-        changed_ok, changed_needed = fits_in(shape, changed, plan(shape, changed, capacity), capacity)
-        if changed_ok:
-            named = " with ".join(f"{key}: {value}" for key, value in change.items())
-            return f"{message}; {named} would make it fit ({changed_needed / GIB:.1f} GiB){caveat}"
-    return f"{message}, and none of {[key for key, _ in FIT_CHANGES]} or bf16 weights with a low-bit optimizer " \
-           f"or LoRA makes it fit (a smaller model or a shorter max_completion_length would)"
+    return f"{message}; {fitting_change(shape, job, capacity)}"
 
+
+def _needed(shape: ModelShape, job: Job, change: dict, capacity: int):
+    """The bytes `job` with `change` (trainer keys) needs on the card when it fits there, else None (also for a
+    combination the trainer refuses: no way to fit)."""
+    try:
+        changed = dataclasses.replace(job, **{JOB_FIELDS[key]: value for key, value in change.items()})
+    except ValueError:
+        return None
+    ok, needed = fits_in(shape, changed, plan(shape, changed, capacity), capacity)
+    return needed if ok else None
+
+
+def fitting_change(shape: ModelShape, job: Job, capacity: int, words=config_words) -> str:
+    """What makes a job that does not fit a CUDA card of `capacity` bytes fit, by the planner's numbers, as "X would
+    make it fit (needed GiB)": the first single change of FIT_CHANGES, else of MEMORY_CHANGES, that does; else
+    the exact ones together, alone or with a memory option (only those of them it needs); else the longest
+    completion that does; else that none does. words(key, value): how a trainer key's value is named (a config's
+    `key: value`, or `grpo-fast plan`'s option)."""
+    exact = {key: value for key, value in FIT_CHANGES if getattr(job, JOB_FIELDS[key]) != value}
+    caveat = "; it changes the numerics or what is trained"
+    tries = [({key: value}, "") for key, value in exact.items()] + [(change, caveat) for change in MEMORY_CHANGES]
+    tries += [(exact, "")] * (len(exact) > 1) + [({**exact, **change}, caveat) for change in MEMORY_CHANGES
+                                                  if exact]
+    for change, note in tries:
+        if _needed(shape, job, change, capacity) is None:
+            continue
+        for key in [key for key in exact if key in change and len(change) > 1]:     # drop what it does not need
+            fewer = {other: value for other, value in change.items() if other != key}
+            change = fewer if _needed(shape, job, fewer, capacity) is not None else change
+        named = " with ".join(words(key, value) for key, value in change.items())
+        return f"{named} would make it fit ({_needed(shape, job, change, capacity) / GIB:.1f} GiB{note})"
+    none = ("no change of checkpointing, the loss, the micro-batch, the vLLM share, the weights' dtype, the optimizer "
+            "or LoRA makes it fit")
+    low, high = 0, job.completion_length          # the longest completion that fits: low does (0: none), high not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if _needed(shape, job, {"max_completion_length": middle}, capacity) else \
+            (low, middle)
+    if not low:
+        return f"{none}, and no completion length does: a smaller model would"
+    needed = _needed(shape, job, {"max_completion_length": low}, capacity)
+    return f"{none}; {words('max_completion_length', low)} would ({needed / GIB:.1f} GiB)"
 
 
 def log_run_plan(config, samples: list, device, log) -> None:

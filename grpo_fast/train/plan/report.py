@@ -23,11 +23,14 @@ class PlanReport:
     generation_peak: int = 0
 
 
-def report(model: str, shape: ModelShape, job: Job) -> PlanReport:
+def report(model: str, shape: ModelShape, job: Job, advise=None) -> PlanReport:
+    """The plan of `job` and each card's verdict; advise(capacity): what would make the job fit a card it does not
+    (grpo_fast.train.plan.fit.fitting_change), or None for no advice."""
     estimate = plan(shape, job)                   # with no card: the largest chunk budget
     cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card],
                     "training_peak_bytes": int(peak),
-                    "pool_shortfall": pool_shortfall(shape, job, CARDS[card])}
+                    "pool_shortfall": pool_shortfall(shape, job, CARDS[card]),
+                    "advice": advise(CARDS[card]) if advise and not ok else None}
              for card, (ok, need, peak) in fits(shape, job).items()}
     return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
                       components={k: int(v) for k, v in estimate.items()},
@@ -74,6 +77,9 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"{card:<24}{verdict:>14}  ({result['needed_bytes'] / GIB:.1f} GiB needed of "
                      f"{result['capacity_bytes'] / GIB:.1f} GiB)" + (f"; {result['pool_shortfall']}"
                                                                       if result["pool_shortfall"] else ""))
+    advised = [card for card, result in report.cards.items() if result.get("advice")]
+    for card in dict.fromkeys(advised[:1] + advised[-1:]):         # the smallest and the largest card it misses
+        lines.append(f"to fit {card}: {report.cards[card]['advice']}")
     return "\n".join(lines)
 
 
