@@ -25,6 +25,7 @@ import importlib
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -70,9 +71,18 @@ SHAPES = [HEADLINE, Shape(4096, 3584, 152064), Shape(65536, 3584, 152064),
           Shape(16384, 2304, 256000)]                             # Gemma 2 2B's head
 PEERS = ["naive", "trl", "liger"]
 # The regression cases of the GPU-only bugs first: a window that runs out of time cuts the tail.
+# Without -q: benchmarks/gpu_window.sh adds -v, whose line per test is the record of a phase cut short.
 KERNEL_TESTS = ("python -m pytest tests/kernels/test_sure_tokens.py tests/kernels/test_gpu_numerics.py "
                 "tests/kernels/test_kernels.py tests/loss/test_kept.py tests/loss/test_logprobs.py "
-                "tests/loss/test_loss.py -q")
+                "tests/loss/test_loss.py")
+# pytest -v's line per finished test (`ID OUTCOME [ 5%]`, or `[gw0] [ 5%] OUTCOME ID` under pytest-xdist), the
+# -rfE summary's `FAILED ID - why`, a started test's `ID` alone, and the number of tests collected
+_OUTCOME = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+_TEST_LINES = (re.compile(rf"^(?P<id>\S+::\S+) (?P<outcome>{_OUTCOME})\b"),
+               re.compile(rf"^\[gw\d+\] \[ *\d+%\] (?P<outcome>{_OUTCOME}) (?P<id>\S+::\S+)"),
+               re.compile(r"^(?P<outcome>FAILED|ERROR) (?P<id>\S+::\S+)"))
+_STARTED = re.compile(r"^(?P<id>[^\s\[]\S*::\S+)\s*$")
+_COLLECTED = re.compile(r"collected (\d+) items?(?: / \d+ deselected)?(?: / (\d+) selected)?|\[(\d+) items?\]")
 # Under compute-sanitizer's memcheck (benchmarks/gpu_window.sh, when time is left): the row layouts (padded,
 # strided, V just below a tile) and the kept sets' gathers and scatters, where an index goes out of bounds first.
 SANITIZER_TESTS = ("python -m pytest tests/kernels/test_gpu_numerics.py -q -k "
@@ -82,6 +92,44 @@ FORCED_CHUNKS = 4                  # the headline's multi-chunk row: what the fp
 CORRECTNESS_SHARE = 0.5            # of the time left when the correctness rows start
 BIG_BUFFER = (43008, 50257)        # tokens x V of the > 2^31 buffer row: 43008 x 50272 padded = 2.16e9 elements
 BIG_BUFFER_MIN_S = 45              # that check needs about this much (a fresh process, 4.3 GB of bf16 logits)
+
+
+def kernel_test_outcomes(output: str, named=5) -> str:
+    """One line of what a kernel test run did, from its pytest -v output however it ended (a run killed at its
+    time limit prints no summary of its own): tests collected, passed, failed (errors included), skipped,
+    unfinished, the first `named` failures and the tests running when it was cut. "" when the output holds no
+    pytest run."""
+    outcomes, started, total = {}, [], None
+    for line in output.splitlines():
+        found = _COLLECTED.search(line)
+        if found and total is None:
+            total = int(next(n for n in (found.group(2), found.group(1), found.group(3)) if n))
+        for pattern in _TEST_LINES:
+            found = pattern.match(line)
+            if found:                                   # a failure wins over a pass (an error at teardown)
+                if outcomes.get(found["id"]) not in ("FAILED", "ERROR"):
+                    outcomes[found["id"]] = found["outcome"]
+                break
+        else:
+            found = _STARTED.match(line)
+            if found:
+                started.append(found["id"])
+    if total is None and not outcomes:
+        return ""
+    counts = {kind: sum(o in group for o in outcomes.values())
+              for kind, group in (("passed", ("PASSED", "XPASS")), ("failed", ("FAILED", "ERROR")),
+                                  ("skipped", ("SKIPPED", "XFAIL")))}
+    total = max(total or 0, len(outcomes))
+    line = f"{total} tests: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    line += f", {total - len(outcomes)} unfinished"
+    failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
+    if failed:
+        line += "; failed: " + " ".join(failed[:named]) + (f" and {len(failed) - named} more" if len(failed) > named
+                                                            else "")
+    running = list(dict.fromkeys(test for test in started if test not in outcomes))
+    if running and total > len(outcomes):
+        line += "; running when cut: " + " ".join(running[:named])
+    return line
 
 
 def install_wheels(folder, log=print) -> None:

@@ -1,33 +1,38 @@
 #!/usr/bin/env bash
 # One GPU window in one command, on a machine with no package registry:
 #   benchmarks/gpu_window.sh OUT_DIR [WHEELS_DIR]
-# Phases in order of value, all inside WINDOW_S seconds (default 420: with the machine's start, about 8 minutes of
+# Phases in order of value, all inside WINDOW_S seconds (default 300: with the machine's start, about 7 minutes of
 # a 15-minute GPU lease, which leaves room to run the window again):
 #   1. environment   nvidia-smi, versions, the commit: OUT_DIR/environment.txt
 #   2. install       grpo_fast editable without dependencies, and those wheels of WHEELS_DIR whose package the
 #                    environment lacks (trl, liger-kernel, datasets, ...)
-#   3. kernel tests  gpu_check.KERNEL_TESTS in parallel (pytest-xdist workers, a per-test timeout, -rfE; in one
-#                    process, and said so, where xdist or pytest-timeout does not import): kernel_tests.txt
+#   3. kernel tests  gpu_check.KERNEL_TESTS in parallel (pytest-xdist workers, a per-test timeout, -v -rfE; in one
+#                    process, and said so, where xdist or pytest-timeout does not import): kernel_tests.txt, its
+#                    last line the tests passed, failed and unfinished, however the phase ended
 #   4. gpu_check     correctness and timings within a budget, under a hard timeout: gpu_check.json, SUMMARY.md
 #   5. memcheck      compute-sanitizer --tool memcheck over gpu_check.SANITIZER_TESTS (layouts, kept sets), where
 #                    the tool is found and time is left: memcheck.txt
 #   6. verl          main_ppo for 2 steps (examples/verl_grpo.py) where verl, vLLM and Ray import and time is left
-#                    (a longer WINDOW_S): verl_grpo.txt
+#                    (a longer WINDOW_S), in a scratch folder: its step lines and last lines go into window.log
 # Each phase gets what it asks for or what is left, whichever is less; one that cannot have its minimum is skipped
 # and says why. As each phase ends, its line goes into OUT_DIR/phases.tsv (phase, status, seconds, result) and
-# window.log, so a crash or a timeout keeps what was done and nothing is cut silently.
+# window.log, so a crash or a timeout keeps what was done and nothing is cut silently. OUT_DIR gets 8 files, no
+# more: environment.txt, kernel_tests.txt, gpu_check.log, gpu_check.json, SUMMARY.md, memcheck.txt, phases.tsv and
+# window.log.
 #
 # Settings (environment variables):
 #   GRPO_FAST_COMMIT      the commit this tree is (default: git's; a copy of the tree without .git gets
 #                         "tree <id>", the git tree id of its files (benchmarks/tree_id.py), which names the
 #                         commit: git log --all --format='%H %T' | grep <id>)
 #   PYTHON                the interpreter (default python3)
-#   WINDOW_S              the whole window's seconds (default 420)
+#   WINDOW_S              the whole window's seconds (default 300)
 #   KERNEL_TESTS          the kernel test command as it is (default: gpu_check.KERNEL_TESTS with the flags above)
-#   KERNEL_TESTS_TIMEOUT  the phase's limit in seconds (default 150); TEST_WORKERS (default: the CPUs, at most 8),
-#                         TEST_TIMEOUT per test (default 120)
-#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 150); GPU_CHECK_TIMEOUT its hard limit
-#                         (default the budget + 40)
+#   KERNEL_TESTS_TIMEOUT  the phase's limit in seconds (default 100; at its end pytest gets SIGINT, so it prints its
+#                         summary); TEST_WORKERS (default: the CPUs this process may run on, whatever
+#                         OMP_NUM_THREADS says, at most 8); TEST_TIMEOUT per test (default 60); TEST_SELECT a
+#                         pytest -k expression that narrows the default tests (e.g. sure_tokens: a CPU rehearsal)
+#   GPU_CHECK_BUDGET      gpu_check's --budget in seconds (default 120); GPU_CHECK_TIMEOUT its hard limit
+#                         (default the budget + 30)
 #   GPU_CHECK_ARGS        more gpu_check flags, e.g. "--device cpu --backend torch --quick" (a CPU dry run)
 #   SANITIZER             the compute-sanitizer to run (default: the one on PATH); SANITIZER_TIMEOUT (default 100)
 #   VERL_GRPO_TIMEOUT     the limit of the verl main_ppo run (default 240; skipped when less is left)
@@ -42,7 +47,7 @@ OUT=$(cd "$OUT" && pwd)
 [ -n "$WHEELS" ] && WHEELS=$(cd "$WHEELS" && pwd)
 cd "$(dirname "$0")/.."                       # the repository root: tests and `pip install -e .` run from here
 PY=${PYTHON:-python3}
-WINDOW_S=${WINDOW_S:-420}
+WINDOW_S=${WINDOW_S:-300}
 START=$SECONDS
 LOG="$OUT/window.log"
 PHASES="$OUT/phases.tsv"
@@ -142,43 +147,59 @@ EOF
   done_phase install ok $((SECONDS - T0)) "$IMPORTABLE"
 fi
 
-# 3. the kernel tests on this GPU, in parallel: each worker compiles its share of the ~150 kernel specializations
+# 3. the kernel tests on this GPU, in parallel: each worker compiles its share of the ~150 kernel specializations.
+# -v writes each test's line as it ends, and the limit's SIGINT lets pytest print its failures and summary: a phase
+# cut short still says what passed, what failed and what never finished (gpu_check.kernel_test_outcomes).
 T0=$SECONDS
 if [ -n "${KERNEL_TESTS:-}" ]; then
-  TESTS=$KERNEL_TESTS
+  read -r -a TESTS <<<"$KERNEL_TESTS"
 else
-  TESTS="$("$PY" -c 'from grpo_fast.benchmarks.gpu_check import KERNEL_TESTS; print(KERNEL_TESTS)' 2>>"$LOG") \
--p no:cacheprovider -rfE"
+  read -r -a TESTS <<<"$("$PY" -c 'from grpo_fast.benchmarks.gpu_check import KERNEL_TESTS; print(KERNEL_TESTS)' \
+    2>>"$LOG")"
+  TESTS+=(-p no:cacheprovider -rfE -v)
+  [ -n "${TEST_SELECT:-}" ] && TESTS+=(-k "$TEST_SELECT")
   if "$PY" -c "import xdist" 2>/dev/null; then
-    TESTS="$TESTS -n ${TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); [ "$n" -gt 8 ] && n=8; echo "$n")}"
+    # the CPUs this process may run on: nproc answers OMP_NUM_THREADS instead (1 on some images: one worker)
+    WORKERS=$("$PY" -c 'import os; print(min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+      else os.cpu_count() or 2))' 2>/dev/null || echo 2)
+    TESTS+=(-n "${TEST_WORKERS:-$WORKERS}")
   else
     log "kernel tests: pytest-xdist does not import here: one process"
   fi
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-    TESTS="$TESTS --timeout ${TEST_TIMEOUT:-120}"
+    TESTS+=(--timeout "${TEST_TIMEOUT:-60}")
   else
     log "kernel tests: pytest-timeout does not import here: no limit per test, only the phase's"
   fi
 fi
-TESTS=${TESTS/#python /$PY }
-TEST_TIMEOUT=$(grant "${KERNEL_TESTS_TIMEOUT:-150}" 20)
-if [ "$TEST_TIMEOUT" = 0 ]; then
+[ "${#TESTS[@]}" -gt 0 ] && [ "${TESTS[0]}" = python ] && TESTS[0]=$PY
+WANT=${KERNEL_TESTS_TIMEOUT:-100}
+NEED=$((WANT < 20 ? WANT : 20))               # a shorter limit asked for is granted as it is
+TESTS_LIMIT=$(grant "$WANT" "$NEED")
+if [ "$TESTS_LIMIT" = 0 ]; then
   echo "skipped: $(left) s left in the window" >"$OUT/kernel_tests.txt"
   TEST_STATUS=skipped
-  done_phase "kernel tests" skipped 0 "$(left) s left in the window, 20 needed"
+  done_phase "kernel tests" skipped 0 "$(left) s left in the window, $NEED needed"
 else
-  log "kernel tests, timeout $TEST_TIMEOUT s: $TESTS"
-  echo "$TESTS" >"$OUT/kernel_tests.txt"
-  timeout -k 10 "$TEST_TIMEOUT" $TESTS >>"$OUT/kernel_tests.txt" 2>&1
+  log "kernel tests, timeout $TESTS_LIMIT s: ${TESTS[*]}"
+  echo "${TESTS[*]}" >"$OUT/kernel_tests.txt"
+  timeout -s INT -k 10 "$TESTS_LIMIT" "${TESTS[@]}" >>"$OUT/kernel_tests.txt" 2>&1
   TEST_STATUS=$?
+  TEST_RESULT=$("$PY" -c 'import sys; from grpo_fast.benchmarks.gpu_check import kernel_test_outcomes
+print(kernel_test_outcomes(open(sys.argv[1], errors="replace").read()))' "$OUT/kernel_tests.txt" 2>>"$LOG")
+  if [ -n "$TEST_RESULT" ]; then
+    echo "$TEST_RESULT" >>"$OUT/kernel_tests.txt"
+  else                                        # not pytest's output (a KERNEL_TESTS of its own): its last line
+    TEST_RESULT=$(tail -n 1 "$OUT/kernel_tests.txt")
+  fi
   done_phase "kernel tests" "exit $TEST_STATUS" $((SECONDS - T0)) \
-    "$(tail -n 1 "$OUT/kernel_tests.txt") (0 pass, 1 failures, 124/137 timed out)"
+    "$TEST_RESULT (0 pass, 1 failures, 124/137 timed out)"
 fi
 
 # 4. gpu_check: it rewrites OUT/gpu_check.json and OUT/SUMMARY.md after every phase of its own
 T0=$SECONDS
-BUDGET=${GPU_CHECK_BUDGET:-150}
-WANT=${GPU_CHECK_TIMEOUT:-$((BUDGET + 40))}
+BUDGET=${GPU_CHECK_BUDGET:-120}
+WANT=${GPU_CHECK_TIMEOUT:-$((BUDGET + 30))}
 CHECK_TIMEOUT=$(grant "$WANT" $((WANT < 60 ? WANT : 60)))
 [ "$CHECK_TIMEOUT" -gt 40 ] && [ "$BUDGET" -gt $((CHECK_TIMEOUT - 30)) ] && BUDGET=$((CHECK_TIMEOUT - 30))
 if [ "$CHECK_TIMEOUT" = 0 ]; then
@@ -218,23 +239,25 @@ else
 fi
 
 # 6. verl's main_ppo for 2 GRPO steps with vLLM rollouts and grpo_fast fused (examples/verl_grpo.py), where verl,
-# vLLM and Ray import and VERL_GRPO_TIMEOUT (default 240) seconds are left in the window; else the reason
+# vLLM and Ray import and VERL_GRPO_TIMEOUT (default 240) seconds are left in the window; else the reason. Its model,
+# data and checkpoints go to a scratch folder, its step lines and last lines into window.log: OUT_DIR keeps 8 files.
 T0=$SECONDS
 VERL_TIMEOUT=${VERL_GRPO_TIMEOUT:-240}
 if ! MISSING_VERL=$("$PY" -c 'import importlib.util as u; import sys; missing = [m for m in ("verl", "vllm", "ray")
     if not u.find_spec(m)]; print(" ".join(missing)); sys.exit(bool(missing))' 2>&1); then
-  echo "skipped: not importable: $MISSING_VERL" >"$OUT/verl_grpo.txt"
   done_phase verl skipped 0 "not importable: $MISSING_VERL"
 elif [ "$(grant "$VERL_TIMEOUT" "$VERL_TIMEOUT")" = 0 ]; then
-  echo "skipped: $(left) s left in the window, $VERL_TIMEOUT s needed" >"$OUT/verl_grpo.txt"
   done_phase verl skipped 0 "$(left) s left in the window, $VERL_TIMEOUT s needed"
 else
-  log "verl main_ppo, 2 steps, timeout $VERL_TIMEOUT s: examples/verl_grpo.py $OUT/verl_grpo"
-  timeout -k 10 "$VERL_TIMEOUT" "$PY" examples/verl_grpo.py "$OUT/verl_grpo" trainer.total_training_steps=2 \
-    >"$OUT/verl_grpo.txt" 2>&1
+  VERL_DIR=$(mktemp -d)
+  log "verl main_ppo, 2 steps, timeout $VERL_TIMEOUT s: examples/verl_grpo.py $VERL_DIR/verl_grpo"
+  timeout -k 10 "$VERL_TIMEOUT" "$PY" examples/verl_grpo.py "$VERL_DIR/verl_grpo" trainer.total_training_steps=2 \
+    >"$VERL_DIR/output.txt" 2>&1
   VERL_STATUS=$?
-  rm -rf "$OUT/verl_grpo/checkpoints" "$OUT/verl_grpo/model"    # the step's log stays, the weights go
-  done_phase verl "exit $VERL_STATUS" $((SECONDS - T0)) "$(tail -n 1 "$OUT/verl_grpo.txt") (0 pass)"
+  { echo "verl main_ppo: its step lines, then its last 20 lines:"; grep -E 'step:[0-9]+ ' "$VERL_DIR/output.txt"
+    tail -n 20 "$VERL_DIR/output.txt"; } >>"$LOG"
+  done_phase verl "exit $VERL_STATUS" $((SECONDS - T0)) "$(tail -n 1 "$VERL_DIR/output.txt") (0 pass)"
+  rm -rf "$VERL_DIR"
 fi
 
 GPU=$("$PY" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")' \

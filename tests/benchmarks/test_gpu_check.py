@@ -237,3 +237,40 @@ def test_the_summary_of_a_run_that_measured_almost_nothing():
     assert lines[1].startswith("gpu_check on ?") and "copy ? GB/s" in lines[2]
     assert "no floor" in lines[5] and "1 x 8 rows, d(weight) direct" in lines[5], lines
     assert lines[6] == "  16x4x10: floor 1.00x, grpo_fast 2.00x (2 chunks, fp32)", lines
+
+
+# pytest -v output of a kernel test run in 2 xdist workers, interrupted at its time limit
+XDIST_OUTPUT = """created: 2/2 workers
+2 workers [5 items]
+
+scheduling tests via LoadScheduling
+
+tests/kernels/test_x.py::test_passes[torch]
+[gw0] [ 20%] PASSED tests/kernels/test_x.py::test_passes[torch]
+tests/kernels/test_x.py::test_fails
+tests/kernels/test_x.py::test_hangs
+[gw0] [ 40%] FAILED tests/kernels/test_x.py::test_fails
+tests/kernels/test_x.py::test_skips
+[gw0] [ 60%] SKIPPED tests/kernels/test_x.py::test_skips
+[gw1] [ 80%] ERROR tests/kernels/test_x.py::test_passes[torch]
+
+=================================== FAILURES ===================================
+=========================== short test summary info ============================
+FAILED tests/kernels/test_x.py::test_fails - assert 1 == 2
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+========================= 1 failed, 1 passed in 8.54s ==========================
+"""
+
+
+def test_kernel_test_outcomes_of_a_run_cut_short():
+    """Counted from pytest -v's line per test (xdist's form here; the one-process form in test_gpu_window.py): an
+    error at teardown makes a passed test failed, the test still running is named, the rest is unfinished."""
+    assert gpu_check.kernel_test_outcomes(XDIST_OUTPUT) == (
+        "5 tests: 0 passed, 2 failed, 1 skipped, 2 unfinished; failed: tests/kernels/test_x.py::test_passes[torch] "
+        "tests/kernels/test_x.py::test_fails; running when cut: tests/kernels/test_x.py::test_hangs")
+    plain = "collected 40 items / 30 deselected / 10 selected\n" + "".join(
+        f"tests/t.py::test_{i} FAILED [ {i}%]\n" for i in range(7))
+    assert gpu_check.kernel_test_outcomes(plain, named=2) == (
+        "10 tests: 0 passed, 7 failed, 0 skipped, 3 unfinished; failed: tests/t.py::test_0 tests/t.py::test_1 and 5 "
+        "more")
+    assert gpu_check.kernel_test_outcomes("12345\n") == ""

@@ -1,9 +1,11 @@
 """benchmarks/gpu_window.sh on CPU: its gpu_check phase in the CPU smoke mode, stand-ins for the kernel tests and
 compute-sanitizer, the install as a dry run (only the wheels whose package is missing), every result file in
-OUT_DIR, the phases' budget, and the commit of a copy of the tree without .git."""
+OUT_DIR (8 at most: what a lease returns), the phases' budget, a kernel test phase cut at its limit, and the commit
+of a copy of the tree without .git."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,8 +54,7 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
     assert "commit: 0123456789abcdef," in (out / "environment.txt").read_text()
     assert json.loads((out / "gpu_check.json").read_text())["environment"]["commit"] == "0123456789abcdef"
     assert {p.name for p in out.iterdir()} == {"environment.txt", "window.log", "gpu_check.log", "gpu_check.json",
-                                                "SUMMARY.md", "kernel_tests.txt", "memcheck.txt", "verl_grpo.txt",
-                                                "phases.tsv"}
+                                                "SUMMARY.md", "kernel_tests.txt", "memcheck.txt", "phases.tsv"}
     # each phase's line, in order of value
     phases = [line.split("\t") for line in (out / "phases.tsv").read_text().splitlines()[1:]]
     assert [p[0] for p in phases] == ["environment", "install", "kernel tests", "gpu_check", "memcheck", "verl"]
@@ -63,17 +64,32 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
     assert "-m pip install -q --no-deps --no-build-isolation -e ." in log, log
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["finished"] and result["summary"][0].startswith("SUMMARY: PASS")
-    assert "--budget 150" in result["command"]
+    assert "--budget 120" in result["command"] and re.search(r"done in \d+ s of 300;", log), log
     assert (out / "kernel_tests.txt").read_text().splitlines()[-1] == "12345"
     assert "gpu_check: 0, kernel tests: 0" in done.stdout and "benchmarks/results/cpu/" in log
-    # verl is not in this environment, or the default window has no time left for it: said, not run
-    assert (out / "verl_grpo.txt").read_text().startswith("skipped: ")
-    assert phases[5][1] == "skipped"
+    # verl is not in this environment, or the default window has no time left for it: said (in phases.tsv), not run
+    assert phases[5][1] == "skipped" and phases[5][3]
+
+
+def test_the_default_window_leaves_a_15_minute_lease_room_for_a_rerun():
+    """WINDOW_S at most 300 s: with a machine's start of a few minutes, a second (shorter) window still fits in a
+    15-minute lease. The kernel tests and gpu_check, each with its 10 s kill grace, fit in it after the environment
+    and an install of half a minute, so the two most valuable phases are never cut by the window's defaults."""
+    text = SCRIPT.read_text()
+
+    def default(name):
+        return int(re.search(rf"\${{{name}:-(\d+)}}", text).group(1))
+
+    window, tests, budget = default("WINDOW_S"), default("KERNEL_TESTS_TIMEOUT"), default("GPU_CHECK_BUDGET")
+    check = budget + int(re.search(r"GPU_CHECK_TIMEOUT:-\$\(\(BUDGET \+ (\d+)\)\)", text).group(1))
+    assert window <= 300, window
+    assert 30 + tests + 10 + check + 10 <= window, (window, tests, check)
 
 
 def test_verls_main_ppo_runs_where_verl_vllm_and_ray_import(tmp_path):
     """With verl, vLLM and Ray importable (an interpreter that says so) and time left in the window, the window
-    runs examples/verl_grpo.py for 2 steps into OUT_DIR/verl_grpo, its output into verl_grpo.txt."""
+    runs examples/verl_grpo.py for 2 steps in a scratch folder, removed after; its output goes into window.log and
+    its last line into phases.tsv, and OUT_DIR holds no file of its own."""
     python = stand_in_python(tmp_path, """case "$*" in
   *find_spec*) echo; exit 0 ;;
   examples/verl_grpo.py*) echo "main_ppo with: $*"; exit 0 ;;
@@ -81,9 +97,13 @@ esac""")
     out = tmp_path / "out"
     done = run_window(out, {"PYTHON": str(python), "SKIP_INSTALL": "1", "WINDOW_S": "1200"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (out / "verl_grpo.txt").read_text() == (f"main_ppo with: examples/verl_grpo.py {out}/verl_grpo "
-                                                   "trainer.total_training_steps=2\n")
-    assert phases_of(out)["verl"][0] == "exit 0"
+    status, result = phases_of(out)["verl"]
+    ran = re.fullmatch(r"main_ppo with: examples/verl_grpo.py (\S+)/verl_grpo trainer.total_training_steps=2 "
+                       r"\(0 pass\)", result)
+    assert status == "exit 0" and ran, result
+    assert not Path(ran.group(1)).exists() and not Path(ran.group(1)).is_relative_to(out)
+    assert result.removesuffix(" (0 pass)") in (out / "window.log").read_text()
+    assert len(list(out.iterdir())) <= 8 and not list(out.glob("verl*")), sorted(p.name for p in out.iterdir())
 
 
 def test_a_gpu_check_that_outlives_its_timeout_leaves_its_rows_and_the_window_goes_on(tmp_path):
@@ -115,29 +135,63 @@ def phases_of(out) -> dict:
 
 
 def test_the_kernel_tests_run_in_parallel_with_a_limit_per_test(tmp_path):
-    """The default kernel test command: gpu_check.KERNEL_TESTS with -rfE, pytest-xdist workers and a per-test
-    timeout where both import; in one process without a per-test limit, and said so, where neither does."""
+    """The default kernel test command: gpu_check.KERNEL_TESTS with -v -rfE, TEST_SELECT as one -k argument,
+    pytest-xdist workers (one per CPU this process may use, at most 8, whatever OMP_NUM_THREADS says: nproc's 1
+    there would leave the other CPUs idle) and a per-test timeout where both import; in one process without a
+    per-test limit, and said so, where neither does."""
     from grpo_fast.benchmarks.gpu_check import KERNEL_TESTS
 
     echo = stand_in_python(tmp_path, """case "$*" in
-  "-m pytest"*) echo "pytest got: $*"; exit 0 ;;
+  "-m pytest"*) printf 'pytest got:'; printf ' [%s]' "$@"; echo; exit 0 ;;
 esac""")
-    env = {"PYTHON": str(echo), "SKIP_INSTALL": "1", "KERNEL_TESTS": "", "TEST_WORKERS": "4", "WINDOW_S": "60"}
+    env = {"PYTHON": str(echo), "SKIP_INSTALL": "1", "KERNEL_TESTS": "", "WINDOW_S": "60", "OMP_NUM_THREADS": "1",
+           "TEST_SELECT": "sure_tokens or layouts"}
     done = run_window(tmp_path / "out", env)
     tests = (tmp_path / "out" / "kernel_tests.txt").read_text().splitlines()[-1]
-    assert tests.startswith("pytest got: " + KERNEL_TESTS.removeprefix("python "))
-    assert tests.endswith("-p no:cacheprovider -rfE -n 4 --timeout 120"), tests
+    workers = min(8, len(os.sched_getaffinity(0)))
+    assert tests.startswith("pytest got: " + " ".join(f"[{a}]" for a in KERNEL_TESTS.split()[1:])), tests
+    assert tests.endswith("[-p] [no:cacheprovider] [-rfE] [-v] [-k] [sure_tokens or layouts] "
+                          f"[-n] [{workers}] [--timeout] [60]"), tests
     assert phases_of(tmp_path / "out")["kernel tests"][0] == "exit 0", done.stdout[-2000:]
 
     bare = stand_in_python(tmp_path, """case "$*" in
   "-c import xdist"|"-c import pytest_timeout") exit 1 ;;
-  "-m pytest"*) echo "pytest got: $*"; exit 0 ;;
+  "-m pytest"*) printf 'pytest got:'; printf ' [%s]' "$@"; echo; exit 0 ;;
 esac""")
     run_window(tmp_path / "bare", {**env, "PYTHON": str(bare)})
     tests = (tmp_path / "bare" / "kernel_tests.txt").read_text().splitlines()[-1]
-    assert tests.endswith("-p no:cacheprovider -rfE"), tests
+    assert tests.endswith("[-rfE] [-v] [-k] [sure_tokens or layouts]"), tests
     log = (tmp_path / "bare" / "window.log").read_text()
     assert "pytest-xdist does not import here: one process" in log and "pytest-timeout does not import" in log
+
+
+def test_a_kernel_test_phase_cut_at_its_limit_says_what_passed_failed_and_never_finished(tmp_path):
+    """The default kernel test command over three tests, one that hangs, cut at an 8-second limit: kernel_tests.txt's
+    last line and phases.tsv give the count of each outcome, the failure by name and the test running when the phase
+    was cut; pytest, interrupted, still prints the failure's traceback. In one process (xdist's workers take longer
+    to start than the limit on a busy CPU): test_gpu_check.py reads the workers' lines."""
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "test_cut.py").write_text(
+        "import time\n\n\ndef test_a_passes():\n    pass\n\n\ndef test_b_fails():\n    assert 1 == 2\n\n\n"
+        "def test_c_hangs():\n    time.sleep(600)\n")
+    # the kernel test files replaced by that one, every flag the window adds kept
+    python = stand_in_python(tmp_path, f"""[ "$*" = "-c import xdist" ] && exit 1
+if [ "$1 $2" = "-m pytest" ]; then
+  shift 2
+  args=""
+  for a in "$@"; do case "$a" in tests/*) ;; *) args="$args $a" ;; esac; done
+  exec {sys.executable} -m pytest {tmp_path}/cut/test_cut.py $args
+fi""")
+    out = tmp_path / "out"
+    run_window(out, {"PYTHON": str(python), "SKIP_INSTALL": "1", "KERNEL_TESTS": "", "KERNEL_TESTS_TIMEOUT": "8",
+                     "WINDOW_S": "40"})
+    status, result = phases_of(out)["kernel tests"]
+    text = (out / "kernel_tests.txt").read_text()
+    assert status == "exit 124", (status, result, text[-2000:])
+    assert result.startswith("3 tests: 1 passed, 1 failed, 0 skipped, 1 unfinished; failed: "), result
+    assert "test_cut.py::test_b_fails; running when cut: " in result and result.count("test_c_hangs") == 1, result
+    assert text.splitlines()[-1] + " (0 pass, 1 failures, 124/137 timed out)" == result
+    assert "assert 1 == 2" in text
 
 
 def test_memcheck_runs_the_sanitizer_over_the_layout_tests(tmp_path):
