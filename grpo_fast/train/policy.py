@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.fields import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, key
+from grpo_fast.fields import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, is_number, key
 from grpo_fast.packed_attention import CHOICES as ATTENTIONS
 from grpo_fast.train import pretrained, tasks
 from grpo_fast.train.run.errors import mismatches
@@ -113,31 +113,105 @@ TINY_HIDDEN, TINY_LAYERS, TINY_HEADS, TINY_KV_HEADS = 128, 2, 4, 2     # the def
 TINY_VOCAB = 300                  # the trainer's tokenizer on the task: at most this many ids
 
 
+# the largest context a scaling may give (max_position_embeddings x factor): int32, as flash-attention holds the
+# packed rows' cumulative lengths; a factor such as 1e308 would otherwise overflow the context count itself
+MAX_CONTEXT = 2**31 - 1
+
+
+def _within(low, high=None, *, open_low=False):
+    """(expected, test) of a finite real number (not a bool) above low (or from low) and up to high."""
+    text = f"a finite number {'>' if open_low else '>='} {low}" if high is None else \
+        f"a number in {'(' if open_low else '['}{low}, {high}]"
+    return text, lambda v: is_number(v) and math.isfinite(v) and (low < v if open_low else low <= v) and \
+        (high is None or v <= high)
+
+
+# Every key transformers' RoPE code (transformers.modeling_rope_utils, its validation and its computation) and vLLM's
+# read for the rope types of tasks.ROPE_SCALINGS, and what each must be: transformers only warns on a bad value (or
+# fails later in math.log, naming nothing), so the config refuses it before any model is built.
+ROPE_KEYS = {
+    "factor": _within(1, MAX_CONTEXT),
+    "rope_theta": _within(1, 3.4e38, open_low=True),      # the base of the frequencies (float32): 1 makes them all 1
+    "partial_rotary_factor": _within(0, 1, open_low=True),   # the share of head_dim that rotates (vLLM: (0, 1])
+    # YaRN's: the context the model was trained on (its correction range is measured there), the attention scale
+    # (its own is 1 + 0.1 ln(factor) <= 3.2; q and k both take it, so 100 already scales the logits by 1e4), the
+    # rotation counts that bound its ramp (beta_fast >= beta_slow), DeepSeek's pair that sets the scale instead
+    "original_max_position_embeddings": (f"a whole number in [1, {MAX_CONTEXT}]", lambda v: isinstance(v, int)
+                                         and not isinstance(v, bool) and 1 <= v <= MAX_CONTEXT),
+    "attention_factor": _within(0, 100, open_low=True),
+    "beta_fast": _within(0, open_low=True),
+    "beta_slow": _within(0, open_low=True),
+    "mscale": _within(0, 100),
+    "mscale_all_dim": _within(0, 100),
+    "truncate": ("true or false", lambda v: isinstance(v, bool)),
+}
+YARN_KEYS = ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate")
+
+
 def check_rope_scaling(rope_scaling: dict) -> None:
-    """Raises ValueError naming policy.rope_scaling unless it is a dict with a rope_type of tasks.ROPE_SCALINGS and a
-    finite factor >= 1."""
+    """Raises a one-line ValueError naming the key (policy.rope_scaling.<key>), what it must be and its value unless
+    `rope_scaling` has a rope_type (or the older `type`) of tasks.ROPE_SCALINGS, a factor, and only keys that
+    transformers reads for that type (ROPE_KEYS; YaRN's own for yarn alone), each in its range; YaRN's
+    original_max_position_embeddings x factor, when given, within MAX_CONTEXT (scaled_rope checks the model's
+    context once it is known)."""
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    factor = rope_scaling.get("factor")
-    if kind not in tasks.ROPE_SCALINGS or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
-            or not math.isfinite(factor) or factor < 1:
-        raise ValueError(f"rope_scaling must have a rope_type of {', '.join(tasks.ROPE_SCALINGS)} and a factor >= 1 "
-                         f"(policy.rope_scaling), got {rope_scaling!r}")
+    if "type" in rope_scaling and "rope_type" in rope_scaling and rope_scaling["type"] != kind:
+        raise ValueError(f"policy.rope_scaling has rope_type {kind!r} and type {rope_scaling['type']!r}: give one "
+                         f"(rope_type)")
+    if kind not in tasks.ROPE_SCALINGS:
+        raise ValueError(f"policy.rope_scaling.rope_type must be one of {', '.join(tasks.ROPE_SCALINGS)}, got "
+                         f"{kind!r}")
+    known = ("rope_type", "type", *(name for name in ROPE_KEYS if kind == "yarn" or name not in YARN_KEYS))
+    unknown = [name for name in rope_scaling if name not in known]
+    if unknown:
+        raise ValueError(f"policy.rope_scaling has no key {unknown[0]!r} for rope_type {kind!r}; the known ones: "
+                         f"{', '.join(name for name in known if name != 'type')}")
+    if "factor" not in rope_scaling:
+        raise ValueError(f"policy.rope_scaling.factor must be given for rope_type {kind!r} ({ROPE_KEYS['factor'][0]}: "
+                         f"the context's growth), got {rope_scaling!r}")
+    for name, value in rope_scaling.items():
+        expected, test = ROPE_KEYS.get(name, (None, None))
+        if test is not None and not test(value):
+            raise ValueError(f"policy.rope_scaling.{name} must be {expected}, got {value!r}")
+    beta_fast, beta_slow = rope_scaling.get("beta_fast", 32), rope_scaling.get("beta_slow", 1)   # YaRN's defaults
+    if beta_fast < beta_slow:
+        raise ValueError(f"policy.rope_scaling.beta_fast must be >= beta_slow (defaults 32 and 1: the ramp runs from "
+                         f"the fast rotations to the slow), got beta_fast {beta_fast!r} and beta_slow {beta_slow!r}")
+    if "original_max_position_embeddings" in rope_scaling:
+        check_scaled_context(rope_scaling["original_max_position_embeddings"], rope_scaling["factor"],
+                             "original_max_position_embeddings")
+
+
+def check_scaled_context(positions: int, factor: float, source: str) -> None:
+    """Raises ValueError naming policy.rope_scaling.factor when `positions` (the model's `source` key) x factor,
+    the scaled context, is beyond MAX_CONTEXT."""
+    if positions * factor > MAX_CONTEXT:
+        raise ValueError(f"policy.rope_scaling.factor {factor!r} scales {source} {positions} to a context of "
+                         f"{positions * factor:g} positions, beyond {MAX_CONTEXT} (int32): use a factor of at most "
+                         f"{MAX_CONTEXT // positions}")
 
 
 def scaled_rope(model_config, rope_scaling: Optional[dict]) -> None:
-    """Applies `rope_scaling` (policy.rope_scaling) to a transformers config in place, over its own RoPE
-    parameters (rope_theta stays: transformers replaces the whole dict when given rope_scaling alone). YaRN's
-    max_position_embeddings becomes original_max_position_embeddings (default: the config's) x factor, the
+    """Applies `rope_scaling` (policy.rope_scaling, see check_rope_scaling) to a transformers config in place, over
+    its own RoPE parameters (rope_theta stays: transformers replaces the whole dict when given rope_scaling alone).
+    YaRN's max_position_embeddings becomes original_max_position_embeddings (default: the config's) x factor, the
     convention transformers' YaRN and vLLM both assume; linear and dynamic keep it (vLLM multiplies it by the
-    factor). Applying it twice changes nothing. The trained model, the rollout process's copy and vLLM's
-    (through hf_overrides) all take it from here."""
+    factor). A scaled context beyond MAX_CONTEXT is a ValueError naming the factor. Applying it twice changes
+    nothing. The trained model, the rollout process's copy and vLLM's (through hf_overrides) all take it from
+    here."""
     if rope_scaling is None:
         return
     scaling = {("rope_type" if name == "type" else name): value for name, value in rope_scaling.items()}
+    if "attention_factor" in scaling:           # transformers wants a float (an int from YAML warns)
+        scaling["attention_factor"] = float(scaling["attention_factor"])
     merged = {**(getattr(model_config, "rope_parameters", None) or {}), **scaling}
     if merged["rope_type"] == "yarn":
         original = merged.setdefault("original_max_position_embeddings", model_config.max_position_embeddings)
+        check_scaled_context(original, merged["factor"], "original_max_position_embeddings")
         model_config.max_position_embeddings = int(original * merged["factor"])
+    else:
+        check_scaled_context(model_config.max_position_embeddings, merged["factor"], "max_position_embeddings")
     model_config.rope_parameters = merged
 
 

@@ -58,12 +58,65 @@ def test_the_context_check_counts_the_scaled_context_and_names_the_key():
         tasks.check_context(13, 500, linear)
 
 
-@pytest.mark.parametrize("value", [{"rope_type": "su", "factor": 2.0}, {"rope_type": "yarn"},
-                                   {"rope_type": "yarn", "factor": 0.5}, {"rope_type": "linear", "factor": math.nan},
-                                   {"rope_type": "linear", "factor": True}])
-def test_a_scaling_the_trainer_cannot_apply_alike_is_refused_naming_the_key(value):
-    with pytest.raises(ValueError, match=r"policy.rope_scaling"):
+@pytest.mark.parametrize("value, named", [
+    ({"rope_type": "su", "factor": 2.0}, r"rope_type must be one of yarn, linear, dynamic, got 'su'"),
+    ({"rope_type": "yarn"}, r"factor must be given for rope_type 'yarn'"),
+    ({"rope_type": "yarn", "factor": 0.5}, r"factor must be a number in \[1, 2147483647\], got 0.5"),
+    ({"rope_type": "linear", "factor": math.nan}, r"factor must be .*, got nan"),
+    ({"rope_type": "linear", "factor": True}, r"factor must be .*, got True"),
+    ({"rope_type": "linear", "factor": 1e308}, r"factor must be a number in \[1, 2147483647\], got 1e\+308"),
+    # each was a traceback (TypeError, math domain error) or a transformers warning naming no key
+    ({**YARN, "original_max_position_embeddings": "8"}, r"original_max_position_embeddings must be a whole number "
+                                                        r"in \[1, 2147483647\], got '8'"),
+    ({**YARN, "original_max_position_embeddings": 0}, r"original_max_position_embeddings must .*, got 0"),
+    ({**YARN, "original_max_position_embeddings": -3}, r"original_max_position_embeddings must .*, got -3"),
+    ({**YARN, "beta_fast": -1}, r"beta_fast must be a finite number > 0, got -1"),
+    ({**YARN, "beta_slow": 40}, r"beta_fast must be >= beta_slow .*, got beta_fast 32 and beta_slow 40"),
+    ({**YARN, "attention_factor": 0}, r"attention_factor must be a number in \(0, 100\], got 0"),
+    ({**YARN, "mscale": -10}, r"mscale must be a number in \[0, 100\], got -10"),
+    ({**YARN, "truncate": "no"}, r"truncate must be true or false, got 'no'"),
+    ({**YARN, "rope_theta": 1}, r"rope_theta must be a number in \(1, 3.4e\+38\], got 1"),
+    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0}, r"partial_rotary_factor must be .*got 0"),
+    ({**YARN, "fcator": 4.0}, r"has no key 'fcator' for rope_type 'yarn'; the known ones: rope_type, factor, "),
+    ({"rope_type": "dynamic", "factor": 2.0, "beta_fast": 32}, r"has no key 'beta_fast' for rope_type 'dynamic'; "
+                                                               r"the known ones: rope_type, factor, rope_theta, "
+                                                               r"partial_rotary_factor$"),
+    ({"rope_type": "yarn", "factor": 1e7, "original_max_position_embeddings": 8192},
+     r"factor 10000000.0 scales original_max_position_embeddings 8192 to a context of 8.192e\+10 positions, beyond "
+     r"2147483647 \(int32\): use a factor of at most 262143"),
+])
+def test_a_scaling_the_trainer_cannot_apply_alike_is_refused_naming_the_key(value, named):
+    with pytest.raises(ValueError, match=r"^policy.rope_scaling[. ]" + named):
         flat_config(rope_scaling=value)
+
+
+def test_every_key_transformers_reads_is_taken_and_applied_without_its_warnings(caplog):
+    """Each key the config accepts reaches the model's rope parameters, and transformers' own validation of the
+    result has nothing to say (its warnings were the only word on a bad value)."""
+    full = {**YARN, "attention_factor": 1, "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
+            "truncate": False, "rope_theta": 5e5, "partial_rotary_factor": 1.0}
+    config = flat_config(rope_scaling=full).policy
+    with caplog.at_level("WARNING", logger="transformers"):
+        model = tiny_qwen2(64, max_positions=128, rope_scaling=config.rope_scaling)
+        model.config.validate_rope()
+    assert model.config.rope_parameters == {**full, "attention_factor": 1.0}
+    assert not [r for r in caplog.records if "rope" in r.getMessage().lower()], caplog.records
+
+
+def test_a_factor_past_the_largest_context_of_the_models_own_is_refused_when_it_is_known(tmp_path):
+    """A linear factor is checked against the model's max_position_embeddings once it is read (1024 x 1e7 positions
+    would not fit int32); a folder whose own config holds a factor the trainer never took still gets a context
+    check, not a traceback."""
+    with pytest.raises(ValueError, match=r"^policy.rope_scaling.factor 10000000.0 scales max_position_embeddings "
+                                         r"1024 to a context of 1.024e\+10 positions, beyond 2147483647 \(int32\): "
+                                         r"use a factor of at most 2097151$"):
+        tiny_qwen2(64, max_positions=1024, rope_scaling={"rope_type": "linear", "factor": 1e7})
+    for factor in (1e308, "2"):
+        folder = SimpleNamespace(max_position_embeddings=128, rope_parameters={"rope_type": "linear", "factor": factor})
+        try:
+            tasks.check_context(16, 200, folder)
+        except ValueError as error:                  # a factor of "2" counts as no scaling
+            assert "context of 128" in str(error)
 
 
 def test_the_key_reads_json_on_the_command_line_and_yaml_dicts(tmp_path):

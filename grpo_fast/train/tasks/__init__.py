@@ -305,11 +305,13 @@ def check_context(prompt_tokens: int, max_completion_length: int, model_config, 
     if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
         return
     rope = getattr(model_config, "rope_parameters", None) or {}
-    scaled = rope.get("rope_type") in ROPE_SCALINGS and (rope.get("factor") or 1) > 1
+    factor = rope.get("factor")                 # a folder's own config.json may hold any value: a number counts
+    scaled = rope.get("rope_type") in ROPE_SCALINGS and isinstance(factor, (int, float)) and factor > 1
     if scaled and rope["rope_type"] != "yarn":   # RoPE scaling, as vLLM counts it (YaRN's is already scaled)
-        context = int(context * rope["factor"])
+        context = context * factor               # a float (inf past its range): int() once it is known finite
     if total <= context:
         return
+    context = int(context)
     prompts = "the prompt" if one_prompt else "the prompts"
     fix = (f"set {length_key} to at most {context - prompt_tokens}, or shorten {prompts}" if prompt_tokens < context
            else f"shorten {prompts}" + ("" if one_prompt else " (or leave the longest out of the dataset)"))
