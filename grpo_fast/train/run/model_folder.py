@@ -5,6 +5,9 @@ The folder holds config.json, model.safetensors, the tokenizer, generation_confi
 grpo_fast_export.json ({"step": N}: the training step whose weights these are, which `grpo-fast eval` compares with
 the run's newest checkpoint). A LoRA policy's adapters are merged into the base weights (the same merge the vLLM
 engine gets), so `AutoModelForCausalLM.from_pretrained` and `vllm.LLM(model=...)` load it as a plain model.
+The adapters alone (out_dir/adapter, PEFT's files) come with BASE_RECORD: the config keys the base must be loaded
+with to be the model they were trained on (a RoPE-scaled run's rope_parameters and max_position_embeddings; {}
+without policy.rope_scaling), since PEFT's own files say nothing of them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from grpo_fast.train.lora import engine_weights
 from grpo_fast.train.run.atomic import atomic_folder
 
 EXPORT_RECORD = "grpo_fast_export.json"
+BASE_RECORD = "grpo_fast_base.json"       # in the adapter folder: AutoModelForCausalLM.from_pretrained(base, **it)
 
 
 def exported_step(model_dir: str):
@@ -37,13 +41,23 @@ def check_target(out_dir: str) -> None:
         raise ValueError(f"export target {out_dir!r} already exists (a {kind}); remove it or choose another folder")
 
 
+def base_overrides(base, rope_scaling) -> dict:
+    """The config keys policy.scaled_rope set on `base` (the model without its PEFT wrapper) when the run had
+    `rope_scaling` (else none): what a base loaded from its own folder lacks."""
+    if rope_scaling is None:
+        return {}
+    return {"rope_parameters": dict(base.config.rope_parameters),
+            "max_position_embeddings": base.config.max_position_embeddings}
+
+
 def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: bool = False,
-                      adapter: bool = False, step: int | None = None) -> str:
+                      adapter: bool = False, step: int | None = None, rope_scaling: dict | None = None) -> str:
     """Writes `model` (a causal LM, PEFT-wrapped or not) and `tokenizer` to out_dir as a Hugging Face folder, the
     LoRA adapters merged. weights: the state dict to write (default `engine_weights(model)`; pass it when every
     rank of a sharded model had to gather it). replace: an existing out_dir is replaced once the new folder is
     complete (a run's own output_dir/model); otherwise it is refused. adapter: also write the PEFT adapters
-    (adapter_config.json, adapter_model.safetensors) to out_dir/adapter. step: the training step of these
+    (adapter_config.json, adapter_model.safetensors) to out_dir/adapter, and beside them BASE_RECORD, the keys
+    `rope_scaling` (policy.rope_scaling) set on the base (see base_overrides). step: the training step of these
     weights, recorded in out_dir/grpo_fast_export.json (None: no record). Returns out_dir."""
     if not replace:
         check_target(out_dir)
@@ -54,6 +68,8 @@ def save_model_folder(model, tokenizer, out_dir: str, weights=None, replace: boo
         tokenizer.save_pretrained(temporary)
         if adapter:
             model.save_pretrained(os.path.join(temporary, "adapter"))      # PEFT: the adapters alone
+            with open(os.path.join(temporary, "adapter", BASE_RECORD), "w") as f:
+                json.dump(base_overrides(base, rope_scaling), f, indent=1)
         if step is not None:
             with open(os.path.join(temporary, EXPORT_RECORD), "w") as f:
                 json.dump({"step": int(step)}, f)

@@ -2,6 +2,7 @@
 
     grpo-fast export RUN_DIR OUT_DIR             # from a run's newest checkpoint
     grpo-fast export RUN_DIR OUT_DIR --peft-adapter   # and, for a LoRA run, the adapters in OUT_DIR/adapter
+                                                      # (with the RoPE scaling their base must be loaded with)
     output_dir/model/                            # written by `grpo-fast train` at the end of every run
 
 The folder is grpo_fast.train.run.model_folder's: a LoRA run's adapters merged into the base weights, so
@@ -12,7 +13,9 @@ overwritten.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import torch
 
@@ -20,7 +23,7 @@ from grpo_fast.train import lora
 from grpo_fast.train.config import saved_config
 from grpo_fast.train.policy import load_model
 from grpo_fast.train.run.atomic import free_gib
-from grpo_fast.train.run.model_folder import check_target, save_model_folder
+from grpo_fast.train.run.model_folder import BASE_RECORD, check_target, save_model_folder
 from grpo_fast.train.saved import checkpoint
 from grpo_fast.train.update import precision
 
@@ -39,12 +42,14 @@ def save_final_model(model, tokenizer, output_dir: str, weights, step: int) -> s
             from error
 
 
-def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
+def export_run(run_dir: str, out_dir: str, adapter: bool = False, log=None) -> str:
     """The newest checkpoint of the run in run_dir, exported to out_dir (see `save_model_folder`). adapter: a
     LoRA run's adapters also as a PEFT adapter in out_dir/adapter, for the base the run started from. Raises
     ValueError naming what is missing: no run folder, no checkpoint, a checkpoint without the config and
     tokenizer that rebuild its model, or an adapter that does not exist (full training) or would not reproduce
-    the policy on its base (a warm start trained the base first)."""
+    the policy on its base (a warm start trained the base first). log: where the warning that a RoPE-scaled run's
+    adapters need the scaled base goes (default: stderr)."""
+    log = log or (lambda line: print(line, file=sys.stderr))
     check_target(out_dir)
     if not os.path.isdir(run_dir):
         raise ValueError(f"run folder {run_dir!r} does not exist")
@@ -71,4 +76,11 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False) -> str:
     if config.policy.lora_rank:
         model = lora.add_adapters(model, config.policy)
     checkpoint.restore_model(model, state, folder)
-    return save_model_folder(model, tokenizer, out_dir, adapter=adapter, step=state["step"])
+    save_model_folder(model, tokenizer, out_dir, adapter=adapter, step=state["step"],
+                      rope_scaling=config.policy.rope_scaling)
+    if adapter and config.policy.rope_scaling is not None:     # PEFT loads the base as its folder has it: unscaled
+        log(f"warning: the adapters in {os.path.join(out_dir, 'adapter')} were trained on a base with "
+            f"policy.rope_scaling {json.dumps(config.policy.rope_scaling)}; load the base with it "
+            f"(AutoModelForCausalLM.from_pretrained(base, **the keys in adapter/{BASE_RECORD})), or the adapters' "
+            "log-probs are not the policy's")
+    return out_dir

@@ -75,6 +75,7 @@ def test_a_lora_run_exports_its_adapters_for_peft(tmp_path, capsys):
     T.train(config, log=lambda *_: None)
     assert cli(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--peft-adapter"]) == 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "out" / "adapter"))
+    assert (tmp_path / "out" / "adapter" / "grpo_fast_base.json").read_text() == "{}"    # no rope_scaling: no keys
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     base = load_model(config.policy, [], tokenizer, seed=config.run.seed)[0]  # the tiny base the run started from
@@ -91,3 +92,40 @@ def test_a_lora_run_exports_its_adapters_for_peft(tmp_path, capsys):
             log=lambda *_: None)
     with pytest.raises(ValueError, match=r"the warm start \(sft_steps 20\) trained the base before the adapters"):
         export_run(str(tmp_path / "ws"), str(tmp_path / "out3"), adapter=True)
+
+
+def test_the_adapters_of_a_rope_scaled_run_come_with_the_scaling_their_base_needs(tmp_path, capsys):
+    """A LoRA run with YaRN x2 on a model folder: --peft-adapter warns in one line that the base needs the scaling
+    and records it beside the adapters; the base loaded with that record (docs/trainer.md's way) and the adapters
+    give the merged export's log-probs, the base as its folder has it does not."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.train import tasks
+    from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
+
+    samples = tasks.arithmetic_task(64, seed=0, max_operand=9)
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples], vocab_size=300)
+    tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    yarn = {"rope_type": "yarn", "factor": 2.0}
+    config = flat_config(**{**FAST, "lora_rank": 4, "learning_rate": 0.05, "sft_steps": 0, "max_steps": 1,
+                            "save_every": 1}, model=str(tmp_path / "base"), rope_scaling=yarn,
+                         output_dir=str(tmp_path / "run"))
+    T.train(config, log=lambda *_: None)
+    assert cli(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--peft-adapter"]) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and 'policy.rope_scaling {"rope_type": "yarn", "factor": 2.0}' in warning[0], warning
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    vocab = merged.config.vocab_size
+    expected = logprobs_of(merged, config, vocab)
+    adapter = tmp_path / "out" / "adapter"
+    with open(adapter / "grpo_fast_base.json") as f:                       # docs/trainer.md: loading the adapters
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", **json.load(f))
+    adapted = PeftModel.from_pretrained(base, adapter)
+    torch.testing.assert_close(logprobs_of(adapted, config, vocab), expected, rtol=0, atol=1e-5)
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), adapter)
+    assert (logprobs_of(plain, config, vocab) - expected).abs().max() > 1e-4     # the scaling matters (5e-4 here)
