@@ -239,8 +239,14 @@ def _module_of_file(path: str):
     return module
 
 
+# the largest float32: rewards become an fp32 tensor, where a larger finite score would turn into inf (and the loss
+# into NaN)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _scores_of(name: str, scores, count: int) -> tuple:
-    """(floats with None for skipped samples, number of non-finite scores) of what reward `name` returned."""
+    """(floats with None for skipped samples, number of non-finite scores) of what reward `name` returned; a finite
+    score beyond float32's range is an error naming it."""
     expected = f"reward {name} must return a list of floats (or None to skip a sample), one per completion; got"
     # a str or dict has a length but no scores; a generator or map has no length to check against the batch
     if isinstance(scores, (str, bytes, Mapping, AbstractSet)) or not isinstance(scores, Iterable):
@@ -260,15 +266,27 @@ def _scores_of(name: str, scores, count: int) -> tuple:
             if isinstance(score, (str, bytes)):     # float("0.5") would pass
                 raise TypeError
             value = float(score)
-        except OverflowError:                       # an int beyond float range: infinite for this purpose
-            value = math.inf
+            beyond = math.isfinite(value) and abs(value) > FLOAT32_MAX
+        except OverflowError:                       # an int beyond even float64's range
+            beyond = True
         except (TypeError, ValueError):
             raise TypeError(f"{expected} {_kind(score)} at index {i}: {str(score)[:80]!r}") from None
+        if beyond:
+            raise ValueError(f"reward {name} returned {_short(score)} at index {i}, beyond float32's range "
+                             f"(|x| <= {FLOAT32_MAX:.4g}) that rewards are trained in: scale it down")
         if not math.isfinite(value):
             non_finite += 1
             value = None
         values.append(value)
     return values, non_finite
+
+
+def _short(score) -> str:
+    """A score as a number to read: an int of 400 digits as 1e+400."""
+    try:
+        return f"{float(score):.6g}"
+    except OverflowError:
+        return f"{'-' if score < 0 else ''}1e+{len(str(abs(int(score)))) - 1}"
 
 
 def _kind(value) -> str:
@@ -279,13 +297,17 @@ def _kind(value) -> str:
 def weighted_rewards(functions, weights: Optional[list], completions, **columns) -> list:
     """sum_k weights[k] * functions[k](completions, **columns) per completion, skipping None (NaN where every
     function skipped the sample). A non-finite score (inf, NaN) is skipped like None, with a warning. A function
-    that fails, or returns something other than one number or None per completion, raises an error naming it."""
+    that fails, returns something other than one number or None per completion, or a finite score beyond float32's
+    range (which the trainer's fp32 rewards would hold as inf), raises an error naming it; so does a weighted sum
+    beyond that range."""
     functions = list(functions)
     if not functions:
         raise ValueError("at least one reward function is needed, got none")
     weights = [1.0] * len(functions) if weights is None else list(weights)
     if len(weights) != len(functions):
         raise ValueError(f"reward weights must match the {len(functions)} reward functions, got {len(weights)}")
+    if not all(math.isfinite(weight) for weight in weights):
+        raise ValueError(f"reward weights must be finite numbers, got {weights}")
     totals = [0.0] * len(completions)
     seen = [False] * len(completions)
     for function, weight in zip(functions, weights):
@@ -303,11 +325,12 @@ def weighted_rewards(functions, weights: Optional[list], completions, **columns)
             if value is not None:
                 totals[i] += weight * value
                 seen[i] = True
-    overflowed = sum(ok and not math.isfinite(total) for total, ok in zip(totals, seen))
-    if overflowed:                                  # huge finite scores times the weights: no inf advantages either
-        warnings.warn(f"the weighted reward of {overflowed} of {len(completions)} completions overflowed to inf: "
-                      "those samples are skipped", stacklevel=2)
-    rewards = [total if ok and math.isfinite(total) else float("nan") for total, ok in zip(totals, seen)]
+    for i, total in enumerate(totals):              # finite scores times the weights (inf past float64's range)
+        if not abs(total) <= FLOAT32_MAX:
+            raise ValueError(f"the weighted reward of completion {i} is {total:.6g}, beyond float32's range "
+                             f"(|x| <= {FLOAT32_MAX:.4g}) that rewards are trained in (reward_weights {weights}): "
+                             "scale the rewards or their weights down")
+    rewards = [total if ok else float("nan") for total, ok in zip(totals, seen)]
     if all(math.isnan(reward) for reward in rewards):
         warnings.warn("every reward skipped every sample of this batch", stacklevel=2)
     return rewards

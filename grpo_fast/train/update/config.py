@@ -73,6 +73,10 @@ class ScoringConfig:
 @dataclass
 class OptimizationConfig:
     """The config section `optimization`: AdamW (or a low-bit one), warm-up then decay, grad-norm clipping, and
+        twice = next((name for i, name in enumerate(self.rewards) if name in self.rewards[:i]), None)
+        if twice is not None:              # it would count twice: a weight says how much a reward counts
+            raise ValueError(f"rewards names {twice!r} twice ({self.rewards}): list each reward once and give it "
+                             "a weight in reward_weights instead")
     num_iterations updates per rollout (> 1 reuses it with old log-probs)."""
 
     # 5e-4: at 1e-3 AdamW's early steps on the built-in task drove whole answer digits to probability ~0 where they

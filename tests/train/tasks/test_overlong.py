@@ -50,6 +50,9 @@ def test_equals_verls_overlong_buffer_up_to_the_length_cut(factor):
     (dict(rewards=["exact_match", "overlong"], overlong_buffer=4, overlong_penalty=-1.0), "overlong_penalty"),
     (dict(rewards=["exact_match", "overlong"], overlong_buffer=-2), "overlong_buffer"),
     (dict(eval_reward="overlong"), "scores lengths"),
+    (dict(rewards=["exact_match", "overlong", "overlong"], overlong_buffer=4),       # it would count twice
+     r"^rewards names 'overlong' twice \(\['exact_match', 'overlong', 'overlong'\]\): list each reward once and "
+     "give it a weight in reward_weights instead$"),
 ])
 def test_meaningless_settings_are_refused_naming_the_keys(keys, message):
     with pytest.raises(ValueError, match=message):

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from grpo_fast.train.tasks import rewards as R
 
@@ -142,15 +143,35 @@ def test_non_finite_scores_are_skipped_with_one_warning():
     with pytest.warns(UserWarning, match="returned 3 non-finite"):
         both = R.weighted_rewards([broken, my_reward_returning([0.5] * 4)], [1.0, 2.0], ["a", "b", "c", "d"])
     assert both == [1.0, 1.0, 1.0, 2.0]
-    huge = my_reward_returning([1e308, 10**400])
-    with pytest.warns(UserWarning) as record:
-        overflowed = R.weighted_rewards([huge], [10.0], ["a", "b"])
-    assert all(math.isnan(x) for x in overflowed)
-    assert [str(w.message) for w in record] == [
-        "reward my_reward returned 1 non-finite score(s) (inf, -inf or NaN) for 2 completions: those samples are "
-        "skipped for it",
-        "the weighted reward of 1 of 2 completions overflowed to inf: those samples are skipped",
-        "every reward skipped every sample of this batch"]
+
+
+@pytest.mark.parametrize("scores, weights, message", [
+    ([0.5, 1e39], None, "reward my_reward returned 1e+39 at index 1, beyond float32's range"),
+    ([-1e308], None, "reward my_reward returned -1e+308 at index 0, beyond float32's range"),
+    ([0.0, 10**400], None, "reward my_reward returned 1e+400 at index 1, beyond float32's range"),
+    ([3e38, 1.0], [10.0], "the weighted reward of completion 0 is 3e+39, beyond float32's range"),
+])
+def test_a_finite_score_beyond_float32_is_refused_naming_it(scores, weights, message):
+    """Rewards are trained in fp32, where 1e39 is inf (then a NaN loss and skipped steps, with no word of why): a
+    score, or a weighted sum, beyond float32's range is one line naming the reward and the value."""
+    with pytest.raises(ValueError, match="^" + re.escape(message) + r" \(\|x\| <= 3\.403e\+38\)[^\n]*$"):
+        R.weighted_rewards([my_reward_returning(scores)], weights, ["a"] * len(scores))
+    largest = R.weighted_rewards([my_reward_returning([R.FLOAT32_MAX, -R.FLOAT32_MAX])], None, ["a", "b"])
+    assert torch.isfinite(torch.tensor(largest, dtype=torch.float32)).all()       # the edge itself is kept
+
+
+def test_a_run_whose_reward_overflows_float32_stops_in_one_line(tmp_path, capsys):
+    """A user's reward file returning 1e39: `grpo-fast train` stops at step 1 with one line naming the reward and
+    the value, before anything trains on inf."""
+    from grpo_fast.cli import main as cli
+
+    (tmp_path / "huge.py").write_text("def huge_reward(completions, **_):\n    return [1e39] * len(completions)\n")
+    code = cli(["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0", "--eval-every", "0",
+                "--group-size", "2", "--prompts-per-step", "2", "--max-steps", "1",
+                "--rewards", f"{tmp_path / 'huge.py'}:huge_reward"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == ("grpo-fast train: step 1: reward huge_reward returned 1e+39 at index 0, beyond "
+                                     "float32's range (|x| <= 3.403e+38) that rewards are trained in: scale it down")
 
 
 def test_no_reward_functions():
