@@ -23,6 +23,7 @@ import time
 import torch
 
 from grpo_fast.benchmarks.profiling import machine_name
+from grpo_fast.train.run.record import read_records
 
 JOBS = {
     "default": [],
@@ -43,7 +44,7 @@ def run_one(job: str, engine: str, staleness: int, folder: str) -> dict:
     if process.returncode != 0:
         row["error"] = (process.stderr.strip().splitlines() or ["exit code %d" % process.returncode])[-1]
         return row
-    records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    records = read_records(os.path.join(output_dir, "metrics.jsonl"))
     steady = records[staleness + 1:]
     step_seconds = sum(r["seconds"] for r in steady) / len(steady)
     row.update(steps=len(records), step_seconds=step_seconds, steps_per_hour=3600 / step_seconds,
@@ -63,7 +64,7 @@ def run_one(job: str, engine: str, staleness: int, folder: str) -> dict:
     row["reward_last_tenth"] = sum(row["rewards"][-tenth:]) / tenth
     eval_path = os.path.join(output_dir, "eval.jsonl")
     if os.path.exists(eval_path):
-        evals = [json.loads(line) for line in open(eval_path)]
+        evals = read_records(eval_path)
         row["eval_accuracy"] = [evals[0]["accuracy"], evals[-1]["accuracy"]]
     return row
 

@@ -51,8 +51,10 @@ def run_one(seed: int, threads: int, isa: str, folder: str, extra: list) -> dict
     if process.returncode != 0:
         row["error"] = (errors.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
         return row
-    rewards = [json.loads(line)["reward"] for line in open(os.path.join(output_dir, "metrics.jsonl"))]
-    evals = [json.loads(line) for line in open(os.path.join(output_dir, "eval.jsonl"))]
+    from grpo_fast.train.run.record import read_records
+
+    rewards = [record["reward"] for record in read_records(os.path.join(output_dir, "metrics.jsonl"))]
+    evals = read_records(os.path.join(output_dir, "eval.jsonl"))
     tenth = max(1, len(rewards) // 10)
     row.update(steps=len(rewards), reward_first_tenth=sum(rewards[:tenth]) / tenth,
                reward_last_tenth=sum(rewards[-tenth:]) / tenth, accuracy_before=evals[0]["accuracy"],

@@ -5,7 +5,6 @@ benchmarks/)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -211,6 +210,7 @@ def _train(arguments: list, own: bool = False) -> int:
     from grpo_fast.train.config import load_config, parse_overrides
     from grpo_fast.train.loop import RunError, train
     from grpo_fast.train.run import signals
+    from grpo_fast.train.run.record import read_records
     from grpo_fast.train.saved.checkpoint import latest_checkpoint
 
     arguments = list(arguments)
@@ -249,8 +249,7 @@ def _train(arguments: list, own: bool = False) -> int:
         return 2
     metrics_path = os.path.join(config.run.output_dir, "metrics.jsonl")
     if history and os.path.exists(metrics_path):      # the whole run's steps, a resumed one's earlier part too
-        with open(metrics_path) as f:                 # (resume checked each line is a step's record)
-            records = [json.loads(text) for text in f if text.strip()]
+        records = read_records(metrics_path)          # (resume checked each line is a step's record)
         history = [r for r in records if isinstance(r.get("reward"), (int, float))] or history
     if history and os.environ.get("RANK", "0") == "0":
         tenth = max(1, len(history) // 10)
@@ -259,8 +258,7 @@ def _train(arguments: list, own: bool = False) -> int:
         line = f"done: {len(history)} steps, mean reward {first:.3f} (first tenth) -> {last:.3f} (last tenth)"
         evals_path = os.path.join(config.run.output_dir, "eval.jsonl")
         if os.path.exists(evals_path):
-            with open(evals_path) as f:
-                evals = [json.loads(text) for text in f if text.strip()]
+            evals = read_records(evals_path)
             if evals:
                 line += (f", held-out accuracy {evals[0]['accuracy']:.3f} (step {evals[0]['step']}) -> "
                          f"{evals[-1]['accuracy']:.3f} (step {evals[-1]['step']})")

@@ -278,6 +278,18 @@ def counting_reward(completions, solution, **kwargs):
     return [float(c.strip() == s) for c, s in zip(completions, solution)]
 
 
+SCORED = []      # (completions, scores) of each recording_reward call, in order
+
+
+def recording_reward(completions, solution, **kwargs):
+    """For a prompt whose answer is odd, 1 where the sum of a completion's character codes is a multiple of 5, else
+    0 (groups that differ or not); 0 for one whose answer is even (groups all alike). Each call's completions and
+    scores go to SCORED."""
+    scores = [float(sum(map(ord, c)) % 5 == 0) if int(s) % 2 else 0.0 for c, s in zip(completions, solution)]
+    SCORED.append((list(completions), scores))
+    return scores
+
+
 def broken_reward(completions, **kwargs):
     raise ZeroDivisionError("bad reward")
 
@@ -459,6 +471,15 @@ def inf_once_reward(completions, solution, **kwargs):
     if INF_AT["n"] == INF_AT["call"]:
         scores[0] = float("inf")
     return scores
+
+
+def unscorable_once_reward(completions, solution, **kwargs):
+    """Accuracy, except that call INF_AT["call"] scores no completion (None for each: gold answers that cannot be
+    parsed)."""
+    INF_AT["n"] += 1
+    if INF_AT["n"] == INF_AT["call"]:
+        return [None] * len(completions)
+    return [float(c.strip() == s) for c, s in zip(completions, solution)]
 
 
 def rollout_killing_reward(completions, solution, **kwargs):

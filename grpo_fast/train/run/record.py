@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import time
@@ -128,6 +129,33 @@ def written(path: str):
 
 
 class RunFiles:
+def json_line(record: dict) -> str:
+    """A record as one line of JSON: a non-finite number (a NaN entropy, an inf loss) as null, as JSON has no
+    NaN or Infinity (json.dumps would write them, and strict readers refuse the line)."""
+    return json.dumps(_finite_or_none(record), allow_nan=False) + "\n"
+
+
+def _finite_or_none(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
+
+
+def read_records(path: str) -> list:
+    """The records of one of a run's JSONL files, null read back as NaN (json_line wrote a non-finite number so),
+    so that means and plots take it as the missing number it is."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line, object_hook=_none_as_nan) for line in f if line.strip()]
+
+
+def _none_as_nan(record: dict) -> dict:
+    return {key: float("nan") if value is None else value for key, value in record.items()}
+
+
     """The run's files in output_dir, written by the main process only (the others' calls do nothing)."""
 
     def __init__(self, output_dir: str, is_main: bool):
@@ -158,19 +186,20 @@ class RunFiles:
     def append(self, record: dict) -> None:
         if self.is_main:
             with written(self.metrics), open(self.metrics, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_line(record))
 
     def evaluated_steps(self) -> set:
         """The steps eval.jsonl holds an evaluation of (a resume redoes a due one that an interrupt cut)."""
-        if not os.path.exists(self.evals):
-            return set()
-        with open(self.evals) as f:
-            return {json.loads(line)["step"] for line in f if line.strip()}
+        return {record["step"] for record in self.evaluations()}
+
+    def evaluations(self) -> list:
+        """The records of eval.jsonl (a resumed run's progress bar shows the last one's accuracy from its start)."""
+        return read_records(self.evals) if os.path.exists(self.evals) else []
 
     def add_eval(self, record: dict) -> None:
         if self.is_main:
             with written(self.evals), open(self.evals, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_line(record))
 
     def add_completions(self, step: int, prompts: list, completions: list, rewards: list, group_size: int,
                         count: int) -> list:
@@ -180,7 +209,7 @@ class RunFiles:
         rows = [{"step": step, "prompt": p, "completion": c, "reward": r} for p, c, r in firsts]
         if self.is_main and rows:
             with written(self.completions), open(self.completions, "a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+                f.writelines(json_line(row) for row in rows)
         return rows
 
     def plot(self) -> None:
@@ -202,12 +231,8 @@ def plot_curves(metrics_path: str, out_path: str, eval_path: Optional[str] = Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(metrics_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    evals = []
-    if eval_path and os.path.exists(eval_path):
-        with open(eval_path) as f:
-            evals = [json.loads(line) for line in f if line.strip()]
+    records = read_records(metrics_path)
+    evals = read_records(eval_path) if eval_path and os.path.exists(eval_path) else []
     panels = ["reward"] + (["held-out accuracy"] if evals else []) + ["completion_len", "entropy", "loss"]
     if any(r.get("kl", 0.0) for r in records):
         panels.append("kl")

@@ -306,6 +306,28 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_good_one(tmp
     assert len(err.splitlines()) == 1, err
     assert "checkpoint-2 could not be written" in err and "No space left on device" in err and "GiB free" in err
     assert f"the last good checkpoint, {folder / 'checkpoint-1'}, is kept" in err, err
+def test_non_finite_metrics_are_null_in_metrics_jsonl_and_read_back(tmp_path, capsys):
+    """A step no reward could score has a NaN mean reward: metrics.jsonl holds null there, as JSON has no NaN
+    (json.dumps wrote NaN, which strict readers such as jq and JavaScript refuse), and the summary line, curves.png
+    and --resume read it back."""
+    helpers.INF_AT.update(call=2, n=0)
+    arguments = ["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0", "--eval-every", "0",
+                 "--group-size", "2", "--prompts-per-step", "2", "--rewards", "tests.helpers:unscorable_once_reward"]
+    assert cli([*arguments, "--max-steps", "2"]) == 0
+    assert "mean reward 0.000 (first tenth) -> nan (last tenth)" in capsys.readouterr().out
+
+    def strict(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert rows[0]["reward"] == 0.0 and rows[1]["reward"] is None and rows[1]["skipped_samples"] == 4
+    assert cli([*arguments, "--max-steps", "3", "--resume"]) == 0
+    assert "done: 3 steps" in capsys.readouterr().out
+    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[1]["reward"] is None
+    assert os.path.getsize(tmp_path / "run" / "curves.png") > 0
+
+
     monkeypatch.undo()
     assert sorted(name for name in os.listdir(folder) if name.startswith("checkpoint")) == ["checkpoint-1"]
     assert [r["step"] for r in run(tmp_path, max_steps=2, sft_steps=0, resume=True, group_size=2,
