@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import functools
 import os
+import re
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -229,7 +230,13 @@ def _place(values: dict) -> dict:
 
 
 def _merge(base: dict, changes: dict) -> dict:
-    return {section: {**base.get(section, {}), **changes.get(section, {})} for section in SECTIONS}
+    """base's {section: {field: value}} with changes' on top; a schedule given as max_completion_length in changes
+    replaces base's completion_length_stages (a schedule given twice is refused only within one source)."""
+    merged = {section: {**base.get(section, {}), **changes.get(section, {})} for section in SECTIONS}
+    rollout = changes.get("rollout", {})
+    if length_stages(rollout.get("max_completion_length")) is not None and "completion_length_stages" not in rollout:
+        merged["rollout"].pop("completion_length_stages", None)
+    return merged
 
 
 def _build(placed: dict, convert: bool) -> TrainConfig:
@@ -308,6 +315,12 @@ def _unique_keys_loader():
                     lines[key] = key_node.start_mark.line + 1
             return super().construct_mapping(node, deep=deep)
 
+    # YAML 1.1 reads 1:30 as the base-60 integer 90 (and 1:30.5 as a float): a schedule or a mistyped number would
+    # pass as a number nobody wrote, so such a scalar stays text, which its key then reads or refuses
+    text = ("tag:yaml.org,2002:str", re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$"))
+    UniqueKeyLoader.yaml_implicit_resolvers = {
+        first: ([text] if first is not None and first in "+-0123456789" else []) + list(resolvers)
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     return UniqueKeyLoader
 
 

@@ -41,7 +41,24 @@ BAD = [("max_grad_norm", "-1", "max_grad_norm must be a finite number > 0, got -
        ("reward_weights", "a,b", "config key 'reward_weights' expects list[float], got 'a,b'"),
        ("reward_weights", "1,nan", "reward_weights must be finite numbers, got [1.0, nan]"),
        ("rewards", "", "rewards must name at least one reward function, got []"),
-       ("rewards", " , ", "rewards must name at least one reward function, got []")]
+       ("rewards", " , ", "rewards must name at least one reward function, got []"),
+       # numbers the float32 math takes: beyond them a run died at its first step (torch: "value cannot be
+       # converted to type float without overflow") or sampled at another temperature than it trained at
+       ("learning_rate", "1e39", "learning_rate must be a finite number in (0, 1e+18], got 1e+39"),
+       ("sft_learning_rate", "1e19", "sft_learning_rate must be a finite number in (0, 1e+18], got 1e+19"),
+       ("weight_decay", "1e19", "weight_decay must be a finite number in [0, 1e+18], got 1e+19"),
+       ("max_grad_norm", "1e39", "max_grad_norm must be a finite number in (0, 3.4028234663852886e+38], got 1e+39"),
+       ("importance_sampling_cap", "1e39",
+        "importance_sampling_cap must be a finite number in (0, 3.4028234663852886e+38], got 1e+39"),
+       ("importance_sampling_min", "1e39",
+        "importance_sampling_min must be a finite number in [0, 3.4028234663852886e+38], got 1e+39"),
+       ("overlong_penalty", "1e19", "overlong_penalty must be a finite number in [0, 1e+18], got 1e+19"),
+       ("reward_weights", "1,-1e19", "reward_weights must be numbers in [-1e+18, 1e+18], got [1.0, -1e+19]"),
+       ("temperature", "0.001", "temperature must be a finite number in [0.01, 1e+09], got 0.001"),
+       ("temperature", "1e-40", "temperature must be a finite number in [0.01, 1e+09], got 1e-40"),
+       ("max_completion_length", "2147483648", "max_completion_length must be in [1, 2147483647], got 2147483648"),
+       ("max_sampling_rounds", "5", "max_sampling_rounds (5) bounds the rounds of dynamic sampling, which is off: "
+                                    "set dynamic_sampling: true, or leave max_sampling_rounds at 3")]
 
 
 @pytest.mark.parametrize("key, value, message", BAD, ids=[f"{key}={value}" for key, value, _ in BAD])
@@ -70,9 +87,14 @@ def test_boundary_values_are_accepted():
             config.scoring.reward_weights) == (1.0, None, [1.0, -0.5])
 
 
-def test_the_cli_reports_a_bad_value_on_one_line(capsys):
+def test_the_cli_reports_a_bad_value_on_one_line(capsys, tmp_path):
     assert cli(["train", "--temperature", "inf"]) == 2
     assert capsys.readouterr().err == "grpo-fast train: temperature must be a finite number > 0, got inf\n"
+    # accepted, it warmed up and died at step 1 in AdamW, leaving a folder that refused the same command
+    assert cli(["train", "--learning-rate", "1e39", "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == "grpo-fast train: learning_rate must be a finite number in (0, 1e+18], got " \
+                                      "1e+39\n"
+    assert not (tmp_path / "run").exists()
     assert cli(["train", "--reward-weights", "a,b"]) == 2
     assert capsys.readouterr().err == "grpo-fast train: config key 'reward_weights' expects list[float], got 'a,b'\n"
 
@@ -94,6 +116,40 @@ def test_null_and_mistyped_yaml_values_are_errors(tmp_path, text, message):
     with pytest.raises(ValueError) as error:
         load_config(str(path))
     assert str(error.value) == message
+
+
+def test_the_bounds_are_what_the_float32_math_takes():
+    """At the learning rates' and weight decay's bound AdamW steps (it takes lr and lr * weight_decay as float32
+    scalars), and the correction's clamp takes float32's largest number; one step past float32's range torch
+    refuses both, the error a run hit at its first step before the bounds."""
+    import torch
+
+    from grpo_fast.fields import COEFFICIENT_MAX, FP32_MAX
+
+    def adamw_step(**options):
+        weight = torch.nn.Parameter(torch.ones(3))
+        weight.grad = torch.ones(3)
+        torch.optim.AdamW([weight], **options).step()
+
+    adamw_step(lr=COEFFICIENT_MAX, weight_decay=COEFFICIENT_MAX)
+    flat_config(learning_rate=COEFFICIENT_MAX, weight_decay=COEFFICIENT_MAX, importance_sampling_cap=FP32_MAX)
+    torch.ones(3).clamp(max=FP32_MAX)
+    with pytest.raises(RuntimeError, match="overflow"):
+        adamw_step(lr=1e39)
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.ones(3).clamp(max=1e39)
+
+
+def test_numpy_numbers_are_stored_as_python_numbers():
+    """Keys computed with numpy (a sweep's np.float32 weights, np.int64 steps): accepted where a Python number is,
+    and stored as one (a checkpoint's config and the trackers' hold plain numbers)."""
+    import numpy as np
+
+    config = flat_config(learning_rate=np.float32(1e-3), max_steps=np.int64(3), reward_weights=[np.float32(0.5)],
+                         max_completion_length={np.int64(0): np.int64(4), np.int64(2): np.float64(8.0)})
+    assert config.scoring.reward_weights == [0.5] and type(config.scoring.reward_weights[0]) is float
+    assert type(config.optimization.learning_rate) is float and type(config.run.max_steps) is int
+    assert config.rollout.completion_length_stages == ["0:4", "2:8"]
 
 
 def test_none_strings_and_nulls_in_code():

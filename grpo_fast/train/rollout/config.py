@@ -3,12 +3,31 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
-from grpo_fast.fields import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Rule, check_keys, key
+from grpo_fast.fields import (
+    AT_LEAST_ONE,
+    FRACTION,
+    LENGTH,
+    LOGIT_FACTOR_MAX,
+    NON_NEGATIVE,
+    POSITIVE,
+    Rule,
+    bounded,
+    check_keys,
+    is_number,
+    key,
+    plain,
+)
 
 ENGINES = ("hf", "vllm")
 VLLM_DTYPES = ("auto", "float32", "bfloat16")
+# vLLM raises a temperature below 0.01 to 0.01 (NaN otherwise), so the engine would sample at another temperature
+# than the trainer's log-probs take; near it every sampled token has probability ~1 and the loss no gradient
+TEMPERATURE_MIN = 0.01
+SAMPLING_TEMPERATURE = bounded(POSITIVE, TEMPERATURE_MIN, LOGIT_FACTOR_MAX)
+SAMPLING_ROUNDS = 3                     # max_sampling_rounds' default: any other value needs dynamic_sampling
 
 
 def check_sampling(engine: str, top_k: int, top_p: float, training: bool = True) -> None:
@@ -26,23 +45,34 @@ def check_sampling(engine: str, top_k: int, top_p: float, training: bool = True)
                          "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
 
 
+def _whole(value) -> int:
+    """A step or a length of a schedule: a whole number (text of one, or a number equal to one), never a bool
+    (YAML's true) or 4.7, which int() would read as 1 and 4."""
+    value = plain(value)
+    if isinstance(value, str) or isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if is_number(value) and float(value).is_integer():
+        return int(value)
+    raise ValueError
+
+
 def length_stages(value):
     """[(from step, length)] of a length schedule: "0:8192,200:16384", {0: 8192, 200: 16384} or [[0, 8192], ...],
     sorted by step; None for a single length (an int, or text without ":"). Raises ValueError naming the key."""
     try:
         if isinstance(value, dict):
-            pairs = [(int(step), int(length)) for step, length in value.items()]
+            pairs = [(_whole(step), _whole(length)) for step, length in value.items()]
         elif isinstance(value, (list, tuple)):
-            pairs = [(int(step), int(length)) for step, length in value]
+            pairs = [(_whole(step), _whole(length)) for step, length in value]
         elif isinstance(value, str) and ":" in value:
-            pairs = [tuple(int(part) for part in item.split(":")) for item in value.split(",") if item.strip()]
+            pairs = [tuple(_whole(part) for part in item.split(":")) for item in value.split(",") if item.strip()]
             if any(len(pair) != 2 for pair in pairs):
                 raise ValueError
         else:
             return None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"max_completion_length / completion_length_stages: a schedule is FROM_STEP:LENGTH,... "
-                         f"(e.g. 0:8192,200:16384), got {value!r}") from None
+                         f"of whole numbers (e.g. 0:8192,200:16384), got {value!r}") from None
     if not pairs:
         raise ValueError(f"completion_length_stages: no stage in {value!r}")
     return sorted(pairs)
@@ -63,14 +93,17 @@ class RolloutConfig:
     prompts_per_step: int = key(16, "prompts per step, split across processes", POSITIVE)
     max_completion_length: int = key(6, "tokens sampled per completion at most (and the dr_grpo normalizer unless "
                                         "loss.max_completion_length is set); a schedule FROM_STEP:LENGTH,... (YAML: "
-                                        "{0: 8192, 200: 16384}) sets completion_length_stages and the largest "
-                                        "length here", POSITIVE)
+                                        "{0: 8192, 200: 16384}; FROM_STEP counts from 0, the log from 1) sets "
+                                        "completion_length_stages and the largest length here", LENGTH)
     completion_length_stages: list[str] = key([], "the completion budget grown in stages, FROM_STEP:LENGTH each "
                                                   "(0:8192,200:16384: the first from step 0, then later steps, the "
-                                                  "last length max_completion_length): each step samples up to its "
-                                                  "stage's length; the context, vLLM and the planner are sized by "
-                                                  "the largest")
-    temperature: float = key(1.0, "sampling temperature", POSITIVE)
+                                                  "last length max_completion_length). FROM_STEP counts from 0, the "
+                                                  "log from 1: 200:16384 starts at the log's step 201. Each step "
+                                                  "samples up to its stage's length; the context, vLLM and the "
+                                                  "planner are sized by the largest (a stage from max_steps on never "
+                                                  "runs: one line of the log says so)")
+    temperature: float = key(1.0, f"sampling temperature, at least {TEMPERATURE_MIN} (vLLM samples at "
+                                  f"{TEMPERATURE_MIN} below it)", SAMPLING_TEMPERATURE)
     top_p: float = key(1.0, "nucleus sampling probability mass, in (0, 1]", FRACTION)
     top_k: int = key(0, "sample among the top_k most likely tokens (0: every token), before top_p. With top_k > 0 "
                         "or top_p < 1 the engines return each token's kept set and the trainer's log-probs (old, "
@@ -80,9 +113,10 @@ class RolloutConfig:
     dynamic_sampling: bool = key(False, "DAPO's dynamic sampling: a group whose rewards are all equal (zero advantage, "
                                         "no gradient) is dropped and more training prompts are sampled until the step "
                                         "has prompts_per_step informative groups, or max_sampling_rounds rounds")
-    max_sampling_rounds: int = key(3, "with dynamic_sampling, the step's rounds of generation at most (the first "
-                                      "included); then the step trains on what it has, filled with dropped groups",
-                                   AT_LEAST_ONE)
+    max_sampling_rounds: int = key(SAMPLING_ROUNDS, "with dynamic_sampling, the step's rounds of generation at most "
+                                                    "(the first included); then the step trains on what it has, "
+                                                    "filled with dropped groups. Another value without "
+                                                    "dynamic_sampling is refused", AT_LEAST_ONE)
     vllm_gpu_memory_utilization: float = key(0.3, "vLLM's share of the GPU memory, in (0, 1]", FRACTION)
     vllm_dtype: str = key("auto", '"auto" (bfloat16 on a GPU, and on a CPU that computes bf16 natively: AMX or '
                                   'AVX512-BF16; else float32), "float32" or "bfloat16": the vLLM engine\'s weights '
@@ -92,10 +126,18 @@ class RolloutConfig:
     def __post_init__(self):
         stages = length_stages(self.max_completion_length)
         if stages is not None:                          # max_completion_length given as a schedule
+            if self.completion_length_stages:
+                raise ValueError(f"max_completion_length is a schedule ({self.max_completion_length!r}) and "
+                                 f"completion_length_stages is given too ({self.completion_length_stages}): give "
+                                 "the stages once, in one of them")
             self.completion_length_stages = [f"{step}:{length}" for step, length in stages]
             self.max_completion_length = max(length for _, length in stages)
         check_keys(self)
         check_sampling(self.engine, self.top_k, self.top_p, training=False)
+        if self.max_sampling_rounds != SAMPLING_ROUNDS and not self.dynamic_sampling:
+            raise ValueError(f"max_sampling_rounds ({self.max_sampling_rounds}) bounds the rounds of dynamic "
+                             "sampling, which is off: set dynamic_sampling: true, or leave max_sampling_rounds "
+                             f"at {SAMPLING_ROUNDS}")
         if self.completion_length_stages:
             stages = length_stages(",".join(self.completion_length_stages))
             if stages[0][0] != 0 or any(later[0] <= earlier[0] for earlier, later in zip(stages, stages[1:])) \
@@ -110,6 +152,11 @@ class RolloutConfig:
     def stages(self) -> list:
         """[(from step, length)] of completion_length_stages, or [(0, max_completion_length)]."""
         return length_stages(",".join(self.completion_length_stages)) or [(0, self.max_completion_length)]
+
+    def unreached_stages(self, max_steps: int) -> list:
+        """The stages (from step, length) that start at or after max_steps (0-based): a run of max_steps never
+        samples them, though they size its context and vLLM (a --resume with more steps reaches them)."""
+        return [(start, length) for start, length in self.stages() if start >= max_steps]
 
     def completion_length_at(self, step: int) -> int:
         """The completion budget of the (0-based) `step`: its stage's length."""
