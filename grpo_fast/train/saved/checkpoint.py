@@ -25,12 +25,13 @@ from grpo_fast.train.run.errors import RunError, mismatches, non_finite
 from grpo_fast.train.run.record import check_output_dir
 
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
-# dtype, its adapters, its warm start), the optimizer's state, the prompts each step draws and how rewards are
+# dtype, its adapters, its warm start; rope_scaling would re-encode the positions of the policy, its reference
+# and the old log-probs mid-run), the optimizer's state, the prompts each step draws and how rewards are
 # grouped. Every other key may change on resume and then applies.
 RESUME_FIXED = ("model", "task", "prompt_column", "solution_column", "train_split", "eval_task", "eval_split",
                 "eval_fraction", "num_prompts", "max_operand", "seed", "prompt_format", "system_prompt",
                 "group_size", "prompts_per_step", "max_completion_length", "dtype", "optimizer", "lora_rank",
-                "lora_alpha", "lora_target_modules", "sft_steps")
+                "lora_alpha", "lora_target_modules", "sft_steps", "rope_scaling")
 
 
 def save_on_main(output_dir: str, step: int, state: dict, tokenizer, world) -> str:
@@ -279,9 +280,13 @@ def require_latest(run_dir: str, needed_by: str, remedy: str = "a run writes one
 def resume_point(config, resume: bool, log):
     """(checkpoint folder, state) to resume from, or (None, None) for a new run, once the output folder is checked
     (record.check_output_dir: before anything is written). Refuses --resume without a checkpoint, and a checkpoint
-    whose model or data this config changes; logs the keys it changes."""
-    check_output_dir(config.run.output_dir, resume, config.run.overwrite_output_dir)
+    whose model or data this config changes; logs the keys it changes, and the files a new run replaces of one that
+    stopped before its first checkpoint."""
+    leftovers = check_output_dir(config.run.output_dir, resume, config.run.overwrite_output_dir)
     if not resume:
+        if leftovers:
+            log(f"{config.run.output_dir} holds no checkpoint, only the files of a run that stopped before its "
+                f"first one ({', '.join(leftovers)}): nothing to resume, this run replaces them")
         return None, None
     folder, state = require_latest(config.run.output_dir, "--resume", "drop --resume to start a new run",
                                    required=tuple(STATE_KEYS))

@@ -98,6 +98,50 @@ def test_a_folder_holding_a_run_is_refused_then_overwritten_on_request(tmp_path,
     assert [json.loads(line)["step"] for line in open(folder / "metrics.jsonl")] == [1, 2]
 
 
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_folder_to_the_same_command(tmp_path, monkeypatch):
+    """A failure in step 1 (after the first evaluation and metrics.jsonl were written): the same call again trains
+    into the folder, replacing those files, and says so; --resume still finds nothing to resume there."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("value cannot be converted to type float without overflow")
+
+    options = dict(sft_steps=0, max_steps=1, eval_every=1, eval_prompts=2, eval_samples=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(T, "update_policy", failing)
+        with pytest.raises(RuntimeError, match="without overflow"):
+            run(tmp_path, **options)
+    folder = tmp_path / "run"
+    assert sorted(os.listdir(folder)) == ["eval.jsonl", "metrics.jsonl"]
+    with pytest.raises(ValueError, match="--resume: no checkpoint in"):
+        run(tmp_path, resume=True, **options)
+    logged = []
+    helpers.CALLS.update(n=0, interrupt_at=None)
+    history = T.train(flat_config(**{**FAST, **options}, output_dir=str(folder)), log=logged.append)
+    assert [r["step"] for r in history] == [1]
+    assert f"{folder} holds no checkpoint, only the files of a run that stopped before its first one (eval.jsonl, " \
+           "metrics.jsonl): nothing to resume, this run replaces them" in logged
+    assert [json.loads(line)["step"] for line in open(folder / "eval.jsonl")] == [0, 1]     # this run's alone
+    assert [json.loads(line)["step"] for line in open(folder / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("names, holds_run", [
+    (["metrics.jsonl", "eval.jsonl", "completions.jsonl", "tensorboard", "checkpoint-2.tmp"], False),
+    (["metrics.jsonl", "checkpoint-2"], True), (["metrics.jsonl", "checkpoint-2.old"], True),
+    (["metrics.jsonl", "model"], True), (["curves.png"], True)])
+def test_only_what_a_saved_run_leaves_holds_the_folder(tmp_path, names, holds_run):
+    """A checkpoint, the export or the final curves (all written after a save) keep a folder from a new run; the
+    files a run writes before its first checkpoint do not, and are what the new run replaces."""
+    from grpo_fast.train.run.record import check_output_dir
+
+    for name in names:
+        (tmp_path / name).mkdir() if "." not in name or name.startswith("checkpoint-") else (tmp_path / name).touch()
+    if holds_run:
+        with pytest.raises(ValueError, match="already holds a run"):
+            check_output_dir(str(tmp_path), resume=False, overwrite=False)
+        assert check_output_dir(str(tmp_path), resume=True, overwrite=False) == []
+    else:
+        assert check_output_dir(str(tmp_path), resume=False, overwrite=False) == sorted(names)
+
+
 def test_output_dir_that_is_a_file_or_read_only_is_refused_before_anything(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a folder"):
@@ -262,6 +306,28 @@ def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, capsys):
     assert out.strip().endswith(f"{tmp_path / 'run'}/metrics.jsonl, curves.png, model/"), out
 
 
+def test_non_finite_metrics_are_null_in_metrics_jsonl_and_read_back(tmp_path, capsys):
+    """A step no reward could score has a NaN mean reward: metrics.jsonl holds null there, as JSON has no NaN
+    (json.dumps wrote NaN, which strict readers such as jq and JavaScript refuse), and the summary line, curves.png
+    and --resume read it back."""
+    helpers.INF_AT.update(call=2, n=0)
+    arguments = ["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0", "--eval-every", "0",
+                 "--group-size", "2", "--prompts-per-step", "2", "--rewards", "tests.helpers:unscorable_once_reward"]
+    assert cli([*arguments, "--max-steps", "2"]) == 0
+    assert "mean reward 0.000 (first tenth) -> nan (last tenth)" in capsys.readouterr().out
+
+    def strict(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert rows[0]["reward"] == 0.0 and rows[1]["reward"] is None and rows[1]["skipped_samples"] == 4
+    assert cli([*arguments, "--max-steps", "3", "--resume"]) == 0
+    assert "done: 3 steps" in capsys.readouterr().out
+    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[1]["reward"] is None
+    assert os.path.getsize(tmp_path / "run" / "curves.png") > 0
+
+
 def test_a_deliberate_data_change_resumes_with_accept_changed_data_and_is_named(tmp_path):
     """A label fix is refused by --resume, names the key that accepts it, and with accept_changed_data resumes,
     saying what changed; other held-out problems stay refused with the key."""
@@ -306,28 +372,6 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_good_one(tmp
     assert len(err.splitlines()) == 1, err
     assert "checkpoint-2 could not be written" in err and "No space left on device" in err and "GiB free" in err
     assert f"the last good checkpoint, {folder / 'checkpoint-1'}, is kept" in err, err
-def test_non_finite_metrics_are_null_in_metrics_jsonl_and_read_back(tmp_path, capsys):
-    """A step no reward could score has a NaN mean reward: metrics.jsonl holds null there, as JSON has no NaN
-    (json.dumps wrote NaN, which strict readers such as jq and JavaScript refuse), and the summary line, curves.png
-    and --resume read it back."""
-    helpers.INF_AT.update(call=2, n=0)
-    arguments = ["train", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0", "--eval-every", "0",
-                 "--group-size", "2", "--prompts-per-step", "2", "--rewards", "tests.helpers:unscorable_once_reward"]
-    assert cli([*arguments, "--max-steps", "2"]) == 0
-    assert "mean reward 0.000 (first tenth) -> nan (last tenth)" in capsys.readouterr().out
-
-    def strict(constant):
-        raise ValueError(f"{constant} is not JSON")
-
-    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert rows[0]["reward"] == 0.0 and rows[1]["reward"] is None and rows[1]["skipped_samples"] == 4
-    assert cli([*arguments, "--max-steps", "3", "--resume"]) == 0
-    assert "done: 3 steps" in capsys.readouterr().out
-    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [row["step"] for row in rows] == [1, 2, 3] and rows[1]["reward"] is None
-    assert os.path.getsize(tmp_path / "run" / "curves.png") > 0
-
-
     monkeypatch.undo()
     assert sorted(name for name in os.listdir(folder) if name.startswith("checkpoint")) == ["checkpoint-1"]
     assert [r["step"] for r in run(tmp_path, max_steps=2, sft_steps=0, resume=True, group_size=2,
@@ -388,6 +432,7 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
         assert [line for line in logged if line.startswith(
             f"nothing left to train: {tmp_path / 'run' / 'checkpoint-2'} is at step 2 and max_steps is {max_steps} "
             "(raise --max-steps to train further)")], logged
+        assert not [line for line in logged if line.startswith("resumed from")], logged   # not both stories
         assert checkpoint.latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoint-2")
 
 
