@@ -134,7 +134,8 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
     if state is None:
         return model, tokenizer, max_prompt_tokens, 0
     start_step = checkpoint.restore_model(model, state, folder)
-    log(f"resumed from {folder} at step {start_step}")
+    if start_step < config.run.max_steps:         # else resume_point said that nothing is left to train
+        log(f"resumed from {folder} at step {start_step}")
     return model, tokenizer, max_prompt_tokens, start_step
 
 

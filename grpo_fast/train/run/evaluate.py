@@ -131,12 +131,15 @@ class HeldOut:
 
     def at_start(self, start_step: int, log) -> None:
         """The model as GRPO starts (the gain is measured from there), or the evaluation an interrupt cut (a
-        resume redoes it)."""
+        resume redoes it); else a resumed run's last evaluation (eval.jsonl's), which the progress bar shows until
+        the next one."""
         if self.due(start_step) and start_step not in self.files.evaluated_steps():
             self.run(start_step)
             if start_step == 0:
                 log(f"held-out accuracy before GRPO: {self.last['accuracy']:.3f} ({self.last['problems']} "
                     f"problems x {self.evaluation.eval_samples} samples)")
+        elif self.problems and self.files.is_main:     # the main process alone writes eval.jsonl and shows the bar
+            self.last.update(next(reversed(self.files.evaluations()), {}))
 
     def after_step(self, steps_done: int) -> None:
         """The evaluation after a step, when one is due."""

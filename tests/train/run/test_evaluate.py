@@ -277,12 +277,16 @@ def test_the_eval_reward_decides_what_is_correct():
 
 
 def test_a_resumed_run_keeps_each_evaluation_once(tmp_path):
-    options, run = {**FAST, "save_every": 2}, tmp_path / "run"
+    """A resumed run writes each evaluation once, and its progress line shows the last evaluation's accuracy from
+    its first step, not only after the next evaluation."""
+    options, run, logged = {**FAST, "save_every": 2}, tmp_path / "run", []
     T.train(flat_config(**{**options, "max_steps": 2}, output_dir=str(run)), log=lambda *_: None)
     shutil.copytree(run / "checkpoint-2", tmp_path / "kept")
-    T.train(flat_config(**{**options, "max_steps": 4}, output_dir=str(run)), resume=True, log=lambda *_: None)
+    T.train(flat_config(**{**options, "max_steps": 4}, output_dir=str(run)), resume=True, log=logged.append)
     first = [json.loads(line) for line in open(run / "eval.jsonl")]
     assert [r["step"] for r in first] == [0, 2, 4]
+    line = next(line for line in logged if line.startswith("step 3/4: "))
+    assert f", eval_acc {first[1]['accuracy']:.3f}, " in line, line
     shutil.rmtree(run / "checkpoint-4")                  # back to step 2, with eval.jsonl at step 4
     shutil.copytree(tmp_path / "kept", run / "checkpoint-2")
     T.train(flat_config(**{**options, "max_steps": 4}, output_dir=str(run)), resume=True, log=lambda *_: None)

@@ -388,6 +388,7 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
         assert [line for line in logged if line.startswith(
             f"nothing left to train: {tmp_path / 'run' / 'checkpoint-2'} is at step 2 and max_steps is {max_steps} "
             "(raise --max-steps to train further)")], logged
+        assert not [line for line in logged if line.startswith("resumed from")], logged   # not both stories
         assert checkpoint.latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoint-2")
 
 
