@@ -245,7 +245,7 @@ class Round(NamedTuple):
 
 
 def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring: ScoringConfig,
-                rollout: RolloutConfig, clock: StageClock, world) -> tuple:
+                rollout: RolloutConfig, clock: StageClock, world, log) -> tuple:
     """(samples, prompt texts, Generation, completions, rewards, info) of a step: its prompts' rollouts (info: the
     rollouts' metrics), decoded and scored (clock: the generation and scoring laps).
 
@@ -253,8 +253,10 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
     prompts (share.extra) are sampled from the policy as it is, a round at a time, until every rank has its share
     of prompts_per_step informative groups or max_sampling_rounds rounds are done (every rank runs as many rounds
     as the neediest: a sharded policy generates in lockstep); a step that ends short is filled with dropped groups
-    (they add no policy gradient). info then has frac_filtered_groups (dropped / generated, over ranks) and
-    sampling_rounds."""
+    (they add no policy gradient), and one line of `log` says so. info then has frac_filtered_groups (dropped /
+    generated), sampling_rounds, reward (the mean over every generated completion: it stands for the step's
+    reward in its record, as the policy's own, comparable with a run without the filter) and reward_kept (the mean
+    over the groups the step trains on, which the filter pulls toward the middle), each over ranks."""
     samples, prompts = share.at(step)
     generation, info = rollouts.get(step)
     clock.lap("generation")
@@ -282,13 +284,31 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
     kept = sorted(kept + [(index, group) for index, group in groups
                           if not pool[index].informative[group]][:wanted - len(kept)])
     rows = [(index, group * group_size + row) for index, group in kept for row in range(group_size)]
-    totals = distributed.sum_over_ranks({"groups": float(len(groups)), "informative": float(found)}, world, device)
-    info.update(frac_filtered_groups=1.0 - totals["informative"] / totals["groups"], sampling_rounds=len(pool))
+    rewards = torch.stack([pool[index].rewards[row] for index, row in rows])
+    generated = torch.cat([entry.rewards for entry in pool])
+    totals = distributed.sum_over_ranks({
+        "groups": float(len(groups)), "informative": float(found), "wanted": float(wanted),
+        "useful": float(min(found, wanted)), "generated_sum": float(generated.nansum()),
+        "generated": float(generated.isfinite().sum()), "kept_sum": float(rewards.nansum()),
+        "kept": float(rewards.isfinite().sum())}, world, device)
+    info.update(frac_filtered_groups=1.0 - totals["informative"] / totals["groups"], sampling_rounds=len(pool),
+                reward=_mean(totals["generated_sum"], totals["generated"]),
+                reward_kept=_mean(totals["kept_sum"], totals["kept"]))
+    counts = {name: round(totals[name]) for name in ("groups", "informative", "wanted", "useful")}
+    if counts["useful"] < counts["wanted"]:
+        log(f"step {step + 1}: dynamic sampling ended short: {counts['useful']} informative groups of the "
+            f"{counts['wanted']} wanted (prompts_per_step) after {len(pool)} rounds (max_sampling_rounds), "
+            f"{counts['groups'] - counts['informative']} of the {counts['groups']} groups generated dropped for "
+            f"equal rewards; {counts['wanted'] - counts['useful']} of them fill the step (no gradient from them)")
     return ([pool[index].samples[group] for index, group in kept],
             [pool[index].prompts[group] for index, group in kept],
             select_rows([entry.generation for entry in pool], rows, tokenizer.pad_token_id),
-            [pool[index].completions[row] for index, row in rows],
-            torch.stack([pool[index].rewards[row] for index, row in rows]), info)
+            [pool[index].completions[row] for index, row in rows], rewards, info)
+
+
+def _mean(total: float, count: float) -> float:
+    """total / count, NaN where no reward scored a sample."""
+    return total / count if count else float("nan")
 
 
 def count_bad_steps(updates: list, bad_steps: int, step: int, run: RunConfig, log) -> int:
@@ -347,8 +367,11 @@ def update_policy(policy: Policy, optimizer, scheduler, batch, loss: LossConfig,
 
 
 def progress_postfix(record: dict, last_eval: dict, loss: LossConfig) -> dict:
-    """What the progress bar shows after a step: reward, held-out accuracy, loss, tokens/s, KL."""
+    """What the progress bar shows after a step: reward, the share of groups dynamic sampling dropped, held-out
+    accuracy, loss, tokens/s, KL."""
     postfix = {"reward": f"{record['reward']:.3f}"}
+    if "frac_filtered_groups" in record:
+        postfix["filtered"] = f"{record['frac_filtered_groups']:.2f}"
     if last_eval:
         postfix["eval_acc"] = f"{last_eval['accuracy']:.3f}"
     postfix.update(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -404,7 +427,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         for step in progress:
             clock = StageClock()              # generation: with max_staleness > 0, the time the trainer waited
             step_samples, prompts, generation, completions, rewards, rollout_info = sample_step(
-                step, share, rollouts, tokenizer, data.reward_fns, config.scoring, config.rollout, clock, world)
+                step, share, rollouts, tokenizer, data.reward_fns, config.scoring, config.rollout, clock, world, log)
             advantages, reward_stats = step_advantages(rewards, config.scoring, config.rollout.group_size)
             batch = update_batch(generation, advantages, policy, reference_policy, config.scoring, config.correction,
                                  config.optimization, config.batching, config.rollout.temperature, world)
@@ -418,7 +441,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
                 rollouts.after_update(model, step)
                 clock.lap("sync")
                 record = {**step_record(step + 1, generation, batch, rewards, reward_stats, updates, lr, clock,
-                                        world, device), **rollout_info}
+                                        world, device), **rollout_info}   # dynamic sampling's reward: the generated
                 history.append(record)
                 rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
                 files.append(record)

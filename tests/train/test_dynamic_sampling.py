@@ -1,8 +1,9 @@
 """DAPO's dynamic sampling (rollout.dynamic_sampling, max_sampling_rounds): groups whose rewards are all equal are
 dropped and further training prompts sampled until the step has its informative groups, or the rounds run out
-(then it trains on what it has, filled with dropped groups); metrics.jsonl gains frac_filtered_groups and
-sampling_rounds. Checked on scripted rollouts (which groups are kept, in what order, from which prompts), on
-the trainer with both engines, a rollout process (max_staleness 1) and two processes, and across a resume."""
+(then it trains on what it has, filled with dropped groups, and says so in one line); metrics.jsonl gains
+frac_filtered_groups, sampling_rounds and reward_kept, its reward the mean over every completion generated.
+Checked on scripted rollouts (which groups are kept, in what order, from which prompts), on the trainer with both
+engines, a rollout process (max_staleness 1) and two processes, and across a resume."""
 
 import importlib.util
 import json
@@ -84,7 +85,7 @@ class ScriptedRollouts:
         return self._generation(prompt_ids, seed)
 
 
-def scripted(samples, right=(), mixed=(), rounds=3, dynamic=True, prompts_per_step=4, seed=0):
+def scripted(samples, right=(), mixed=(), rounds=3, dynamic=True, prompts_per_step=4, seed=0, log=None):
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples] + ["x"])
     config = flat_config(dynamic_sampling=dynamic, max_sampling_rounds=rounds, group_size=3,
                          prompts_per_step=prompts_per_step)
@@ -92,7 +93,7 @@ def scripted(samples, right=(), mixed=(), rounds=3, dynamic=True, prompts_per_st
     rollouts = ScriptedRollouts(tokenizer, 3, right, mixed)
     rollouts.share = share
     result = T.sample_step(0, share, rollouts, tokenizer, [helpers.counting_reward], config.scoring,
-                           config.rollout, StageClock(), T.distributed.World())
+                           config.rollout, StageClock(), T.distributed.World(), [].append if log is None else log)
     return share, rollouts, result
 
 
@@ -103,12 +104,15 @@ def test_uninformative_groups_are_replaced_by_further_prompts_in_order():
     extra = [s["prompt"] for s in share.extra(0, 1)[0]]
     # the step's own prompts: one mixed group (kept), two all right and one all wrong (dropped); the next round's
     # prompts are all mixed: the first three fill the step
+    logged = []
     share, rollouts, (kept, prompts, generation, completions, rewards, info) = scripted(
-        samples, right=first[1:3], mixed=[first[0]] + extra)
+        samples, right=first[1:3], mixed=[first[0]] + extra, log=logged.append)
     assert [s["prompt"] for s in kept] == [first[0]] + extra[:3]
     assert prompts == [tasks.prompt_text(s, share.tokenizer, share.data) for s in kept]
     assert len(rollouts.calls) == 2 and rollouts.calls[1][0] == extra            # one further round, then enough
-    assert info == {"frac_filtered_groups": 3 / 8, "sampling_rounds": 2}
+    # reward: the 24 completions generated, 1 + 3 + 3 + 0 + 4 x 1 right; reward_kept: the 4 groups kept, 1 each
+    assert info == {"frac_filtered_groups": 3 / 8, "sampling_rounds": 2, "reward": 11 / 24, "reward_kept": 4 / 12}
+    assert logged == []                                                          # not short: nothing to say
     assert generation.completion_ids.shape[0] == 12 and len(completions) == 12
     assert torch.equal(rewards, torch.tensor([1.0, 0, 0] * 4))
     texts = share.tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
@@ -121,9 +125,15 @@ def test_uninformative_groups_are_replaced_by_further_prompts_in_order():
 def test_the_round_cap_trains_on_what_it_has_filled_with_dropped_groups():
     samples = tasks.arithmetic_task(40, seed=1)
     first = [s["prompt"] for s in tasks.StepShare(samples, None, flat_config().data, 4, 0).at(0)[0]]
-    _, rollouts, (kept, _, generation, _, rewards, info) = scripted(samples, mixed=[first[2]], rounds=2)
+    logged = []
+    _, rollouts, (kept, _, generation, _, rewards, info) = scripted(samples, mixed=[first[2]], rounds=2,
+                                                                    log=logged.append)
     assert len(rollouts.calls) == 2 and info["sampling_rounds"] == 2
     assert info["frac_filtered_groups"] == pytest.approx(7 / 8)
+    assert (info["reward"], info["reward_kept"]) == (1 / 24, 1 / 12)    # one right completion of 24, of 12 kept
+    assert logged == ["step 1: dynamic sampling ended short: 1 informative groups of the 4 wanted (prompts_per_step) "
+                      "after 2 rounds (max_sampling_rounds), 7 of the 8 groups generated dropped for equal rewards; "
+                      "3 of them fill the step (no gradient from them)"]
     # the informative group first in draw order, then the earliest dropped ones: always prompts_per_step groups
     assert [s["prompt"] for s in kept] == sorted([first[0], first[1], first[2], first[3]], key=first.index)
     assert torch.equal(rewards.view(4, 3).amax(1), torch.tensor([0.0, 0.0, 1.0, 0.0]))
@@ -162,6 +172,39 @@ def test_a_run_logs_the_filter_and_resumes_bit_for_bit(tmp_path, monkeypatch):
     lines = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
     assert [(r["step"], r["reward"], r["frac_filtered_groups"], r["sampling_rounds"]) for r in lines] == \
         [(r["step"], r["reward"], r["frac_filtered_groups"], r["sampling_rounds"]) for r in straight]
+
+
+def test_a_step_that_ends_short_is_logged_and_both_reward_means_are_recorded(tmp_path):
+    """A step short of informative groups after max_sampling_rounds says so in one line; metrics.jsonl's reward is
+    the mean over every completion generated (as in a run without the filter), reward_kept the mean over the
+    groups the step trained on, and the progress line shows the share dropped: each against the scores the reward
+    gave, counted by hand."""
+    helpers.SCORED.clear()
+    logged = []
+    T.train(flat_config(sft_steps=0, max_steps=3, save_every=3, group_size=4, prompts_per_step=2, log_completions=0,
+                        eval_every=0, dynamic_sampling=True, max_sampling_rounds=2,
+                        rewards=["tests.helpers:recording_reward"], output_dir=str(tmp_path)), log=logged.append)
+    scored, short = iter(helpers.SCORED), []
+    for record in [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]:
+        groups = []
+        for _ in range(record["sampling_rounds"]):                    # one reward call per round
+            groups += [scores[i:i + 4] for scores in [next(scored)[1]] for i in range(0, len(scores), 4)]
+        informative = [group for group in groups if len(set(group)) > 1]
+        dropped = [group for group in groups if len(set(group)) == 1]
+        kept = informative[:2] + dropped[:2 - len(informative[:2])]  # informative first, filled with dropped ones
+        assert record["reward"] == pytest.approx(sum(map(sum, groups)) / (4 * len(groups)))
+        assert record["reward_kept"] == pytest.approx(sum(map(sum, kept)) / 8)
+        assert record["frac_filtered_groups"] == len(dropped) / len(groups)
+        step = record["step"]
+        line = (f"step {step}: dynamic sampling ended short: {len(informative)} informative groups of the 2 wanted "
+                f"(prompts_per_step) after 2 rounds (max_sampling_rounds), {len(dropped)} of the {len(groups)} "
+                f"groups generated dropped for equal rewards; {2 - len(informative)} of them fill the step (no "
+                "gradient from them)")
+        assert (line in logged) == (len(informative) < 2), (line, logged)
+        short += [step] * (len(informative) < 2)
+        progress = [text for text in logged if text.startswith(f"step {step}/3: ")]
+        assert f"filtered {record['frac_filtered_groups']:.2f}, " in progress[0]
+    assert next(scored, None) is None and short and short != [1, 2, 3], short   # short steps and full ones
 
 
 def test_a_rollout_process_samples_the_further_rounds(tmp_path):
