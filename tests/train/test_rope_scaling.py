@@ -119,6 +119,26 @@ def test_a_factor_past_the_largest_context_of_the_models_own_is_refused_when_it_
             assert "context of 128" in str(error)
 
 
+def test_a_resume_cannot_change_the_scaling(tmp_path):
+    """The checkpoint's policy, its KL reference and its old log-probs were computed with the run's positions:
+    a --resume that adds, changes or drops rope_scaling is refused naming the key; the same scaling resumes."""
+    import torch
+
+    from grpo_fast.train import loop as T
+    from grpo_fast.train.saved.checkpoint import resume_changes
+
+    run = dict(max_steps=1, save_every=1, sft_steps=0, group_size=2, prompts_per_step=2, log_completions=0,
+               eval_every=0, max_completion_length=8, output_dir=str(tmp_path / "run"))
+    T.train(flat_config(**run, rope_scaling=YARN), log=lambda *_: None)
+    for other in (None, {**YARN, "factor": 4.0}):
+        with pytest.raises(ValueError, match=r"--resume cannot change what the checkpoint's model and data depend "
+                                             r"on: rope_scaling \{'rope_type': 'yarn', 'factor': 2.0, .* -> "):
+            T.train(flat_config(**{**run, "max_steps": 2}, rope_scaling=other), resume=True, log=lambda *_: None)
+    saved = torch.load(tmp_path / "run" / "checkpoint-1" / "state.pt", weights_only=False)["config"]
+    assert resume_changes(saved, flat_config(**{**run, "max_steps": 2}, rope_scaling=dict(YARN))) == {
+        "max_steps": (1, 2)}
+
+
 def test_the_key_reads_json_on_the_command_line_and_yaml_dicts(tmp_path):
     from grpo_fast.train.config import load_config, parse_overrides
 
