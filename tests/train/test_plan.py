@@ -103,7 +103,8 @@ def test_a_job_that_does_not_fit_says_which_budget_and_a_huge_batch_does_not_fit
     line says so, with the share it needs. The step's batch is counted, so group size 1e20 fits no card."""
     from grpo_fast.cli import main
 
-    assert main(["plan", "qwen2.5-7b", "--lora-rank", "16", "--dtype", "bf16", "--gpu-memory-utilization", "0.1"]) == 0
+    assert main(["plan", "qwen2.5-7b", "--lora-rank", "16", "--dtype", "bf16", "--engine", "vllm",
+                 "--gpu-memory-utilization", "0.1"]) == 0
     [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("A100 80GB")]
     assert re.search(r"does not fit  \(\d+\.\d GiB needed of 79.1 GiB\); vLLM's pool, gpu_memory_utilization 0.1 of "
                      r"the card \(7.9 GiB\), is below its weights and one sequence's KV cache at full length "
@@ -111,6 +112,58 @@ def test_a_job_that_does_not_fit_says_which_budget_and_a_huge_batch_does_not_fit
     huge = plan(PRESETS["qwen2.5-0.5b"], Job(group_size=10**20))
     assert huge["step_batch"] > 10**20 and not any(ok for ok, _, _ in fits(PRESETS["qwen2.5-0.5b"],
                                                                            Job(group_size=10**20)).values())
+
+
+def test_the_plan_of_the_defaults_is_the_trainers_default_job(capsys):
+    """With no option but the lengths, the plan is the job `grpo-fast train` runs with its own defaults (its
+    config sections'), and --help gives every option a text and every non-flag its default."""
+    import argparse
+    from dataclasses import asdict
+
+    from grpo_fast.cli import main
+    from grpo_fast.train.plan.command import add_arguments
+    from grpo_fast.train.plan.fit import training_job
+    from tests.helpers import flat_config
+
+    assert main(["plan", "qwen2.5-0.5b", "--completion-length", "2048", "--prompt-length", "300", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["job"]
+    assert planned == asdict(training_job(flat_config(max_completion_length=2048), 300, "cuda"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for action in parser._actions:
+        assert action.help, action.dest
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and action.nargs != 0:
+            assert f"(default: {action.default})" in text, action.dest
+
+
+def test_a_plan_that_does_not_fit_says_what_would_by_its_own_numbers(capsys):
+    """The smallest and the largest card the job misses get a line: the change that makes it fit there, which the
+    plan of the changed job confirms (these are the lines docs/long-context-and-planner.md shows)."""
+    from grpo_fast.cli import main
+
+    job = ["plan", "qwen2.5-1.5b", "--completion-length", "16384"]
+    assert main(job) == 0
+    advice = [line for line in capsys.readouterr().out.splitlines() if line.startswith("to fit ")]
+    assert advice == [
+        "to fit 24 GB (RTX 4090 / L4): --micro-batch-size 1 with --dtype bf16 with --optimizer adamw8bit would make "
+        "it fit (20.5 GiB; it changes the numerics or what is trained)",
+        "to fit H200 141GB: --micro-batch-size 1 would make it fit (35.5 GiB)"]
+    for line in advice:
+        card, change = re.match(r"to fit (.+?): (.+) would make it fit", line).groups()
+        assert main(job + change.split(" with ")[0].split() + sum((part.split() for part in
+                                                                   change.split(" with ")[1:]), []) + ["--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["cards"][card]["fits"], line
+    # 8B with LoRA in bf16 at 64k: no option but a shorter completion fits a 24 GB card; the longest that does
+    job = ["plan", "llama-3.1-8b", "--completion-length", "65536", "--micro-batch-size", "1", "--lora-rank", "16",
+           "--dtype", "bf16"]
+    assert main(job) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("to fit 24 GB"))
+    longest = int(re.search(r"makes it fit; --completion-length (\d+) would \(", line).group(1))
+    for length, fitting in ((longest, True), (longest + 1, False)):
+        assert main(job[:2] + ["--completion-length", str(length)] + job[4:] + ["--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["cards"]["24 GB (RTX 4090 / L4)"]["fits"] == fitting, line
 
 
 @pytest.mark.parametrize("loss", ["grpo_fast", "naive"])

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict, replace
 
-from grpo_fast.train.config import load_config
-from grpo_fast.train.plan.fit import training_job, training_shape
+from grpo_fast.train.config import KEYS, load_config
+from grpo_fast.train.plan.fit import fitting_change, training_job, training_shape
 from grpo_fast.train.plan.memory import (
     ATTENTIONS,
     DTYPES,
@@ -22,40 +23,92 @@ from grpo_fast.train.plan.memory import (
     plan,
 )
 from grpo_fast.train.plan.report import format_report, report
+from grpo_fast.train.update import precision
+
+# option -> the trainer key whose default it takes: with no option given, the plan is `grpo-fast train`'s own job
+# (on a preset or config.json model, with --completion-length and --prompt-length, which have no trainer default)
+TRAINER_DEFAULTS = {"group_size": "group_size", "prompts_per_step": "prompts_per_step",
+                    "micro_batch_size": "micro_batch_size", "micro_batch_tokens": "micro_batch_tokens",
+                    "dtype": "dtype", "optimizer": "optimizer", "grad_accum_dtype": "grad_accum_dtype",
+                    "lora_rank": "lora_rank", "loss": "loss_implementation", "beta": "beta", "engine": "engine",
+                    "gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_staleness": "max_staleness",
+                    "attention": "attention", "top_k": "top_k", "top_p": "top_p"}
+# fit advice's trainer keys by this command's options (fit.fitting_change)
+OPTIONS = {"loss_implementation": "--loss", "vllm_gpu_memory_utilization": "--gpu-memory-utilization",
+           "max_completion_length": "--completion-length"}
+
+
+def option_words(key: str, value) -> str:
+    """A trainer key's value as this command's option (`--micro-batch-size 1`)."""
+    if key == "gradient_checkpointing":
+        return "gradient checkpointing (no --no-gradient-checkpointing)"
+    return f"{OPTIONS.get(key, '--' + key.replace('_', '-'))} {value}"
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help with its default, but a flag's (off unless given)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.nargs == 0 else super()._get_help_string(action)
 
 
 def add_arguments(parser) -> None:
     defaults = Job()
+    trainer = {option: KEYS[key].default for option, key in TRAINER_DEFAULTS.items()}
+    parser.formatter_class = DefaultsHelp
+    parser.description = ("Predicted peak GPU memory of a GRPO job, per component, and the cards that hold it. Every "
+                          "default but --prompt-length, --completion-length and --device is `grpo-fast train`'s.")
     parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json / folder, or a "
                         "training config (.yaml: its keys give the job; --prompt-length and --device still apply)")
-    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length)
-    parser.add_argument("--completion-length", type=int, default=defaults.completion_length)
-    parser.add_argument("--group-size", type=int, default=defaults.group_size)
-    parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
-    parser.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size, help="sequences")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None)
-    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
-                        help="bf16-autocast: fp32 weights, bf16 compute (the trainer on GPU)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
-    parser.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default=defaults.grad_accum_dtype,
+    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length,
+                        help="the longest prompt, in tokens (the trainer measures it on its data)")
+    parser.add_argument("--completion-length", type=int, default=defaults.completion_length,
+                        help="tokens sampled per completion at most (the trainer's max_completion_length, whose "
+                        "default, 6, is its built-in task's)")
+    parser.add_argument("--group-size", type=int, default=trainer["group_size"],
+                        help="completions per prompt")
+    parser.add_argument("--prompts-per-step", type=int, default=trainer["prompts_per_step"],
+                        help="prompts per step: the step's batch, rollouts and kept sets, is counted")
+    parser.add_argument("--micro-batch-size", type=int, default=trainer["micro_batch_size"],
+                        help="sequences per micro-batch at most")
+    parser.add_argument("--micro-batch-tokens", type=int, default=trainer["micro_batch_tokens"],
+                        help="real tokens per micro-batch at most (None: no limit)")
+    parser.add_argument("--dtype", choices=("auto",) + DTYPES, default=trainer["dtype"],
+                        help="weights and compute: fp32, bf16-autocast (fp32 weights, bf16 compute), bf16 (bf16 "
+                        "weights); auto: the trainer's on --device (fp32 on CPU; on CUDA bf16-autocast, or bf16 with "
+                        "LoRA)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=trainer["optimizer"],
+                        help="adamw (fp32 states, and an fp32 master copy of bf16 weights), adamw8bit (8-bit "
+                        "states), adamw-bf16 (bf16 states; bf16 weights only)")
+    parser.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default=trainer["grad_accum_dtype"],
                         help="what bf16 weights' gradients add up in over micro-batches (fp32: an fp32 copy)")
-    parser.add_argument("--no-gradient-checkpointing", action="store_true")
-    parser.add_argument("--lora-rank", type=int, default=0, help="0: full training")
-    parser.add_argument("--loss", choices=LOSSES, default=defaults.loss)
-    parser.add_argument("--beta", type=float, default=0.0, help="> 0 keeps a reference model")
-    parser.add_argument("--engine", choices=ENGINES, default=defaults.engine)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
-    parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness,
+    parser.add_argument("--no-gradient-checkpointing", action="store_true",
+                        help="keep every layer's activations for backward (the trainer's gradient_checkpointing: "
+                        "false)")
+    parser.add_argument("--lora-rank", type=int, default=trainer["lora_rank"],
+                        help="rank of LoRA adapters trained on a frozen base (0: full training)")
+    parser.add_argument("--loss", choices=LOSSES, default=trainer["loss"],
+                        help="whose loss buffers are counted: grpo_fast (its chunk), naive (the full logits), trl "
+                        "(TRL 1.16's fused LM head tile); the trainer's loss_implementation")
+    parser.add_argument("--beta", type=float, default=trainer["beta"],
+                        help="weight of the KL to the reference policy (> 0 keeps a reference model)")
+    parser.add_argument("--engine", choices=ENGINES, default=trainer["engine"],
+                        help="the rollout engine: hf (model.generate on the trainer's weights) or vllm (its own "
+                        "share of the card, --gpu-memory-utilization)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=trainer["gpu_memory_utilization"],
+                        help="vLLM's share of the card (the trainer's vllm_gpu_memory_utilization)")
+    parser.add_argument("--max-staleness", type=int, default=trainer["max_staleness"],
                         help="0: generate, then update; k >= 1: the engine in its own process on the same device")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="where the job runs: cuda (the table says which cards hold it) or cpu")
     parser.add_argument("--no-packing", action="store_true", help="padded micro-batches (the trainer's packing: "
                         "false)")
-    parser.add_argument("--attention", choices=ATTENTIONS, default="auto",
+    parser.add_argument("--attention", choices=ATTENTIONS, default=trainer["attention"],
                         help="auto: the trainer's (flash_attention_2 on CUDA with flash_attn, else "
                         "grpo_fast_varlen); sdpa: transformers' default, a dense mask over a packed micro-batch")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="0: every token; with top-k or top-p each "
-                        "sampled token's kept set is stored for the loss")
-    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+    parser.add_argument("--top-k", type=int, default=trainer["top_k"], help="0: every token; with top-k or top-p "
+                        "each sampled token's kept set is stored for the loss")
+    parser.add_argument("--top-p", type=float, default=trainer["top_p"],
                         help="< 1 without --top-k: kept sets of up to the whole vocabulary")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
 
@@ -67,7 +120,7 @@ def main(args) -> int:
             config = load_config(args.model)
             config.rollout.check_for_training()
             shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
-            result = report(args.model, shape, job)       # the largest stage of completion_length_stages
+            result = report(args.model, shape, job, advice(shape, job))   # the largest stage of the stages
             print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
             stages = config.rollout.stages()
             for start, length in stages if len(stages) > 1 and not args.json else []:
@@ -79,7 +132,8 @@ def main(args) -> int:
         job = Job(prompt_length=args.prompt_length, completion_length=args.completion_length,
                   group_size=args.group_size, prompts_per_step=args.prompts_per_step,
                   micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens,
-                  dtype=args.dtype, optimizer=args.optimizer, grad_accum_dtype=args.grad_accum_dtype,
+                  dtype=precision.resolve(args.dtype, args.device, args.lora_rank), optimizer=args.optimizer,
+                  grad_accum_dtype=args.grad_accum_dtype,
                   gradient_checkpointing=not args.no_gradient_checkpointing, lora_rank=args.lora_rank,
                   loss=args.loss, beta=args.beta, engine=args.engine,
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
@@ -92,6 +146,12 @@ def main(args) -> int:
     except (ValueError, OSError) as error:
         print(f"grpo-fast plan: {error}", file=sys.stderr)
         return 2
-    result = report(args.model, shape, job)
+    result = report(args.model, shape, job, advice(shape, job))
     print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
     return 0
+
+
+def advice(shape, job: Job):
+    """report's advise: for a job on CUDA, what makes it fit a card (fit.fitting_change), in this command's
+    options; none on CPU."""
+    return (lambda capacity: fitting_change(shape, job, capacity, option_words)) if job.device == "cuda" else None
