@@ -77,9 +77,19 @@ def run_contents(output_dir: str) -> list:
     return sorted(name for name in os.listdir(output_dir) if name in RUN_FILES or name.startswith("checkpoint-"))
 
 
-def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+def saved_something(found: list) -> bool:
+    """Whether a run's files (run_contents) hold what a run leaves once it has saved: a checkpoint (a .tmp one is a
+    write cut short), the export model/ or the final curves.png. A run always saves before those, at its end too."""
+    return any(name in ("model", "curves.png") or name.startswith("checkpoint-") and not name.endswith(".tmp")
+               for name in found)
+
+
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> list:
     """Refuses, before anything is written, an output_dir that is a file, cannot be written, or holds a run that
-    this one would overwrite (unless resuming it, or overwrite is set)."""
+    this one would overwrite (unless resuming it, or overwrite is set). A run holds the folder once it has saved
+    (saved_something): the files of one that stopped before its first checkpoint (metrics.jsonl, eval.jsonl, a
+    tracker's) hold nothing to resume, and a new run may replace them. Returns those leftovers' names ([] if
+    none), which RunFiles.start clears."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output_dir {output_dir!r} is a file, not a folder")
     existing = output_dir
@@ -88,9 +98,12 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"output_dir {output_dir!r} cannot be written ({existing!r} is read-only)")
     found = run_contents(output_dir)
-    if found and not resume and not overwrite:
-        raise ValueError(f"output_dir {output_dir!r} already holds a run ({', '.join(found)}): pass --resume to "
-                         f"continue it, --overwrite-output-dir true to replace it, or choose another output_dir")
+    if saved_something(found):
+        if not resume and not overwrite:
+            raise ValueError(f"output_dir {output_dir!r} already holds a run ({', '.join(found)}): pass --resume to "
+                             f"continue it, --overwrite-output-dir true to replace it, or choose another output_dir")
+        return []
+    return found
 
 
 def _lines_up_to(path: str, step: int) -> list:

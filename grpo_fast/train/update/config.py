@@ -9,10 +9,28 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo_fast.fields import NON_NEGATIVE, POSITIVE, check_keys, is_number, key, one_of
+from grpo_fast.fields import (
+    COEFFICIENT,
+    COEFFICIENT_MAX,
+    NON_NEGATIVE,
+    NON_NEGATIVE_COEFFICIENT,
+    NON_NEGATIVE_FP32,
+    POSITIVE,
+    POSITIVE_FP32,
+    bounded,
+    check_keys,
+    is_number,
+    key,
+    one_of,
+    plain,
+)
 from grpo_fast.train.update.advantages import ESTIMATORS, SCALES
 from grpo_fast.train.update.correction import IS_MODES
 from grpo_fast.train.update.optimizer import OPTIMIZERS
+
+# a learning rate: the optimizers take lr and lr * weight_decay as float32 scalars (torch refuses one beyond
+# float32's range, at the first step), and both within 1e18 keep that product below 1e36
+LEARNING_RATE = bounded(POSITIVE, 0.0, COEFFICIENT_MAX, open_low=True)
 
 
 @dataclass
@@ -23,9 +41,9 @@ class CorrectionConfig:
     (no separate forward)."""
 
     importance_sampling: str = key("sequence_mask", f"rollout correction: {one_of(IS_MODES)}", choices=IS_MODES)
-    importance_sampling_cap: float = key(3.0, "cap of the rollout correction's ratio", POSITIVE)
+    importance_sampling_cap: float = key(3.0, "cap of the rollout correction's ratio", POSITIVE_FP32)
     importance_sampling_min: float = key(0.0, "lower bound of the rollout correction's ratio: truncated up to it, "
-                                              "or masked below it (0: none)", NON_NEGATIVE)
+                                              "or masked below it (0: none)", NON_NEGATIVE_FP32)
 
     def __post_init__(self):
         check_keys(self)
@@ -49,7 +67,7 @@ class ScoringConfig:
                                   "tokens before max_completion_length it falls linearly from 0 to -overlong_penalty; "
                                   "0: off", NON_NEGATIVE)
     overlong_penalty: float = key(1.0, "the reward 'overlong' at max_completion_length: -overlong_penalty",
-                                  NON_NEGATIVE)
+                                  NON_NEGATIVE_COEFFICIENT)
 
     def __post_init__(self):
         check_keys(self)
@@ -60,8 +78,12 @@ class ScoringConfig:
             raise ValueError(f"rewards names {twice!r} twice ({self.rewards}): list each reward once and give it "
                              "a weight in reward_weights instead")
         if self.reward_weights is not None:
+            self.reward_weights = [plain(w) for w in self.reward_weights]     # numpy's numbers as Python's
             if not all(is_number(w) and math.isfinite(w) for w in self.reward_weights):
                 raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights!r}")
+            if not all(COEFFICIENT.bound.test(w) for w in self.reward_weights):     # weighted rewards are float32
+                raise ValueError(f"reward_weights must be numbers {COEFFICIENT.bound.text}, got "
+                                 f"{self.reward_weights!r}")
             if len(self.reward_weights) != len(self.rewards):
                 raise ValueError(f"reward_weights must have one weight per reward ({len(self.rewards)}), "
                                  f"got {self.reward_weights}")
@@ -86,12 +108,12 @@ class OptimizationConfig:
     # every seed, thread count and vector width measured ended at 0.89-0.97; with batched rollouts and shared
     # prompts (another order of sums) seeds 0-4 ended at 0.85-0.97, with each completion's attention as one causal
     # sequence at 0.78-0.97 (seed 2 the lowest both times; README, Quick start)
-    learning_rate: float = key(5e-4, "AdamW learning rate of the GRPO steps", POSITIVE)
-    weight_decay: float = key(0.0, "AdamW weight decay", NON_NEGATIVE)
+    learning_rate: float = key(5e-4, "AdamW learning rate of the GRPO steps", LEARNING_RATE)
+    weight_decay: float = key(0.0, "AdamW weight decay", NON_NEGATIVE_COEFFICIENT)
     warmup_steps: int = key(5, "steps of linear learning-rate warm-up", NON_NEGATIVE)
     lr_schedule: str = key("cosine", "decay to 0 at max_steps after the warm-up: cosine, linear, constant",
                            choices=("cosine", "linear", "constant"))
-    max_grad_norm: float = key(1.0, "gradients are clipped to this norm", POSITIVE)
+    max_grad_norm: float = key(1.0, "gradients are clipped to this norm", POSITIVE_FP32)
     optimizer: str = key("adamw", "adamw (fp32 master weights under bf16), adamw8bit (8-bit states), adamw-bf16 "
                                   "(bf16 states, dtype bf16); the last two need torchao", choices=OPTIMIZERS)
     grad_accum_dtype: str = key("fp32", "what gradients of bf16 weights add up in over a step's micro-batches: fp32 "
@@ -128,7 +150,7 @@ class WarmStartConfig:
 
     sft_steps: int = key(10, "supervised steps on the task's solutions before GRPO (0 to skip); the whole model, "
                              "before any LoRA adapters are added", NON_NEGATIVE)
-    sft_learning_rate: float = key(3e-3, "learning rate of the supervised steps", POSITIVE)
+    sft_learning_rate: float = key(3e-3, "learning rate of the supervised steps", LEARNING_RATE)
 
     def __post_init__(self):
         check_keys(self)

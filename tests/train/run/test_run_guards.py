@@ -98,6 +98,50 @@ def test_a_folder_holding_a_run_is_refused_then_overwritten_on_request(tmp_path,
     assert [json.loads(line)["step"] for line in open(folder / "metrics.jsonl")] == [1, 2]
 
 
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_folder_to_the_same_command(tmp_path, monkeypatch):
+    """A failure in step 1 (after the first evaluation and metrics.jsonl were written): the same call again trains
+    into the folder, replacing those files, and says so; --resume still finds nothing to resume there."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("value cannot be converted to type float without overflow")
+
+    options = dict(sft_steps=0, max_steps=1, eval_every=1, eval_prompts=2, eval_samples=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(T, "update_policy", failing)
+        with pytest.raises(RuntimeError, match="without overflow"):
+            run(tmp_path, **options)
+    folder = tmp_path / "run"
+    assert sorted(os.listdir(folder)) == ["eval.jsonl", "metrics.jsonl"]
+    with pytest.raises(ValueError, match="--resume: no checkpoint in"):
+        run(tmp_path, resume=True, **options)
+    logged = []
+    helpers.CALLS.update(n=0, interrupt_at=None)
+    history = T.train(flat_config(**{**FAST, **options}, output_dir=str(folder)), log=logged.append)
+    assert [r["step"] for r in history] == [1]
+    assert f"{folder} holds no checkpoint, only the files of a run that stopped before its first one (eval.jsonl, " \
+           "metrics.jsonl): nothing to resume, this run replaces them" in logged
+    assert [json.loads(line)["step"] for line in open(folder / "eval.jsonl")] == [0, 1]     # this run's alone
+    assert [json.loads(line)["step"] for line in open(folder / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("names, holds_run", [
+    (["metrics.jsonl", "eval.jsonl", "completions.jsonl", "tensorboard", "checkpoint-2.tmp"], False),
+    (["metrics.jsonl", "checkpoint-2"], True), (["metrics.jsonl", "checkpoint-2.old"], True),
+    (["metrics.jsonl", "model"], True), (["curves.png"], True)])
+def test_only_what_a_saved_run_leaves_holds_the_folder(tmp_path, names, holds_run):
+    """A checkpoint, the export or the final curves (all written after a save) keep a folder from a new run; the
+    files a run writes before its first checkpoint do not, and are what the new run replaces."""
+    from grpo_fast.train.run.record import check_output_dir
+
+    for name in names:
+        (tmp_path / name).mkdir() if "." not in name or name.startswith("checkpoint-") else (tmp_path / name).touch()
+    if holds_run:
+        with pytest.raises(ValueError, match="already holds a run"):
+            check_output_dir(str(tmp_path), resume=False, overwrite=False)
+        assert check_output_dir(str(tmp_path), resume=True, overwrite=False) == []
+    else:
+        assert check_output_dir(str(tmp_path), resume=False, overwrite=False) == sorted(names)
+
+
 def test_output_dir_that_is_a_file_or_read_only_is_refused_before_anything(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a folder"):
