@@ -68,7 +68,12 @@ def start_processes(config: TrainConfig, log) -> tuple:
     config.check_world(world.size)                # every config x processes check, before anything runs
     torch.manual_seed(config.run.seed)
     random.seed(config.run.seed)
-    return world, log if world.is_main else lambda *_: None
+    log = log if world.is_main else lambda *_: None
+    for start, length in config.rollout.unreached_stages(config.run.max_steps):   # kept for a longer --resume
+        log(f"warning: the stage {start}:{length} of completion_length_stages starts at step {start + 1}, after "
+            f"max_steps ({config.run.max_steps}): this run never samples it, yet sizes the context and vLLM for "
+            f"{length} tokens")
+    return world, log
 
 
 @dataclass
@@ -96,6 +101,9 @@ def load_data(config: TrainConfig, state, log) -> RunData:
         if accepted:
             log(accepted)
     eval_problems = held_out[:config.evaluation.eval_prompts] if config.evaluation.eval_every else []
+    if eval_problems and len(held_out) < config.evaluation.eval_prompts:
+        log(f"eval_prompts is {config.evaluation.eval_prompts}, but there are {len(held_out)} held-out problems: "
+            f"each evaluation answers those {len(held_out)}")
     overlong = dict(max_completion_length=config.rollout.max_completion_length,
                     buffer=config.scoring.overlong_buffer, penalty=config.scoring.overlong_penalty)
     reward_fns = [load_reward(name, **(overlong if name == "overlong" else {})) for name in config.scoring.rewards]

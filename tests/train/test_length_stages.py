@@ -40,10 +40,35 @@ def test_a_schedule_in_yaml_or_on_the_command_line(given):
     (dict(completion_length_stages=["0:4", "2:8"], max_completion_length=16), "largest length"),
     (dict(max_completion_length="0:4,2:8", rewards=["exact_match", "overlong"], overlong_buffer=6),
      "shortest stage"),
+    (dict(max_completion_length={0: 4.7, 2: 8}), r"of whole numbers .*, got \{0: 4.7, 2: 8\}"),    # not 4
+    (dict(max_completion_length=[[0, True], [2, 8]]), "of whole numbers"),                          # not 1
+    (dict(max_completion_length={0: 4, 2: 8}, completion_length_stages=["0:4", "2:16"]),
+     r"max_completion_length is a schedule \(\{0: 4, 2: 8\}\) and completion_length_stages is given too"),
 ])
 def test_a_schedule_that_cannot_run_is_refused_naming_the_keys(keys, message):
     with pytest.raises(ValueError, match=message):
         flat_config(**keys)
+
+
+def test_yaml_keeps_a_base_60_looking_value_as_text(tmp_path):
+    """YAML 1.1 reads 1:30 as 90 (base 60): a 90-token run nobody asked for. It stays the text "1:30", a schedule
+    (refused: no stage from step 0), and 5:16 in a list of stages stays the stage it reads as."""
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  max_completion_length: 1:30\n")
+    with pytest.raises(ValueError, match=r"must start at step 0.*got \['1:30'\]"):
+        load_config(str(path))
+    path.write_text("rollout:\n  completion_length_stages: [0:4, 5:16]\n  max_completion_length: 16\n")
+    assert load_config(str(path)).rollout.stages() == [(0, 4), (5, 16)]
+
+
+def test_a_stage_from_max_steps_on_is_named_in_one_line():
+    """It never runs, yet sizes the context and vLLM: the run says so (and keeps it for a longer --resume)."""
+    lines = []
+    T.start_processes(flat_config(max_completion_length="0:4,2:6,5:8", max_steps=5), lines.append)
+    assert lines == ["warning: the stage 5:8 of completion_length_stages starts at step 6, after max_steps (5): this "
+                     "run never samples it, yet sizes the context and vLLM for 8 tokens"]
+    T.start_processes(flat_config(max_completion_length="0:4,2:6,5:8", max_steps=6), lines.append)
+    assert len(lines) == 1
 
 
 def test_the_dr_grpo_normalizer_and_the_overlong_penalty_follow_the_stage():
@@ -78,6 +103,26 @@ def test_the_plan_command_sizes_the_largest_stage_and_gives_a_line_per_stage(cap
         "stage from step 1: completions of up to 8192 tokens", "stage from step 101: completions of up to 16384 tokens"]
     peaks = [float(line.split("peak ")[1].split(" GiB")[0]) for line in lines]
     assert peaks[0] < peaks[1] and f"peak {peaks[1]:.2f}" in " ".join(out.split())
+
+
+def test_the_plan_command_takes_a_schedule_as_train_does(capsys):
+    """`plan MODEL --completion-length 0:8192,200:16384`: the plan of its largest stage, as
+    `--completion-length 16384` gives it, and a line per stage; a schedule train refuses is one line."""
+    from grpo_fast.cli import main as cli
+
+    assert cli(["plan", "qwen2.5-7b", "--completion-length", "16384"]) == 0
+    largest = capsys.readouterr().out
+    assert cli(["plan", "qwen2.5-7b", "--completion-length", "0:8192,200:16384"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(largest)
+    assert [line.split(", training peak")[0] for line in out[len(largest):].splitlines()] == [
+        "stage from step 1: completions of up to 8192 tokens", "stage from step 201: completions of up to 16384 tokens"]
+    with pytest.raises(SystemExit):
+        cli(["plan", "qwen2.5-7b", "--completion-length", "1:8192"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "grpo-fast plan: error: argument --completion-length: a length or a schedule FROM_STEP:LENGTH,... (e.g. "
+        "0:8192,200:16384), got '1:8192': completion_length_stages must start at step 0, with later steps after and "
+        "positive lengths, got ['1:8192']")
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

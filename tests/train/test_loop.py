@@ -75,6 +75,17 @@ def test_resume_after_interrupt_matches_uninterrupted(tmp_path, monkeypatch, mem
     assert (tmp_path / "resumed" / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_more_eval_prompts_than_held_out_problems_is_said_in_one_line():
+    """40 generated problems hold 3 out: eval_prompts 50 evaluates those 3, and the log says so (it did not)."""
+    lines = []
+    data = T.load_data(flat_config(num_prompts=40, eval_prompts=50), None, lines.append)
+    assert len(data.eval_problems) == 3
+    assert lines == ["eval_prompts is 50, but there are 3 held-out problems: each evaluation answers those 3"]
+    lines.clear()
+    T.load_data(flat_config(num_prompts=40, eval_prompts=3), None, lines.append)
+    assert lines == []
+
+
 def test_failed_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
     config = flat_config(**{**FAST, "max_steps": 2}, output_dir=str(tmp_path))
     helpers.CALLS.update(n=0, interrupt_at=None)

@@ -23,7 +23,19 @@ from grpo_fast.train.plan.memory import (
     plan,
 )
 from grpo_fast.train.plan.report import format_report, report
+from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.update import precision
+
+
+def completion_stages(text: str) -> list:
+    """--completion-length: a length (Job checks its range), or a schedule FROM_STEP:LENGTH,... as `train
+    --max-completion-length` takes it, checked as train checks it; as [(from step, length)]."""
+    try:
+        return RolloutConfig(max_completion_length=text).stages() if ":" in text else [(0, int(text))]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"a length or a schedule FROM_STEP:LENGTH,... (e.g. 0:8192,200:16384), "
+                                         f"got {text!r}" + (f": {error}" if ":" in text else "")) from None
+
 
 # option -> the trainer key whose default it takes: with no option given, the plan is `grpo-fast train`'s own job
 # (on a preset or config.json model, with --completion-length and --prompt-length, which have no trainer default)
@@ -62,9 +74,9 @@ def add_arguments(parser) -> None:
                         "training config (.yaml: its keys give the job; --prompt-length and --device still apply)")
     parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length,
                         help="the longest prompt, in tokens (the trainer measures it on its data)")
-    parser.add_argument("--completion-length", type=int, default=defaults.completion_length,
-                        help="tokens sampled per completion at most (the trainer's max_completion_length, whose "
-                        "default, 6, is its built-in task's)")
+    parser.add_argument("--completion-length", type=completion_stages, default=str(defaults.completion_length),
+                        help="a length, or a schedule FROM_STEP:LENGTH,... as train's --max-completion-length: "
+                        "the plan is of its largest stage, with a line per stage")
     parser.add_argument("--group-size", type=int, default=trainer["group_size"],
                         help="completions per prompt")
     parser.add_argument("--prompts-per-step", type=int, default=trainer["prompts_per_step"],
@@ -120,16 +132,11 @@ def main(args) -> int:
             config = load_config(args.model)
             config.rollout.check_for_training()
             shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
-            result = report(args.model, shape, job, advice(shape, job))   # the largest stage of the stages
-            print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
-            stages = config.rollout.stages()
-            for start, length in stages if len(stages) > 1 and not args.json else []:
-                staged = plan(shape, replace(job, completion_length=length))
-                print(f"stage from step {start + 1}: completions of up to {length} tokens, training peak "
-                      f"{staged['total'] / GIB:.2f} GiB")
+            print_plan(args, shape, job, config.rollout.stages())     # the largest stage of completion_length_stages
             return 0
         shape = load_shape(args.model)
-        job = Job(prompt_length=args.prompt_length, completion_length=args.completion_length,
+        job = Job(prompt_length=args.prompt_length, completion_length=max(length for _, length in
+                                                                          args.completion_length),
                   group_size=args.group_size, prompts_per_step=args.prompts_per_step,
                   micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens,
                   dtype=precision.resolve(args.dtype, args.device, args.lora_rank), optimizer=args.optimizer,
@@ -146,9 +153,19 @@ def main(args) -> int:
     except (ValueError, OSError) as error:
         print(f"grpo-fast plan: {error}", file=sys.stderr)
         return 2
+    print_plan(args, shape, job, args.completion_length)
+    return 0
+
+
+def print_plan(args, shape, job: Job, stages: list) -> None:
+    """The report of `job` (its completion_length: the largest stage's), and with stages [(from step, length)] a
+    line per stage: its training peak (the log counts steps from 1)."""
     result = report(args.model, shape, job, advice(shape, job))
     print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
-    return 0
+    for start, length in stages if len(stages) > 1 and not args.json else []:
+        staged = plan(shape, replace(job, completion_length=length))
+        print(f"stage from step {start + 1}: completions of up to {length} tokens, training peak "
+              f"{staged['total'] / GIB:.2f} GiB")
 
 
 def advice(shape, job: Job):
