@@ -155,9 +155,10 @@ def test_eval_cli(tmp_path, capsys):
 
 
 def fake_run(run, step: int = 5):
-    """A run folder holding only checkpoint-{step}'s step and config (no weights): enough for eval_config."""
+    """A run folder holding only checkpoint-{step}'s step, config and an empty set of weights: enough for
+    eval_config, which reads the config and refuses a state with no weights at all."""
     os.makedirs(run / f"checkpoint-{step}")
-    torch.save({"step": step, "config": dataclasses.asdict(flat_config(output_dir=str(run)))},
+    torch.save({"step": step, "model": {}, "config": dataclasses.asdict(flat_config(output_dir=str(run)))},
                run / f"checkpoint-{step}" / "state.pt")
 
 
