@@ -12,62 +12,12 @@ import warnings
 NOT_INSTALLED = ("grpo-fast {command}: the benchmark harness (grpo_fast.benchmarks, from the repository's benchmarks/ "
                  "folder) is importable only from an install: run `pip install -e .` in the repository")
 
-# Lines dependencies log on every run, by logger and how the message starts, that say nothing about the run: torchao's
-# optional C++ kernels (MX formats, sm_90a CUTLASS) built for another torch or a GPU (grpo_fast uses none of them;
-# transformers imports torchao), torch's deprecation of the enums torchao registers with pytree, and DeepSpeed's
-# accelerator guess (accelerate imports DeepSpeed, installed with the optional extras, when a model is saved).
-DEPENDENCY_NOISE = {"torchao": "Failed to load ",
-                    "torch.utils._pytree": "%s is an Enum subclass and is now natively supported",
-                    "DeepSpeed": "Setting accelerator to CPU."}
-
-
-class _DropNoise:
-    """A logging filter that drops the records whose message starts with `prefix` (and keeps every other)."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-
-    def filter(self, record) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
-def _own_roots() -> tuple:
-    """The folders of grpo_fast's modules: the package, and the kernels and benchmarks mapped into it."""
-    import importlib.util
-
-    roots = [os.path.dirname(os.path.abspath(__file__))]
-    for name in ("grpo_fast.kernels", "grpo_fast.benchmarks"):
-        spec = importlib.util.find_spec(name)
-        roots += [os.path.abspath(path) for path in (spec.submodule_search_locations or [])] if spec else []
-    return tuple(root + os.sep for root in roots)
-
-
-def _quiet_output() -> None:
-    """What the process prints besides its results: DEPENDENCY_NOISE dropped, and grpo_fast's own warnings as one
-    line, `warning: <message>` on stderr, instead of Python's file:line and source line (every other warning as
-    Python shows it). Only for the process's own command line (main with argv None): a program that calls main
-    keeps its logging and warnings as they are."""
-    import logging
-
-    for name, prefix in DEPENDENCY_NOISE.items():
-        logging.getLogger(name).addFilter(_DropNoise(prefix))
-    roots, python_show = _own_roots(), warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if not os.path.abspath(filename).startswith(roots):
-            return python_show(message, category, filename, lineno, file, line)
-        try:
-            print(f"warning: {message}", file=file or sys.stderr)
-        except OSError:                         # as Python's own: a closed stderr loses the warning, not the run
-            pass
-
-    warnings.showwarning = show
-
-
 def main(argv=None) -> int:
     own = argv is None                          # this process's command line (not a program calling main)
     if own:
-        _quiet_output()
+        from grpo_fast.train.run import quiet
+
+        quiet.quiet_output()
     argv = sys.argv[1:] if own else list(argv)
     if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
         return _train(argv[1:], own)            # free-form --key value pairs: parsed by the config itself

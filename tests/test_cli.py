@@ -23,11 +23,13 @@ def grpo_fast(*arguments, env=None, **options):
 
 
 def test_a_run_prints_no_dependency_noise_and_its_own_warnings_as_one_line(tmp_path):
-    """A one-step run that imports transformers, saves a model and meets a reward's inf: its output has none of
-    NOISE, and the trainer's warning is one line, not Python's file:line and source line."""
+    """A one-step run that imports transformers, saves a model and meets a reward's inf, its rollouts in a rollout
+    process (which loads the model again): its output has none of NOISE, and the trainer's warning is one line, not
+    Python's file:line and source line."""
     done = grpo_fast("train", "--output-dir", str(tmp_path / "run"), "--max-steps", "1", "--sft-steps", "0",
                      "--eval-every", "0", "--group-size", "2", "--prompts-per-step", "1", "--max-completion-length",
-                     "4", "--rewards", "tests.helpers:inf_once_reward", env={"OMP_NUM_THREADS": "1"})
+                     "4", "--rewards", "tests.helpers:inf_once_reward", "--max-staleness", "1",
+                     env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     assert not [line for line in output.splitlines() if any(noise in line for noise in NOISE)], output

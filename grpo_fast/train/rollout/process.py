@@ -52,6 +52,7 @@ from grpo_fast.train.policy import from_pretrained
 from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.rollout.engines import HFEngine, VLLMEngine
 from grpo_fast.train.rollout.generation import EngineError, EngineStartError
+from grpo_fast.train.run import quiet
 
 STOP, WEIGHTS, GENERATE = "stop", "weights", "generate"
 START_TIMEOUT_S = 600        # loading an engine (vLLM compiles and profiles) may take minutes on CPU
@@ -120,6 +121,8 @@ def serve(requests, results, spec: dict) -> None:
         results.send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
 
     send(("started",))
+    if spec["quiet"]:                                  # as the trainer's process prints (grpo-fast's command line)
+        quiet.quiet_output()
     torch.set_num_threads(spec["threads"])
     request = "start"
     try:
@@ -245,7 +248,7 @@ class RolloutProcess:
         result_reader, result_writer = context.Pipe(duplex=False)
         spec = {"rollout": rollout, "seed": seed, "model_dir": model_dir, "dtype": dtype, "rope_scaling": rope_scaling,
                 "max_model_len": max_model_len, "device": str(device), "threads": engine_threads,
-                "parent_pid": os.getpid(),
+                "parent_pid": os.getpid(), "quiet": quiet.installed(),
                 "started_by_main_thread": threading.current_thread() is threading.main_thread()}
         self.process = context.Process(target=serve, args=(request_reader, result_writer, spec), daemon=True,
                                        name="grpo-fast-rollouts")

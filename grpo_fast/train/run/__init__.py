@@ -10,4 +10,5 @@ that read them sit above, in grpo_fast.train.saved.
     tracking     TensorBoard, Weights & Biases, Trackio (`report_to`)
     evaluate     held-out accuracy and pass@k (HeldOut: the evaluations during a run)
     model_folder a Hugging Face folder of the policy (adapters merged), written whole
+    quiet        what a grpo-fast process prints besides its results: dependencies' noise dropped
 """
