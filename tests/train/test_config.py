@@ -1,5 +1,6 @@
 """The trainer's configuration: every key's range and type, nulls, paths, bad files, task names, the keys' help."""
 
+import dataclasses
 import math
 import os
 import re
@@ -9,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from grpo_fast.cli import main as cli  # noqa: E402
-from grpo_fast.train.config import KEYS, RULES, load_config, parse_overrides  # noqa: E402
+from grpo_fast.train.config import KEYS, RULES, load_config, parse_overrides, saved_config  # noqa: E402
 from tests.helpers import flat_config  # noqa: E402
 
 NUMERIC = [key.name for key in KEYS.values() if key.type in ("int", "float", "Optional[int]", "Optional[float]")]
@@ -56,9 +57,7 @@ BAD = [("max_grad_norm", "-1", "max_grad_norm must be a finite number > 0, got -
        ("reward_weights", "1,-1e19", "reward_weights must be numbers in [-1e+18, 1e+18], got [1.0, -1e+19]"),
        ("temperature", "0.001", "temperature must be a finite number in [0.01, 1e+09], got 0.001"),
        ("temperature", "1e-40", "temperature must be a finite number in [0.01, 1e+09], got 1e-40"),
-       ("max_completion_length", "2147483648", "max_completion_length must be in [1, 2147483647], got 2147483648"),
-       ("max_sampling_rounds", "5", "max_sampling_rounds (5) bounds the rounds of dynamic sampling, which is off: "
-                                    "set dynamic_sampling: true, or leave max_sampling_rounds at 3")]
+       ("max_completion_length", "2147483648", "max_completion_length must be in [1, 2147483647], got 2147483648")]
 
 
 @pytest.mark.parametrize("key, value, message", BAD, ids=[f"{key}={value}" for key, value, _ in BAD])
@@ -66,6 +65,18 @@ def test_out_of_range_values_name_the_key(key, value, message):
     with pytest.raises(ValueError) as error:
         load_config(None, {key: value})
     assert str(error.value) == message
+
+
+def test_max_sampling_rounds_without_dynamic_sampling_is_refused_for_training_only():
+    """A training job refuses it (it would be ignored); an export or evaluation reads the config a run saved, as
+    an earlier version took it."""
+    config = load_config(None, {"max_sampling_rounds": "5"})
+    with pytest.raises(ValueError) as error:
+        config.check_world(1)
+    assert str(error.value) == ("max_sampling_rounds (5) bounds the rounds of dynamic sampling, which is off: set "
+                                "dynamic_sampling: true, or leave max_sampling_rounds at 3")
+    load_config(None, {"max_sampling_rounds": "5", "dynamic_sampling": "true"}).check_world(1)
+    assert saved_config(dataclasses.asdict(config)).rollout.max_sampling_rounds == 5
 
 
 def test_every_numeric_key_has_a_rule_and_nan_fails_it():

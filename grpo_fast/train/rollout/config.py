@@ -134,10 +134,6 @@ class RolloutConfig:
             self.max_completion_length = max(length for _, length in stages)
         check_keys(self)
         check_sampling(self.engine, self.top_k, self.top_p, training=False)
-        if self.max_sampling_rounds != SAMPLING_ROUNDS and not self.dynamic_sampling:
-            raise ValueError(f"max_sampling_rounds ({self.max_sampling_rounds}) bounds the rounds of dynamic "
-                             "sampling, which is off: set dynamic_sampling: true, or leave max_sampling_rounds "
-                             f"at {SAMPLING_ROUNDS}")
         if self.completion_length_stages:
             stages = length_stages(",".join(self.completion_length_stages))
             if stages[0][0] != 0 or any(later[0] <= earlier[0] for earlier, later in zip(stages, stages[1:])) \
@@ -164,8 +160,13 @@ class RolloutConfig:
 
     def check_for_training(self) -> None:
         """The sampling a training job may use (`check_sampling`): `grpo-fast train` and `grpo-fast plan` call it;
-        an evaluation may sample greedily (top_k 1)."""
+        an evaluation may sample greedily (top_k 1), and the export or evaluation of a run saved by an earlier
+        version, which took max_sampling_rounds without dynamic_sampling, is not refused for it."""
         check_sampling(self.engine, self.top_k, self.top_p)
+        if self.max_sampling_rounds != SAMPLING_ROUNDS and not self.dynamic_sampling:
+            raise ValueError(f"max_sampling_rounds ({self.max_sampling_rounds}) bounds the rounds of dynamic "
+                             "sampling, which is off: set dynamic_sampling: true, or leave max_sampling_rounds "
+                             f"at {SAMPLING_ROUNDS}")
 
     @property
     def truncates_sampling(self) -> bool:
