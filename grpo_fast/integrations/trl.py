@@ -197,8 +197,10 @@ class FastGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, share_prompts: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         # What grpo_fast refuses is refused here, before any rollout: every log-prob takes the head's transform at
-        # this temperature, and the fused loss the options its loss type reads (`loss_config`).
-        lm_head(unwrap(self.model)).transform(self.temperature)
+        # this temperature, and the fused loss the options its loss type reads (`loss_config`). Under ZeRO-3 the
+        # head's weight is a partition until gathered (every rank constructs the trainer: the gather is collective).
+        with gathered_lm_head(self.model):
+            lm_head(unwrap(self.model)).transform(self.temperature)
         self.share_prompts = share_prompts and self._use_shared_prompt_attention()
         patch_grpo_trainer(self)
         reasons = self.fallback_reasons({})
