@@ -304,7 +304,8 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
                 reward_kept=_mean(totals["kept_sum"], totals["kept"]))
     counts = {name: round(totals[name]) for name in ("groups", "informative", "wanted", "useful")}
     if counts["useful"] < counts["wanted"]:
-        log(f"step {step + 1}: dynamic sampling ended short: {counts['useful']} informative groups of the "
+        log(f"step {step + 1}: dynamic sampling ended short: {counts['useful']} informative "
+            f"group{'' if counts['useful'] == 1 else 's'} of the "
             f"{counts['wanted']} wanted (prompts_per_step) after {len(pool)} rounds (max_sampling_rounds), "
             f"{counts['groups'] - counts['informative']} of the {counts['groups']} groups generated dropped for "
             f"equal rewards; {counts['wanted'] - counts['useful']} of them fill the step (no gradient from them)")

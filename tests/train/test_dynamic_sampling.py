@@ -131,7 +131,7 @@ def test_the_round_cap_trains_on_what_it_has_filled_with_dropped_groups():
     assert len(rollouts.calls) == 2 and info["sampling_rounds"] == 2
     assert info["frac_filtered_groups"] == pytest.approx(7 / 8)
     assert (info["reward"], info["reward_kept"]) == (1 / 24, 1 / 12)    # one right completion of 24, of 12 kept
-    assert logged == ["step 1: dynamic sampling ended short: 1 informative groups of the 4 wanted (prompts_per_step) "
+    assert logged == ["step 1: dynamic sampling ended short: 1 informative group of the 4 wanted (prompts_per_step) "
                       "after 2 rounds (max_sampling_rounds), 7 of the 8 groups generated dropped for equal rewards; "
                       "3 of them fill the step (no gradient from them)"]
     # the informative group first in draw order, then the earliest dropped ones: always prompts_per_step groups
@@ -196,7 +196,8 @@ def test_a_step_that_ends_short_is_logged_and_both_reward_means_are_recorded(tmp
         assert record["reward_kept"] == pytest.approx(sum(map(sum, kept)) / 8)
         assert record["frac_filtered_groups"] == len(dropped) / len(groups)
         step = record["step"]
-        line = (f"step {step}: dynamic sampling ended short: {len(informative)} informative groups of the 2 wanted "
+        line = (f"step {step}: dynamic sampling ended short: {len(informative)} informative "
+                f"group{'' if len(informative) == 1 else 's'} of the 2 wanted "
                 f"(prompts_per_step) after 2 rounds (max_sampling_rounds), {len(dropped)} of the {len(groups)} "
                 f"groups generated dropped for equal rewards; {2 - len(informative)} of them fill the step (no "
                 "gradient from them)")

@@ -66,7 +66,7 @@ def test_fit_advice_names_a_change_that_makes_the_job_fit():
     # the card's 4.9 GiB chunk budget (all 16384 tokens' logits, 4.6 GiB) bf16 + adamw8bit needs 81.3 GiB: LoRA
     big = flat_config(model="Qwen/Qwen2.5-7B", max_completion_length=16384, micro_batch_size=1, engine="vllm")
     advice = fit.fit_advice(big, fit.training_shape(big.policy), 512, int(79.1 * GIB))
-    assert "dtype: bf16 with optimizer: adamw with lora_rank: 64 would make it fit" in advice, advice
+    assert "dtype: bf16, optimizer: adamw and lora_rank: 64 would make it fit" in advice, advice
     assert advice.endswith("; it changes the numerics or what is trained)")
     fixed = big.replace(dtype="bf16", optimizer="adamw", lora_rank=64)
     assert fit.fit_advice(fixed, fit.training_shape(big.policy), 512, int(79.1 * GIB)) is None

@@ -115,7 +115,8 @@ def fitting_change(shape: ModelShape, job: Job, capacity: int, words=config_word
         for key in [key for key in exact if key in change and len(change) > 1]:     # drop what it does not need
             fewer = {other: value for other, value in change.items() if other != key}
             change = fewer if _needed(shape, job, fewer, capacity) is not None else change
-        named = " with ".join(words(key, value) for key, value in change.items())
+        named = [words(key, value) for key, value in change.items()]
+        named = " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named)
         return f"{named} would make it fit ({_needed(shape, job, change, capacity) / GIB:.1f} GiB{note})"
     none = ("no change of checkpointing, the loss, the micro-batch, the vLLM share, the weights' dtype, the optimizer "
             "or LoRA makes it fit")

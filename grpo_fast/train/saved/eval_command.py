@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from grpo_fast.train.policy import PolicyConfig, load_model
 from grpo_fast.train.rollout.engines import log_ignored_generation_settings, make_engine
 from grpo_fast.train.run.evaluate import eval_reward, evaluate
 from grpo_fast.train.run.model_folder import exported_step
+from grpo_fast.train.run.record import json_line
 from grpo_fast.train.saved import checkpoint, export
 from grpo_fast.train.update import precision
 
@@ -122,5 +122,5 @@ def main(target: str, overrides: dict, log=print) -> dict:
     source = config.evaluation.eval_task or config.data.task
     print(f"{target}: {record['problems']} held-out problems of {source!r} x {config.evaluation.eval_samples} samples, "
           f"{evaluated}", file=sys.stderr)
-    log(json.dumps(record))
+    log(json_line(record).rstrip("\n"))    # JSON: a NaN pass@k is null, as in eval.jsonl
     return record

@@ -132,7 +132,7 @@ def test_training_writes_eval_jsonl_and_evaluation_does_not_change_training(tmp_
         assert {k: v for k, v in record.items() if k not in drop} == last
 
 
-def test_eval_cli(tmp_path, capsys):
+def test_eval_cli(tmp_path, capsys, monkeypatch):
     T.train(flat_config(**{**FAST, "max_steps": 2, "eval_every": 0}, output_dir=str(tmp_path / "run")),
             log=lambda *_: None)
     assert cli(["eval", str(tmp_path / "run"), "--num-samples", "2", "--eval-prompts", "3"]) == 0
@@ -152,6 +152,13 @@ def test_eval_cli(tmp_path, capsys):
     assert cli(["eval", str(tmp_path / "run"), "--num-samples", "2", "--eval-prompts", "3", "--top-k", "1"]) == 0
     greedy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert greedy["problems"] == 3 and greedy["pass@1"] == greedy["pass@2"]
+    # a number that is not finite in the record is printed as JSON's null, as eval.jsonl holds it (NaN is not JSON)
+    monkeypatch.setattr(eval_command, "evaluate", lambda *args, **kwargs: {**greedy, "pass@1": float("nan")})
+    assert cli(["eval", str(tmp_path / "run"), "--num-samples", "2", "--eval-prompts", "3"]) == 0
+
+    def not_json(constant):
+        raise ValueError(f"{constant} is not JSON")
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1], parse_constant=not_json)["pass@1"] is None
 
 
 def fake_run(run, step: int = 5):
