@@ -12,6 +12,7 @@ import warnings
 NOT_INSTALLED = ("grpo-fast {command}: the benchmark harness (grpo_fast.benchmarks, from the repository's benchmarks/ "
                  "folder) is importable only from an install: run `pip install -e .` in the repository")
 
+
 def main(argv=None) -> int:
     own = argv is None                          # this process's command line (not a program calling main)
     if own:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from grpo_fast.fields import NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, is_number, key
+from grpo_fast.fields import LENGTH_MAX, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, check_keys, is_number, key
 from grpo_fast.packed_attention import CHOICES as ATTENTIONS
 from grpo_fast.train import pretrained, tasks
 from grpo_fast.train.run.errors import mismatches
@@ -115,7 +115,7 @@ TINY_VOCAB = 300                  # the trainer's tokenizer on the task: at most
 
 # the largest context a scaling may give (max_position_embeddings x factor): int32, as flash-attention holds the
 # packed rows' cumulative lengths; a factor such as 1e308 would otherwise overflow the context count itself
-MAX_CONTEXT = 2**31 - 1
+MAX_CONTEXT = LENGTH_MAX
 
 
 def _within(low, high=None, *, open_low=False):

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Callable, Optional
 
+from grpo_fast.fields import FP32_MAX
 from grpo_fast.train.tasks.math_verify_pool import verdicts
 
 FORMAT_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
@@ -239,11 +240,6 @@ def _module_of_file(path: str):
     return module
 
 
-# the largest float32: rewards become an fp32 tensor, where a larger finite score would turn into inf (and the loss
-# into NaN)
-FLOAT32_MAX = 3.4028234663852886e38
-
-
 def _scores_of(name: str, scores, count: int) -> tuple:
     """(floats with None for skipped samples, number of non-finite scores) of what reward `name` returned; a finite
     score beyond float32's range is an error naming it."""
@@ -266,14 +262,14 @@ def _scores_of(name: str, scores, count: int) -> tuple:
             if isinstance(score, (str, bytes)):     # float("0.5") would pass
                 raise TypeError
             value = float(score)
-            beyond = math.isfinite(value) and abs(value) > FLOAT32_MAX
+            beyond = math.isfinite(value) and abs(value) > FP32_MAX
         except OverflowError:                       # an int beyond even float64's range
             beyond = True
         except (TypeError, ValueError):
             raise TypeError(f"{expected} {_kind(score)} at index {i}: {str(score)[:80]!r}") from None
         if beyond:
             raise ValueError(f"reward {name} returned {_short(score)} at index {i}, beyond float32's range "
-                             f"(|x| <= {FLOAT32_MAX:.4g}) that rewards are trained in: scale it down")
+                             f"(|x| <= {FP32_MAX:.4g}) that rewards are trained in: scale it down")
         if not math.isfinite(value):
             non_finite += 1
             value = None
@@ -326,9 +322,9 @@ def weighted_rewards(functions, weights: Optional[list], completions, **columns)
                 totals[i] += weight * value
                 seen[i] = True
     for i, total in enumerate(totals):              # finite scores times the weights (inf past float64's range)
-        if not abs(total) <= FLOAT32_MAX:
+        if not abs(total) <= FP32_MAX:
             raise ValueError(f"the weighted reward of completion {i} is {total:.6g}, beyond float32's range "
-                             f"(|x| <= {FLOAT32_MAX:.4g}) that rewards are trained in (reward_weights {weights}): "
+                             f"(|x| <= {FP32_MAX:.4g}) that rewards are trained in (reward_weights {weights}): "
                              "scale the rewards or their weights down")
     rewards = [total if ok else float("nan") for total, ok in zip(totals, seen)]
     if all(math.isnan(reward) for reward in rewards):

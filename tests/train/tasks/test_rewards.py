@@ -156,7 +156,7 @@ def test_a_finite_score_beyond_float32_is_refused_naming_it(scores, weights, mes
     score, or a weighted sum, beyond float32's range is one line naming the reward and the value."""
     with pytest.raises(ValueError, match="^" + re.escape(message) + r" \(\|x\| <= 3\.403e\+38\)[^\n]*$"):
         R.weighted_rewards([my_reward_returning(scores)], weights, ["a"] * len(scores))
-    largest = R.weighted_rewards([my_reward_returning([R.FLOAT32_MAX, -R.FLOAT32_MAX])], None, ["a", "b"])
+    largest = R.weighted_rewards([my_reward_returning([R.FP32_MAX, -R.FP32_MAX])], None, ["a", "b"])
     assert torch.isfinite(torch.tensor(largest, dtype=torch.float32)).all()       # the edge itself is kept
 
 
