@@ -67,16 +67,21 @@ class HFEngine:
         """n completions of each prompt (default group_size) of at most max_tokens tokens (default
         max_completion_length: a staged run's step passes its stage's), n consecutive rows per prompt; with
         sampling_logps, each sampled token's log-prob under the generating weights (full vocabulary, at the
-        temperature: the trainer's definition), for a policy that is not the one being trained (a rollout
-        process's copy)."""
+        temperature: the trainer's definition; over the kept set under top-k / top-p), for a policy that is not
+        the one being trained (a rollout process's copy). The sampler takes each log-prob as it draws the token,
+        so recording them holds (rows,) floats a token, not the step's (rows, V) logits."""
         rollout, tokenizer = self.rollout, self.tokenizer
         n, max_tokens = n or rollout.group_size, max_tokens or rollout.max_completion_length
         device = next(self.model.parameters()).device
         longest = max(map(len, prompt_ids))
         pad = tokenizer.pad_token_id
         input_ids, attention_mask = left_padded(prompt_ids, n, pad, device)
+        # ignore_eos: the sampler bans the stop token itself (min_new_tokens' processor would run before it and
+        # drop the token from the recorded log-probs' normalizer, which the trainer's keeps)
         sampler = PromptSeededSampler([seed + index for index in range(len(prompt_ids))], n, rollout.temperature,
-                                      rollout.top_p, rollout.top_k)
+                                      rollout.top_p, rollout.top_k,
+                                      banned_ids=(tokenizer.eos_token_id,) if rollout.ignore_eos else (),
+                                      record_logps=self.sampling_logps)
         was_training = self.model.training
         self.model.eval()
         if self.sharded_root is not None:
@@ -87,20 +92,15 @@ class HFEngine:
                     input_ids=input_ids, attention_mask=attention_mask, do_sample=False, logits_processor=[sampler],
                     temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
                     use_cache=True, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
-                    min_new_tokens=max_tokens if rollout.ignore_eos else 0,
-                    synced_gpus=self.sharded_root is not None, output_logits=self.sampling_logps,
-                    return_dict_in_generate=True)
+                    synced_gpus=self.sharded_root is not None, return_dict_in_generate=True)
         finally:
             if self.sharded_root is not None:
                 self.sharded_root.reshard()
             self.model.train(was_training)
         sampled_ids = output.sequences[:, longest:]
         truncates = rollout.truncates_sampling
-        if self.sampling_logps:       # the raw logits: log-probs over the kept sets, or the whole vocabulary
-            logits = torch.stack(output.logits, dim=1).float() / rollout.temperature
-            if truncates:
-                logits = kept_only(logits, sampler.kept_steps)
-            token_logps = logits.log_softmax(-1).gather(-1, sampled_ids[..., None]).squeeze(-1).tolist()
+        if self.sampling_logps:
+            token_logps = torch.stack(sampler.token_logps, dim=1)[:, :sampled_ids.shape[1]].tolist()
         rows, completions, truncated, logps = [], [], [], []
         for row, sampled in enumerate(sampled_ids.tolist()):
             ended = tokenizer.eos_token_id in sampled and not rollout.ignore_eos
@@ -183,15 +183,6 @@ def trainer_sampling_only(model):
     finally:
         for layer, generation_config in saved:
             layer.generation_config = generation_config
-
-
-def kept_only(logits: torch.Tensor, kept_steps: list) -> torch.Tensor:
-    """(B, S, V) logits with -inf off each position's kept set (kept_steps: PromptSeededSampler's, one (K, 2)
-    (row, id) tensor per step)."""
-    masked = torch.full_like(logits, float("-inf"))
-    for step, pairs in enumerate(kept_steps):
-        masked[pairs[:, 0], step, pairs[:, 1]] = logits[pairs[:, 0], step, pairs[:, 1]]
-    return masked
 
 
 def rows_kept_sets(kept_steps: list, lengths: list) -> list:

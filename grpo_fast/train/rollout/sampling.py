@@ -1,9 +1,10 @@
 """The HF engine's sampler: temperature, top-p and a draw per row from that row's prompt's own random stream.
 
     sampler = PromptSeededSampler(seeds=[step_seed + i for i in range(prompts)], n=group_size, temperature=1.0,
-                                  top_p=1.0, top_k=0)
+                                  top_p=1.0, top_k=0, record_logps=True)
     model.generate(input_ids, do_sample=False, logits_processor=[sampler], ...)   # one call for every prompt
     sampler.kept_steps            # with top_k > 0 or top_p < 1: each step's kept set, the tokens drawn from
+    sampler.token_logps           # with record_logps: each step's log-prob of the token drawn, per row
 
 `generate` samples a whole batch from one random stream, so a row's draws would depend on every other row of the
 call: on which prompts share the step and on the rank that got them. This processor draws instead: prompt i's n
@@ -13,6 +14,14 @@ entry is that token, which its greedy step takes. A prompt's completions therefo
 weights and its own tokens only, whichever prompts are batched with it (up to the float rounding that a
 different amount of left padding brings into the logits, which moves a draw only when a uniform falls within that
 rounding of a boundary of the cumulative probabilities).
+
+The sampler draws each token itself, so it can also take that token's log-prob on the spot: (rows,) floats a step,
+where keeping `generate`'s logits (output_logits) for the same numbers after the call holds rows x V fp32 values
+for every sampled position. It is the last processor `generate` runs (transformers appends the caller's
+processors after its own, and adds no warpers under do_sample=False), so the scores it gets are the model's fp32
+logits as `output_logits` returns them, provided no processor of `generate`'s own runs: the stop token that
+ignore_eos forbids is banned here (banned_ids), not through min_new_tokens, whose processor would run first and
+take the token out of the log-prob's normalizer.
 """
 
 from __future__ import annotations
@@ -63,26 +72,42 @@ class PromptSeededSampler:
     top_k, then top_p, kept set, rows i x n .. i x n + n - 1 from the generator seeded with seeds[i]; run it under
     do_sample=False (its scores leave the greedy step one choice).
 
+    banned_ids: tokens never drawn (the stop token under ignore_eos); they stay in the normalizer of the recorded
+    whole-vocabulary log-prob, as in the trainer's.
     kept_steps: with top_k > 0 or top_p < 1, one entry per generated position: the kept set of every row as
-    `kept_mask(...).nonzero()`, (K, 2) int64 pairs (row, token id), ids ascending within a row."""
+    `kept_mask(...).nonzero()`, (K, 2) int64 pairs (row, token id), ids ascending within a row.
+    token_logps: with record_logps, one entry per generated position: (rows,) fp32, each row's drawn token's
+    log-prob at `temperature`, over its kept set under top-k / top-p, else over the whole vocabulary."""
 
-    def __init__(self, seeds: list, n: int, temperature: float, top_p: float, top_k: int = 0):
+    def __init__(self, seeds: list, n: int, temperature: float, top_p: float, top_k: int = 0,
+                 banned_ids: tuple = (), record_logps: bool = False):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
+        self.banned_ids, self.record_logps = list(banned_ids), record_logps
         self.kept_steps: list = []
+        self.token_logps: list = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[0] != len(self.generators) * self.n:
             raise ValueError(f"scores must have {len(self.generators)} prompts x {self.n} rows, got "
                              f"{scores.shape[0]} rows")
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        logits = scores.float() / self.temperature
+        allowed = logits
+        if self.banned_ids:
+            banned = torch.tensor(self.banned_ids, device=logits.device)
+            allowed = logits.index_fill(-1, banned, float("-inf"))
+        probs = torch.softmax(allowed, dim=-1)
+        kept = None
         if self.top_k > 0 or self.top_p < 1.0:
             kept = kept_mask(probs, self.top_k, self.top_p) & (probs > 0)    # banned tokens (p = 0) are not kept
             self.kept_steps.append(kept.nonzero())
             probs = probs * kept
         uniforms = torch.cat([torch.rand(self.n, generator=generator) for generator in self.generators])
         tokens = inverse_cdf_draw(probs, uniforms.to(probs.device))
+        if self.record_logps:
+            over = logits if kept is None else logits.masked_fill(~kept, float("-inf"))
+            self.token_logps.append(over.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
         chosen = torch.full_like(scores, float("-inf"))
         return chosen.scatter_(-1, tokens[:, None], 0.0)
