@@ -28,6 +28,10 @@ MATH_VERIFY_TIME_LIMIT_S = 10.0     # per completion; above math-verify's own 5 
 MATH_VERIFY_WORKERS = 2             # per process (per torchrun rank): one stuck completion does not stall the batch
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# A line that opens with "Answer:" (any case, markdown bold or a heading mark allowed), the answer on the rest of it
+# or on the next line: DAPO's prompts ask for "Answer: 34" as the last line, and DAPO's own rule reads the text
+# after the last "Answer:".
+_ANSWER_LINE_RE = re.compile(r"^[ \t*#>]*answer[ \t*]*:[ \t*]*(?:\n[ \t]*)?(\S.*)$", re.IGNORECASE | re.MULTILINE)
 _GOLD_CACHE = {}                                    # gold text -> parsed: a step repeats each gold group_size times
 
 
@@ -45,14 +49,23 @@ def _parse_gold(solution: str):
 
 
 def _parse_answer(text: str):
-    """The model's answer: the <answer> block when there is one, as LaTeX ($...$, \\boxed{}) or a plain expression
-    (a bare number such as `18` included, which LaTeX-only extraction misses)."""
+    """The model's answer, as LaTeX ($...$, \\boxed{}) or a plain expression (a bare number such as `18` included,
+    which LaTeX-only extraction misses), read from the first of: the <answer> block; the last line that opens
+    with "Answer:" (DAPO's form, `Answer: 34`; a `\\boxed{}` earlier in the reasoning does not override it), when
+    math-verify finds an answer on it; the whole text (a `\\boxed{}` first)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    match = _ANSWER_RE.search(text)
-    answer = match.group(1).strip() if match else text
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return parse(answer, extraction_config=config, extraction_mode="first_match")
+    match = _ANSWER_RE.search(text)
+    if match:
+        return parse(match.group(1).strip(), extraction_config=config, extraction_mode="first_match")
+    lines = _ANSWER_LINE_RE.findall(text)
+    if lines:
+        # markdown bold around the answer (**34**) reads as the text "34**" to math-verify
+        parsed = parse(lines[-1].strip().strip("*"), extraction_config=config, extraction_mode="first_match")
+        if parsed:
+            return parsed
+    return parse(text, extraction_config=config, extraction_mode="first_match")
 
 
 def _is_correct(gold_parsed, text: str) -> bool:
