@@ -31,6 +31,14 @@ def check_split(split: Optional[str], folder: str, name: str) -> None:
             raise ValueError(f"{name}={split!r}: {folder!r} has the splits {found}")
 
 
+def check_column(column: str, name: str) -> None:
+    """Raises ValueError naming the key `name` when `column` is no column name or dotted path: empty, or a path
+    with an empty part ("reward_model." or "reward_model..ground_truth")."""
+    if not column.strip() or not all(column.split(".")):
+        raise ValueError(f"{name}={column!r}: expected a column name or a dotted path into struct columns such as "
+                         f"reward_model.ground_truth, with no empty part")
+
+
 @dataclass
 class DataConfig:
     """The config section `data`: the policy's prompts (the built-in tiny model answers the generated tasks)."""
@@ -39,8 +47,11 @@ class DataConfig:
                            "(vendored 200-problem subset) or a dataset on disk: a .jsonl / .json / .parquet / .csv "
                            "file or a save_to_disk folder")
     prompt_column: str = key("prompt", "the dataset's prompt column: text, or a list of chat messages "
-                                       "({role, content}, rendered with the chat template)")
-    solution_column: str = key("solution", "the dataset's gold-answer column (text or a number)")
+                                       "({role, content}, rendered with the chat template); a dotted path reads a "
+                                       "key of a struct column (extra_info.question)")
+    solution_column: str = key("solution", "the dataset's gold-answer column (text or a number); a dotted path "
+                                           "reads a key of a struct column (verl's and DAPO's parquet files: "
+                                           "reward_model.ground_truth)")
     train_split: str = key("train", "the split trained on, for a save_to_disk folder of several splits")
     prompt_format: str = key("plain", '"plain" (the prompt text) or "chat" (the chat template, as a user turn)',
                              choices=("plain", "chat"))
@@ -52,6 +63,8 @@ class DataConfig:
         if isinstance(self.task, str):                   # a path: "~" is the home folder, as in a shell
             self.task = os.path.expanduser(self.task)
         check_keys(self)
+        for name in ("prompt_column", "solution_column"):
+            check_column(getattr(self, name), name)
         check_task(self.task, "task")
         check_split(self.train_split, self.task, "train_split")
 

@@ -66,7 +66,9 @@ def load_samples(path: str, *, prompt_column: str = "prompt", solution_column: s
                  split: str | None = None) -> list[dict]:
     """Samples [{"prompt": text or [{"role", "content"} messages], "solution": text}] of the file or save_to_disk
     folder at `path`; `split` picks a split of a DatasetDict folder (None: its only split) and must be None or "train"
-    otherwise. Raises a ValueError naming the file (and row and column) on anything unusable."""
+    otherwise. A column name may be a dotted path into struct (dict) columns, as verl's parquet files keep the
+    answer at reward_model.ground_truth (see column_path). Raises a ValueError naming the file (and row and column)
+    on anything unusable."""
     problem = _problem(path)
     if problem:
         raise ValueError(f"{path}: {problem}")
@@ -76,20 +78,20 @@ def load_samples(path: str, *, prompt_column: str = "prompt", solution_column: s
     # folder (deleted on leaving it), so nothing is left in HF_DATASETS_CACHE; save_to_disk folders are memory-mapped.
     with _quiet(datasets), tempfile.TemporaryDirectory(prefix="grpo_fast_data_") as cache:
         if os.path.isdir(path):
-            dataset, lines, solutions = _load_folder(datasets, path, split), None, None
+            dataset, lines, rows = _load_folder(datasets, path, split), None, None
         elif split not in (None, "train"):
             raise ValueError(f"{path}: a file holds the one split 'train', not {split!r}")
         else:
-            dataset, lines, solutions = _load_file(datasets, path, cache, prompt_column, solution_column)
-        return _samples(path, dataset, prompt_column, solution_column, lines, solutions)
+            dataset, lines, rows = _load_file(datasets, path, cache, prompt_column, solution_column)
+        return _samples(path, dataset, prompt_column, solution_column, lines, rows)
 
 
 def _load_file(datasets, path: str, cache: str, prompt_column: str, solution_column: str):
-    """(the datasets.Dataset of the data file, the line of each row for JSON Lines, else None, the solution of each
-    row as the file writes it for JSON and JSON Lines, else None), read with `cache` as datasets' cache_dir; the
-    text is checked first, as datasets reports bad bytes and bad JSON without a line."""
+    """(the datasets.Dataset of the data file, the line of each row for JSON Lines, else None, the rows as the file
+    writes them for JSON and JSON Lines (numbers as JsonNumber), else None), read with `cache` as datasets'
+    cache_dir; the text is checked first, as datasets reports bad bytes and bad JSON without a line."""
     suffix = os.path.splitext(path)[1].lower()
-    source, lines, solutions, options = path, None, None, {}
+    source, lines, rows, options = path, None, None, {}
     if suffix == ".parquet":
         _check_parquet(path)
     else:
@@ -98,15 +100,14 @@ def _load_file(datasets, path: str, cache: str, prompt_column: str, solution_col
             raise ValueError(f"{path}: no rows (the file is empty)")
     if suffix == ".csv":
         # Every cell as text: the default parse would turn 007 into 7.0 and the answer "None" into a missing value.
-        _check_columns(path, _csv_header(path, text), prompt_column, solution_column)
+        columns = _check_columns(path, _csv_header(path, text), prompt_column, solution_column)
         string = datasets.Value("string")
-        options = {"features": datasets.Features({prompt_column: string, solution_column: string}),
+        options = {"features": datasets.Features({column: string for column, _ in columns}),
                    "keep_default_na": False, "na_values": [""]}
     elif suffix in (".jsonl", ".json"):
-        lines, rows = _check_json(path, text, array_allowed=suffix == ".json")
         # datasets reads a column mixing ints and floats as float64 (9007199254740993 -> ...992): the solutions
-        # are taken from the file's own text instead, numbers as written (see _solution)
-        solutions = [row.get(solution_column) for row in rows]
+        # are taken from the file's own rows instead, numbers as written (see _solution)
+        lines, rows = _check_json(path, text, array_allowed=suffix == ".json")
         from datasets.packaged_modules.json.json import JsonConfig
 
         # Recent datasets versions turn columns that look like agent traces into another schema: not wanted here.
@@ -126,7 +127,7 @@ def _load_file(datasets, path: str, cache: str, prompt_column: str, solution_col
     reader = {".parquet": datasets.Dataset.from_parquet, ".csv": datasets.Dataset.from_csv}.get(
         suffix, datasets.Dataset.from_json)
     try:
-        return reader(source, cache_dir=cache, keep_in_memory=True, **options), lines, solutions
+        return reader(source, cache_dir=cache, keep_in_memory=True, **options), lines, rows
     except Exception as error:  # datasets, pyarrow and pandas raise many kinds; keep one line of the cause
         raise _unreadable(path, FORMATS[suffix], error) from None
 
@@ -269,38 +270,90 @@ def _csv_header(path: str, text: str) -> list[str]:
     return header
 
 
-def _check_columns(path: str, found: list[str], prompt_column: str, solution_column: str) -> None:
-    """Raises a ValueError naming the missing column, its config key and the columns found."""
+def column_path(name: str, found) -> tuple[str, tuple[str, ...]] | None:
+    """(column, keys) that the config's column name `name` reads among the columns `found`: the column of that
+    exact name with no keys, else the longest dotted prefix of `name` that is a column and the keys after it
+    ("reward_model.ground_truth": the column reward_model, its key ground_truth); None when neither is a column."""
+    if name in found:                   # a flat column whose name holds dots (a flattened table) is read as it is
+        return name, ()
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        column = ".".join(parts[:cut])
+        if column in found:
+            return column, tuple(parts[cut:])
+    return None
+
+
+def _check_columns(path: str, found: list[str], prompt_column: str, solution_column: str) -> list[tuple]:
+    """[(column, keys)] of prompt_column and solution_column (column_path); raises a ValueError naming the missing
+    column, its config key and the columns found."""
+    paths = []
     for column, key in ((prompt_column, "prompt_column"), (solution_column, "solution_column")):
-        if column not in found:
+        path_of = column_path(column, found)
+        if path_of is None:
             raise ValueError(f"{path}: no column {column!r} ({key}); columns found: {list(found)}")
+        paths.append(path_of)
+    return paths
 
 
-def _samples(path: str, dataset, prompt_column: str, solution_column: str, lines=None, solutions=None) -> list[dict]:
+def _samples(path: str, dataset, prompt_column: str, solution_column: str, lines=None, rows=None) -> list[dict]:
     """The checked samples of a datasets.Dataset; `lines` (the line of each row) is named in errors when given;
-    `solutions` (one per row, as the file writes them) stand in for the dataset's solution column when given."""
-    _check_columns(path, dataset.column_names, prompt_column, solution_column)
+    `rows` (the rows as the file writes them) give the solutions instead of the dataset's column when given."""
+    (prompt_top, prompt_keys), (solution_top, solution_keys) = _check_columns(
+        path, dataset.column_names, prompt_column, solution_column)
     if dataset.num_rows == 0:
         raise ValueError(f"{path}: no rows")
-    columns = dataset.with_format(None).select_columns(list(dict.fromkeys([prompt_column, solution_column]))).to_dict()
-    if solutions is not None and len(solutions) == dataset.num_rows:
-        columns[solution_column] = solutions
+    columns = dataset.with_format(None).select_columns(list(dict.fromkeys([prompt_top, solution_top]))).to_dict()
+    solutions = columns[solution_top]
+    if rows is not None and len(rows) == dataset.num_rows:
+        solutions = [row.get(solution_top) for row in rows]
     samples = []
-    for index, (prompt, solution) in enumerate(zip(columns[prompt_column], columns[solution_column])):
+    for index, (prompt, solution) in enumerate(zip(columns[prompt_top], solutions)):
         row = f"{path}: row {index}" + (f" (line {lines[index]})" if lines else "")
-        samples.append({"prompt": _prompt(prompt, f"{row}, column {prompt_column!r} (prompt_column)"),
-                        "solution": _solution(solution, f"{row}, column {solution_column!r} (solution_column)")})
+        where = f"{row}, column {prompt_column!r} (prompt_column)"
+        prompt = _prompt(_dig(prompt, prompt_top, prompt_keys, where), where, prompt_column)
+        where = f"{row}, column {solution_column!r} (solution_column)"
+        samples.append({"prompt": prompt,
+                        "solution": _solution(_dig(solution, solution_top, solution_keys, where), where,
+                                              solution_column)})
     return samples
 
 
-def _prompt(value, where: str):
-    """The prompt text, or the chat messages as plain {"role", "content"} dicts (other keys dropped)."""
+def _dig(value, column: str, keys: tuple, where: str):
+    """The value at `keys` inside `value`, the row's value of `column` (column_path); None when a struct on the way
+    is null (the caller reports an empty value). Raises a ValueError naming the key and what was found instead of
+    a struct, or the keys there are."""
+    path = column
+    for key in keys:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected {path!r} to be a struct (a dict of keys) holding {key!r}, got "
+                             f"{type(value).__name__} {value!r:.80}")
+        if key not in value:
+            raise ValueError(f"{where}: no key {key!r} in {path!r}; keys found: {list(value)}")
+        value, path = value[key], f"{path}.{key}"
+    return value
+
+
+def _got(value, column: str) -> str:
+    """What a cell holds, for an error: its type, and for a struct its keys and the dotted path that reads one."""
+    if isinstance(value, dict):
+        keys = list(value)
+        hint = f"; name one with a dotted path, e.g. {column}.{keys[0]}" if keys else ""
+        return f"got a struct with keys {keys}{hint}"
+    return f"got {type(value).__name__}"
+
+
+def _prompt(value, where: str, column: str = "prompt"):
+    """The prompt text, or the chat messages as plain {"role", "content"} dicts (other keys dropped); `column`, the
+    config's prompt_column, is named in the hint of a struct's error."""
     if value is None or isinstance(value, str) and not value.strip():
         raise ValueError(f"{where}: empty prompt ({'null or missing' if value is None else repr(value)})")
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError(f"{where}: expected text or a list of chat messages, got {type(value).__name__}")
+        raise ValueError(f"{where}: expected text or a list of chat messages, {_got(value, column)}")
     if not value:
         raise ValueError(f"{where}: empty prompt (an empty list of messages)")
     for number, message in enumerate(value):
@@ -311,16 +364,17 @@ def _prompt(value, where: str):
     return [{"role": message["role"], "content": message["content"]} for message in value]
 
 
-def _solution(value, where: str) -> str:
+def _solution(value, where: str, column: str = "solution") -> str:
     """The gold answer as text: a string as is, a number by str() (an integral float such as 42.0 as "42"), a JSON
-    number as written in the file (digits exact however many; 42.0 and 4.2e1 as "42", 3.50 as "3.50")."""
+    number as written in the file (digits exact however many; 42.0 and 4.2e1 as "42", 3.50 as "3.50"); `column`,
+    the config's solution_column, is named in the hint of a struct's error."""
     if isinstance(value, JsonNumber):
         number = decimal.Decimal(value)
         if number.is_finite() and number == number.to_integral_value() and abs(number.adjusted()) < 1000:
             return str(int(number))              # a whole number (not 1e100000, which int() would spell out)
         return str(value)
     if isinstance(value, bool) or not isinstance(value, (str, int, float, type(None))):
-        raise ValueError(f"{where}: expected text or a number, got {type(value).__name__}")
+        raise ValueError(f"{where}: expected text or a number, {_got(value, column)}")
     if value is None or isinstance(value, float) and math.isnan(value) or isinstance(value, str) and not value.strip():
         raise ValueError(f"{where}: empty solution ({'null or missing' if value is None else repr(value)})")
     if isinstance(value, float):
