@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 import os
 import re
@@ -56,9 +57,11 @@ class PolicyConfig:
                                                        "(comma-separated; never the LM head)")
     rope_scaling: Optional[dict] = key(None, "RoPE scaling to run the model past its context, the transformers "
                                              'dict (e.g. {"rope_type": "yarn", "factor": 2.0, '
-                                             '"original_max_position_embeddings": 8192}; rope_type yarn, linear or '
-                                             "dynamic): the trained model and both engines apply it alike, and the "
-                                             "context is max_position_embeddings x factor")
+                                             f'"original_max_position_embeddings": 8192}}; rope_type '
+                                             f"{' or '.join(tasks.ROPE_SCALINGS)}; dynamic NTK is refused, the "
+                                             "engines would not apply it as the trainer does): the trained model and "
+                                             "both engines apply it alike, it replaces a scaling of the model's own "
+                                             "config.json, and the context is max_position_embeddings x factor")
 
     def __post_init__(self):
         if isinstance(self.model, str):                  # a path: "~" is the home folder, as in a shell
@@ -154,11 +157,15 @@ def check_rope_scaling(rope_scaling: dict) -> None:
     `rope_scaling` has a rope_type (or the older `type`) of tasks.ROPE_SCALINGS, a factor, and only keys that
     transformers reads for that type (ROPE_KEYS; YaRN's own for yarn alone), each in its range; YaRN's
     original_max_position_embeddings x factor, when given, within MAX_CONTEXT (scaled_rope checks the model's
-    context once it is known)."""
+    context once it is known). Dynamic NTK is refused with the YaRN scaling of its factor to use instead."""
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if "type" in rope_scaling and "rope_type" in rope_scaling and rope_scaling["type"] != kind:
         raise ValueError(f"policy.rope_scaling has rope_type {kind!r} and type {rope_scaling['type']!r}: give one "
                          f"(rope_type)")
+    if kind == "dynamic":
+        name = "rope_type" if "rope_type" in rope_scaling else "type"
+        raise ValueError(f"policy.rope_scaling.{name} 'dynamic' (dynamic NTK) is refused: {tasks.DYNAMIC_NTK}; use "
+                         f"yarn, e.g. {yarn_instead(rope_scaling.get('factor'))}")
     if kind not in tasks.ROPE_SCALINGS:
         raise ValueError(f"policy.rope_scaling.rope_type must be one of {', '.join(tasks.ROPE_SCALINGS)}, got "
                          f"{kind!r}")
@@ -183,6 +190,27 @@ def check_rope_scaling(rope_scaling: dict) -> None:
                              "original_max_position_embeddings")
 
 
+def yarn_instead(factor) -> str:
+    """The YaRN scaling of `factor` (2.0 unless it is a number >= 1) as JSON, what to give instead of another."""
+    factor = factor if is_number(factor) and math.isfinite(factor) and factor >= 1 else 2.0
+    return json.dumps({"rope_type": "yarn", "factor": factor})
+
+
+def check_own_rope(model_config, model: str) -> None:
+    """Raises a one-line ValueError when the config of `model` (a folder or hub id, as the run names it) carries a
+    dynamic NTK scaling of its own (some checkpoints' config.json do): run without policy.rope_scaling, the engines
+    would not apply it as the trainer does. It is refused, not dropped: the checkpoint's RoPE is what it was
+    trained with, and policy.rope_scaling replaces it knowingly (yarn of factor 1.0 is the unscaled RoPE)."""
+    if getattr(model_config, "rope_parameters", None) is None and hasattr(model_config, "get_text_config"):
+        model_config = model_config.get_text_config()
+    rope = getattr(model_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        raise ValueError(f"model {model!r} has a rope_scaling of rope_type 'dynamic' (dynamic NTK) in its "
+                         f"config.json, refused: {tasks.DYNAMIC_NTK}; give policy.rope_scaling to replace it, e.g. "
+                         f"{yarn_instead(rope.get('factor'))} ({yarn_instead(1.0)}: its RoPE unscaled, up to "
+                         f"max_position_embeddings {getattr(model_config, 'max_position_embeddings', '?')})")
+
+
 def check_scaled_context(positions: int, factor: float, source: str) -> None:
     """Raises ValueError naming policy.rope_scaling.factor when `positions` (the model's `source` key) x factor,
     the scaled context, is beyond MAX_CONTEXT."""
@@ -196,16 +224,18 @@ def scaled_rope(model_config, rope_scaling: Optional[dict]) -> None:
     """Applies `rope_scaling` (policy.rope_scaling, see check_rope_scaling) to a transformers config in place, over
     its own RoPE parameters (rope_theta stays: transformers replaces the whole dict when given rope_scaling alone).
     YaRN's max_position_embeddings becomes original_max_position_embeddings (default: the config's) x factor, the
-    convention transformers' YaRN and vLLM both assume; linear and dynamic keep it (vLLM multiplies it by the
-    factor). A scaled context beyond MAX_CONTEXT is a ValueError naming the factor. Applying it twice changes
-    nothing. The trained model, the rollout process's copy and vLLM's (through hf_overrides) all take it from
-    here."""
+    convention transformers' YaRN and vLLM both assume; linear keeps it (vLLM multiplies it by the factor). The
+    config's own older `type` key goes (it would name the type replaced). A scaled context beyond MAX_CONTEXT is a
+    ValueError naming the factor. Applying it twice changes nothing. The trained model, the rollout process's copy
+    and vLLM's (through hf_overrides) all take it from here."""
     if rope_scaling is None:
         return
     scaling = {("rope_type" if name == "type" else name): value for name, value in rope_scaling.items()}
     if "attention_factor" in scaling:           # transformers wants a float (an int from YAML warns)
         scaling["attention_factor"] = float(scaling["attention_factor"])
-    merged = {**(getattr(model_config, "rope_parameters", None) or {}), **scaling}
+    own = {name: value for name, value in (getattr(model_config, "rope_parameters", None) or {}).items()
+           if name != "type"}
+    merged = {**own, **scaling}
     if merged["rope_type"] == "yarn":
         original = merged.setdefault("original_max_position_embeddings", model_config.max_position_embeddings)
         check_scaled_context(original, merged["factor"], "original_max_position_embeddings")
@@ -274,10 +304,13 @@ def load_model(policy: PolicyConfig, samples: list, tokenizer=None, weights_dtyp
 
 def from_pretrained(source: str, weights_dtype, rope_scaling: Optional[dict] = None):
     """AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype), its config given rope_scaling (see
-    scaled_rope): the trainer's model and the rollout process's copy load so."""
+    scaled_rope): the trainer's model and the rollout process's copy load so. Without rope_scaling, a dynamic
+    NTK scaling of the folder's own config is refused (check_own_rope)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_config = AutoConfig.from_pretrained(source)
+    if rope_scaling is None:
+        check_own_rope(model_config, source)
     scaled_rope(model_config, rope_scaling)
     return AutoModelForCausalLM.from_pretrained(source, config=model_config, dtype=weights_dtype)
 

