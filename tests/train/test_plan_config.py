@@ -70,3 +70,41 @@ def test_fit_advice_names_a_change_that_makes_the_job_fit():
     assert advice.endswith("; it changes the numerics or what is trained)")
     fixed = big.replace(dtype="bf16", optimizer="adamw", lora_rank=64)
     assert fit.fit_advice(fixed, fit.training_shape(big.policy), 512, int(79.1 * GIB)) is None
+
+
+def test_plan_of_a_training_config_takes_its_rope_scaling_and_the_trainers_context_check(tmp_path, capsys):
+    """A config whose prompt plus completion is beyond its model's context is refused in the trainer's words (the
+    config's own keys); its policy.rope_scaling makes room as it would in training; --rope-scaling is the config's
+    to give. A hub id has its preset's context when it is the Instruct checkpoint the preset is."""
+    from types import SimpleNamespace
+
+    from grpo_fast.train import tasks
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 160,
+                                                    "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                    "vocab_size": 1000, "max_position_embeddings": 2048}))
+    path = tmp_path / "job.yaml"
+    path.write_text(f"policy:\n  model: {folder}\nrollout:\n  max_completion_length: 4096\n")
+    assert cli(["plan", str(path), "--device", "cpu"]) == 2
+    with pytest.raises(ValueError) as trainers:
+        tasks.check_context(512, 4096, SimpleNamespace(max_position_embeddings=2048))
+    assert capsys.readouterr().err == f"grpo-fast plan: {trainers.value}\n"
+    assert str(trainers.value).endswith("set max_completion_length to at most 1536, or shorten the prompts, or set "
+                                        'policy.rope_scaling to {"rope_type": "yarn", "factor": 3}')
+    path.write_text(f"policy:\n  model: {folder}\n  rope_scaling: {{rope_type: yarn, factor: 3}}\nrollout:\n"
+                    "  max_completion_length: 4096\n")
+    assert cli(["plan", str(path), "--device", "cpu", "--json"]) == 0
+    reported = json.loads(capsys.readouterr().out)
+    assert reported["context"] == 6144 and reported["rope_scaling"] == {"rope_type": "yarn", "factor": 3}
+    assert cli(["plan", str(path), "--rope-scaling", '{"rope_type": "yarn", "factor": 4}']) == 2
+    assert capsys.readouterr().err == (f"grpo-fast plan: --rope-scaling plans a preset or config.json; {path} gives "
+                                       "its own (policy.rope_scaling): set it there\n")
+    path.write_text("policy:\n  model: Qwen/Qwen2.5-7B-Instruct\nrollout:\n  max_completion_length: 32768\n")
+    assert cli(["plan", str(path)]) == 2
+    assert "beyond the model's context of 32768 (max_position_embeddings; policy.rope_scaling extends it)" in \
+        capsys.readouterr().err
+    path.write_text("policy:\n  model: Qwen/Qwen2.5-7B\nrollout:\n  max_completion_length: 32768\n")   # the base
+    assert cli(["plan", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] is None

@@ -102,3 +102,86 @@ def test_nulls_for_defaults_are_accepted(tmp_path, capsys):
     path.write_text(json.dumps({**GOOD, "num_key_value_heads": None, "head_dim": None, "text_config": None}))
     assert main(["plan", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] > 0
+
+
+def test_a_plan_past_the_models_context_is_refused_in_the_trainers_words(capsys):
+    """1024 + 130048 tokens on qwen2.5-7b (Qwen2.5-7B-Instruct: 32768 positions): refused as `grpo-fast train`
+    refuses it (tasks.check_context), with the option names, the longest completion that fits and the YaRN factor
+    that would; with that factor given, the same job is planned on its 131072 positions."""
+    from types import SimpleNamespace
+
+    from grpo_fast.train import tasks
+
+    job = ["plan", "qwen2.5-7b", "--prompt-length", "1024", "--completion-length", "130048"]
+    assert main(job) == 2
+    with pytest.raises(ValueError) as trainers:
+        tasks.check_context(1024, 130048, SimpleNamespace(max_position_embeddings=32768),
+                            length_key="--completion-length", scaling_key="--rope-scaling")
+    assert one_line_error(capsys) == f"grpo-fast plan: {trainers.value}"
+    assert str(trainers.value).endswith(': set --completion-length to at most 31744, or shorten the prompts, or set '
+                                        '--rope-scaling to {"rope_type": "yarn", "factor": 4}')
+    assert main(job + ["--rope-scaling", '{"rope_type": "yarn", "factor": 4}', "--json"]) == 0
+    reported = json.loads(capsys.readouterr().out)
+    assert reported["context"] == 131072 and reported["rope_scaling"] == {"rope_type": "yarn", "factor": 4}
+    assert main(job + ["--rope-scaling", '{"rope_type": "yarn", "factor": 4}']) == 0
+    assert ('context: 131072 positions with rope_scaling {"rope_type": "yarn", "factor": 4}; prompt + completion '
+            'take 131072') in capsys.readouterr().out.splitlines()
+    assert main(["plan", "llama-3.1-8b", "--prompt-length", "1024", "--completion-length", "130048"]) == 0   # 128k
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("value, expected", [
+    ('{"rope_type": "dynamic", "factor": 4}', "policy.rope_scaling.rope_type 'dynamic' (dynamic NTK) is refused: "
+                                              "transformers recomputes it from the longest position of each forward, "
+                                              "so a completion generated token by token and the trainer's one "
+                                              "forward over it get other frequencies, and vLLM applies it otherwise; "
+                                              'use yarn, e.g. {"rope_type": "yarn", "factor": 4}'),
+    ('{"rope_type": "yarn"}', "policy.rope_scaling.factor must be given for rope_type 'yarn' (a number in "
+                              "[1, 2147483647]: the context's growth), got {'rope_type': 'yarn'}"),
+])
+def test_a_rope_scaling_the_trainer_refuses_is_refused(capsys, value, expected):
+    assert main(["plan", "qwen2.5-7b", "--rope-scaling", value]) == 2
+    assert one_line_error(capsys) == "grpo-fast plan: " + expected
+
+
+def test_rope_scaling_must_be_a_json_object(capsys):
+    for value in ("[4]", "{bad"):
+        with pytest.raises(SystemExit) as exited:
+            main(["plan", "qwen2.5-7b", "--rope-scaling", value])
+        assert exited.value.code == 2
+        assert "argument --rope-scaling: a JSON object as policy.rope_scaling takes" in capsys.readouterr().err
+
+
+def test_a_config_json_gives_its_context_and_its_own_scaling(tmp_path, capsys):
+    """A config.json's max_position_embeddings bounds the plan, its own rope_scaling counted as the trainer counts
+    it (linear x4: 8192); a dynamic one of its own is refused as the trainer refuses it, unless --rope-scaling
+    replaces it; without max_position_embeddings nothing is checked."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GOOD, "max_position_embeddings": 2048}))
+    assert main(["plan", str(path), "--prompt-length", "48", "--completion-length", "2000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 2048
+    assert main(["plan", str(tmp_path), "--prompt-length", "48", "--completion-length", "2001"]) == 2
+    assert one_line_error(capsys) == (
+        "grpo-fast plan: the longest prompt (48 tokens) plus --completion-length (2001) is 2049 tokens, beyond the "
+        "model's context of 2048 (max_position_embeddings; --rope-scaling extends it): set --completion-length to at "
+        'most 2000, or shorten the prompts, or set --rope-scaling to {"rope_type": "yarn", "factor": 2}')
+    path.write_text(json.dumps({**GOOD, "max_position_embeddings": 2048,
+                                "rope_scaling": {"type": "linear", "factor": 4.0}}))
+    assert main(["plan", str(path), "--completion-length", "7680", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 8192
+    assert main(["plan", str(path), "--completion-length", "7681"]) == 2
+    assert "beyond the model's context of 8192 (max_position_embeddings x the factor of --rope-scaling)" in \
+        one_line_error(capsys)
+    path.write_text(json.dumps({**GOOD, "max_position_embeddings": 2048,
+                                "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+    assert main(["plan", str(path)]) == 2
+    assert one_line_error(capsys).startswith(f"grpo-fast plan: model {str(path)!r} has a rope_scaling of rope_type "
+                                             "'dynamic' (dynamic NTK) in its config.json, refused: ")
+    assert main(["plan", str(path), "--rope-scaling", '{"rope_type": "yarn", "factor": 4}', "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 8192
+    path.write_text(json.dumps({**GOOD, "rope_scaling": [2]}))
+    assert main(["plan", str(path)]) == 2
+    assert one_line_error(capsys) == f"grpo-fast plan: {path}: rope_scaling must be a JSON object or null, got [2]"
+    path.write_text(json.dumps(GOOD))
+    assert main(["plan", str(path), "--completion-length", "100000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] is None

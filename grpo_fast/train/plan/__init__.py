@@ -5,7 +5,7 @@
     estimate = plan(PRESETS["qwen2.5-1.5b"], Job(completion_length=16384), CARDS["H100 80GB"])
 
     memory    the memory model: ModelShape, Job, the cards and presets, `plan` and whether it `fits`
-    fit       a TrainConfig's shape and job, what makes a job fit a card, the plan the trainer logs
+    fit       a TrainConfig's shape and job, the context check, what makes a job fit a card, the plan the trainer logs
     report    the table (or JSON) of `grpo-fast plan` and the one-line summary
     command   `grpo-fast plan`: its arguments and main
 """

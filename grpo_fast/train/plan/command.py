@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict, replace
 
 from grpo_fast.train.config import KEYS, load_config
-from grpo_fast.train.plan.fit import fitting_change, training_job, training_shape
+from grpo_fast.train.plan.fit import check_plan_context, fitting_change, training_job, training_shape
 from grpo_fast.train.plan.memory import (
     ATTENTIONS,
     DTYPES,
@@ -23,6 +23,7 @@ from grpo_fast.train.plan.memory import (
     plan,
 )
 from grpo_fast.train.plan.report import format_report, report
+from grpo_fast.train.policy import check_rope_scaling
 from grpo_fast.train.rollout.config import RolloutConfig
 from grpo_fast.train.update import precision
 
@@ -35,6 +36,19 @@ def completion_stages(text: str) -> list:
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"a length or a schedule FROM_STEP:LENGTH,... (e.g. 0:8192,200:16384), "
                                          f"got {text!r}" + (f": {error}" if ":" in text else "")) from None
+
+
+def rope_scaling_json(text: str) -> dict:
+    """--rope-scaling: a JSON object, policy.rope_scaling's dict (main checks it as the trainer does)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"a JSON object as policy.rope_scaling takes (e.g. "
+                                         f"'{{\"rope_type\": \"yarn\", \"factor\": 4}}'), got {text!r}: "
+                                         f"{error.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object as policy.rope_scaling takes, got {text!r}")
+    return value
 
 
 # option -> the trainer key whose default it takes: with no option given, the plan is `grpo-fast train`'s own job
@@ -69,14 +83,23 @@ def add_arguments(parser) -> None:
     trainer = {option: KEYS[key].default for option, key in TRAINER_DEFAULTS.items()}
     parser.formatter_class = DefaultsHelp
     parser.description = ("Predicted peak GPU memory of a GRPO job, per component, and the cards that hold it. Every "
-                          "default but --prompt-length, --completion-length and --device is `grpo-fast train`'s.")
-    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json / folder, or a "
-                        "training config (.yaml: its keys give the job; --prompt-length and --device still apply)")
+                          "default but --prompt-length, --completion-length and --device is `grpo-fast train`'s. A "
+                          "job whose prompt plus completion is beyond the model's context (its "
+                          "max_position_embeddings, scaled by --rope-scaling) is refused as the trainer refuses it.")
+    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}: the Instruct checkpoint's shape and "
+                        "context), a Hugging Face config.json / folder (its max_position_embeddings and rope_scaling "
+                        "give the context), or a training config (.yaml: its keys give the job, policy.rope_scaling "
+                        "included; --prompt-length and --device still apply)")
     parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length,
                         help="the longest prompt, in tokens (the trainer measures it on its data)")
     parser.add_argument("--completion-length", type=completion_stages, default=str(defaults.completion_length),
                         help="a length, or a schedule FROM_STEP:LENGTH,... as train's --max-completion-length: "
                         "the plan is of its largest stage, with a line per stage")
+    parser.add_argument("--rope-scaling", type=rope_scaling_json, default=None, metavar="JSON",
+                        help="RoPE scaling past the model's context, the trainer's policy.rope_scaling (e.g. "
+                        "'{\"rope_type\": \"yarn\", \"factor\": 4}'; yarn or linear, checked as train checks "
+                        "it; dynamic is refused): the context becomes max_position_embeddings x factor; without it, "
+                        "the model's own (its config.json's scaling counted)")
     parser.add_argument("--group-size", type=int, default=trainer["group_size"],
                         help="completions per prompt")
     parser.add_argument("--prompts-per-step", type=int, default=trainer["prompts_per_step"],
@@ -129,12 +152,19 @@ def main(args) -> int:
     """`grpo-fast plan`: print the table (or JSON) for the arguments of `add_arguments`."""
     try:
         if args.model.endswith((".yaml", ".yml")):           # plan exactly what `grpo-fast train` would run
+            if args.rope_scaling is not None:
+                raise ValueError(f"--rope-scaling plans a preset or config.json; {args.model} gives its own "
+                                 "(policy.rope_scaling): set it there")
             config = load_config(args.model)
             config.rollout.check_for_training()
             shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
-            print_plan(args, shape, job, config.rollout.stages())     # the largest stage of completion_length_stages
+            context = check_plan_context(shape, job, config.policy.rope_scaling, config.policy.model)
+            print_plan(args, shape, job, config.rollout.stages(), context,    # the largest stage of the schedule
+                       config.policy.rope_scaling)
             return 0
         shape = load_shape(args.model)
+        if args.rope_scaling is not None:
+            check_rope_scaling(args.rope_scaling)
         job = Job(prompt_length=args.prompt_length, completion_length=max(length for _, length in
                                                                           args.completion_length),
                   group_size=args.group_size, prompts_per_step=args.prompts_per_step,
@@ -146,6 +176,8 @@ def main(args) -> int:
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
                   packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness,
                   top_k=args.top_k, top_p=args.top_p)
+        context = check_plan_context(shape, job, args.rope_scaling, args.model, length_key="--completion-length",
+                                     scaling_key="--rope-scaling")
     except JobValueError as error:       # named by the option the user typed
         option = "--" + error.field.replace("_", "-")
         print(f"grpo-fast plan: {option} must be {error.expected}, got {error.value!r}", file=sys.stderr)
@@ -153,14 +185,15 @@ def main(args) -> int:
     except (ValueError, OSError) as error:
         print(f"grpo-fast plan: {error}", file=sys.stderr)
         return 2
-    print_plan(args, shape, job, args.completion_length)
+    print_plan(args, shape, job, args.completion_length, context, args.rope_scaling)
     return 0
 
 
-def print_plan(args, shape, job: Job, stages: list) -> None:
-    """The report of `job` (its completion_length: the largest stage's), and with stages [(from step, length)] a
-    line per stage: its training peak (the log counts steps from 1)."""
-    result = report(args.model, shape, job, advice(shape, job))
+def print_plan(args, shape, job: Job, stages: list, context=None, rope_scaling=None) -> None:
+    """The report of `job` (its completion_length: the largest stage's) on a model of `context` positions with
+    `rope_scaling` (see fit.check_plan_context), and with stages [(from step, length)] a line per stage: its
+    training peak (the log counts steps from 1)."""
+    result = report(args.model, shape, job, advice(shape, job), context=context, rope_scaling=rope_scaling)
     print(json.dumps(asdict(result), indent=1) if args.json else format_report(result))
     for start, length in stages if len(stages) > 1 and not args.json else []:
         staged = plan(shape, replace(job, completion_length=length))

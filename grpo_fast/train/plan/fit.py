@@ -7,20 +7,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
 from grpo_fast.train import pretrained, tasks
 from grpo_fast.train.plan.memory import GIB, PRESETS, Job, ModelShape, fits_in, load_shape, plan, pool_shortfall
 from grpo_fast.train.plan.report import summary
-from grpo_fast.train.policy import TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, TINY_LAYERS, TINY_VOCAB
+from grpo_fast.train.policy import (
+    TINY_HEADS,
+    TINY_HIDDEN,
+    TINY_KV_HEADS,
+    TINY_LAYERS,
+    TINY_VOCAB,
+    check_own_rope,
+    scaled_rope,
+)
 from grpo_fast.train.update import precision
 
 
 def training_shape(policy) -> ModelShape:
     """The shape of the model the policy section trains (policy.model): the built-in tiny model, its folder's
-    config.json, or for a hub id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b). Raises
-    ValueError otherwise."""
+    config.json, or for a hub id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b), with the
+    preset's context for an Instruct checkpoint alone (another's may differ: left to the trainer's check). The tiny
+    model's context is sized by the trainer to the run's lengths: not checked. Raises ValueError otherwise."""
     if policy.model == "tiny":
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
                           num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, vocab_size=TINY_VOCAB,
@@ -34,7 +45,29 @@ def training_shape(policy) -> ModelShape:
     if not matches:
         raise ValueError(f"cannot plan model {policy.model!r}: not a local folder with a config.json, and its "
                          f"name matches no preset ({', '.join(PRESETS)})")
-    return PRESETS[matches[-1]]
+    shape = PRESETS[matches[-1]]
+    if not name.endswith("-instruct"):
+        shape = dataclasses.replace(shape, max_position_embeddings=None, rope_parameters=None)
+    return shape
+
+
+def check_plan_context(shape: ModelShape, job: Job, rope_scaling: Optional[dict], model: str, *,
+                       length_key: str = "max_completion_length", scaling_key: str = "policy.rope_scaling"):
+    """The context in positions of the model of `shape` with `rope_scaling` (policy.rope_scaling's dict, checked)
+    applied as the trainer applies it (policy.scaled_rope), or None when its max_position_embeddings is unknown.
+    Raises the trainer's own ValueErrors: a dynamic NTK scaling of the model's own config without rope_scaling
+    (policy.check_own_rope), and a job whose prompt plus completion do not fit (tasks.check_context, naming
+    length_key and scaling_key, with the largest length and the YaRN factor that fit)."""
+    if shape.max_position_embeddings is None:
+        return None
+    model_config = SimpleNamespace(max_position_embeddings=shape.max_position_embeddings,
+                                   rope_parameters=dict(shape.rope_parameters or {}))
+    if rope_scaling is None:
+        check_own_rope(model_config, model)
+    scaled_rope(model_config, rope_scaling)
+    tasks.check_context(job.prompt_length, job.completion_length, model_config, length_key=length_key,
+                        scaling_key=scaling_key)
+    return int(tasks.model_context(model_config)[0])
 
 
 def training_job(config, prompt_length: int, device: str) -> Job:

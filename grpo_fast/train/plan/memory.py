@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_fast import chunked
@@ -58,7 +58,9 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a decoder-only transformer that decide its memory."""
+    """The sizes of a decoder-only transformer that decide its memory, and its context: max_position_embeddings
+    (None: unknown, not checked) and the RoPE parameters of its own config (rope_parameters, or the older
+    rope_scaling), which the planner checks a job's lengths against as the trainer does."""
 
     hidden_size: int
     intermediate_size: int
@@ -69,6 +71,8 @@ class ModelShape:
     tie_word_embeddings: bool = False
     head_dim: Optional[int] = None
     attention_bias: bool = False
+    max_position_embeddings: Optional[int] = None
+    rope_parameters: Optional[dict] = field(default=None, hash=False)
 
     @property
     def kv_dim(self) -> int:
@@ -132,11 +136,18 @@ class ModelShape:
 
         hidden, intermediate, layers = count("hidden_size"), count("intermediate_size"), count("num_hidden_layers")
         heads = count("num_attention_heads")
+        rope = config.get("rope_parameters") or config.get("rope_scaling")
+        if rope is not None and not isinstance(rope, dict):
+            raise ValueError(f"{path}: rope_scaling must be a JSON object or null, got {_short(rope)}")
+        if rope is not None and "rope_type" not in rope and "type" in rope:    # the older name: transformers reads it
+            rope = {**rope, "rope_type": rope["type"]}
         return cls(hidden_size=hidden, intermediate_size=intermediate, num_layers=layers, num_heads=heads,
                    num_kv_heads=count("num_key_value_heads", default=heads), vocab_size=count("vocab_size"),
                    tie_word_embeddings=flag("tie_word_embeddings", False),
                    head_dim=None if config.get("head_dim") is None else count("head_dim"),
-                   attention_bias=flag("attention_bias", config.get("model_type") == "qwen2"))
+                   attention_bias=flag("attention_bias", config.get("model_type") == "qwen2"),
+                   max_position_embeddings=None if config.get("max_position_embeddings") is None else
+                   count("max_position_embeddings"), rope_parameters=rope)
 
 
 def _json_type(value) -> str:
@@ -153,11 +164,21 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# Each preset is the Instruct checkpoint's config.json on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct,
+# meta-llama/Llama-3.1-8B-Instruct), its context included: max_position_embeddings, and Llama 3.1's own RoPE
+# scaling (rope_type llama3, which its 131072 positions already count). Other checkpoints of a family share the
+# shape but not always the context (the Qwen2.5-1.5B and -7B bases declare 131072): fit.training_shape keeps it for
+# the Instruct ones alone.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
 PRESETS = {
-    "qwen2.5-0.5b": ModelShape(896, 4864, 24, 14, 2, 151936, tie_word_embeddings=True, attention_bias=True),
-    "qwen2.5-1.5b": ModelShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True, attention_bias=True),
-    "qwen2.5-7b": ModelShape(3584, 18944, 28, 28, 4, 152064, attention_bias=True),
-    "llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8, 128256),
+    "qwen2.5-0.5b": ModelShape(896, 4864, 24, 14, 2, 151936, tie_word_embeddings=True, attention_bias=True,
+                               max_position_embeddings=32768),
+    "qwen2.5-1.5b": ModelShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True, attention_bias=True,
+                               max_position_embeddings=32768),
+    "qwen2.5-7b": ModelShape(3584, 18944, 28, 28, 4, 152064, attention_bias=True, max_position_embeddings=32768),
+    "llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8, 128256, max_position_embeddings=131072,
+                               rope_parameters=LLAMA3_ROPE),
 }
 
 # Bytes each card offers: the total CUDA reports (torch.cuda.mem_get_info, the "total capacity" in PyTorch's

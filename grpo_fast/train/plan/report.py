@@ -4,7 +4,9 @@ the one-line summary the trainer logs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from grpo_fast import chunked
 from grpo_fast.train.plan.memory import CARDS, GIB, Job, ModelShape, fits, kv_cache_needed, plan, pool_shortfall
@@ -21,11 +23,15 @@ class PlanReport:
     attention: str = ""
     training_peak: int = 0
     generation_peak: int = 0
+    context: Optional[int] = None              # the model's positions, scaled by rope_scaling (None: unknown)
+    rope_scaling: Optional[dict] = None
 
 
-def report(model: str, shape: ModelShape, job: Job, advise=None) -> PlanReport:
+def report(model: str, shape: ModelShape, job: Job, advise=None, context: Optional[int] = None,
+           rope_scaling: Optional[dict] = None) -> PlanReport:
     """The plan of `job` and each card's verdict; advise(capacity): what would make the job fit a card it does not
-    (grpo_fast.train.plan.fit.fitting_change), or None for no advice."""
+    (grpo_fast.train.plan.fit.fitting_change), or None for no advice; context: the model's positions that the job
+    fits in (fit.check_plan_context), with rope_scaling (policy.rope_scaling) applied."""
     estimate = plan(shape, job)                   # with no card: the largest chunk budget
     cards = {card: {"fits": ok, "needed_bytes": int(need), "capacity_bytes": CARDS[card],
                     "training_peak_bytes": int(peak),
@@ -35,7 +41,8 @@ def report(model: str, shape: ModelShape, job: Job, advise=None) -> PlanReport:
     return PlanReport(model=model, job=asdict(job), parameters=shape.num_parameters(),
                       components={k: int(v) for k, v in estimate.items()},
                       kv_cache_needed=kv_cache_needed(shape, job), cards=cards, attention=estimate.attention,
-                      training_peak=int(estimate.training_peak), generation_peak=int(estimate.generation_peak))
+                      training_peak=int(estimate.training_peak), generation_peak=int(estimate.generation_peak),
+                      context=context, rope_scaling=rope_scaling)
 
 
 def format_report(report: PlanReport) -> str:
@@ -46,7 +53,7 @@ def format_report(report: PlanReport) -> str:
              f"{'on' if job['gradient_checkpointing'] else 'off'}, "
              f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}, "
              f"{'packed' if job.get('packing', True) else 'padded'} micro-batches, attention "
-             f"{report.attention or job.get('attention', 'auto')}", "",
+             f"{report.attention or job.get('attention', 'auto')}", context_line(report), "",
              f"{'component':<24}{'GiB':>10}"]
     for name, value in report.components.items():
         if name == "total":
@@ -82,6 +89,15 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"to fit {card}: {report.cards[card]['advice']}")
     return "\n".join(lines)
 
+
+
+def context_line(report: PlanReport) -> str:
+    """The model's context and how much of it the job's prompt and completion take."""
+    if report.context is None:
+        return "context: unknown (no max_position_embeddings), not checked"
+    scaled = f" with rope_scaling {json.dumps(report.rope_scaling)}" if report.rope_scaling else ""
+    used = report.job["prompt_length"] + report.job["completion_length"]
+    return f"context: {report.context} positions{scaled}; prompt + completion take {used}"
 
 
 def summary(estimate: dict, largest: int = 3) -> str:
