@@ -53,8 +53,9 @@ def test_train_logs_the_plan_before_loading_the_model(tmp_path):
 
 def test_fit_advice_names_a_change_that_makes_the_job_fit():
     assert fit.fit_advice(flat_config(), fit.training_shape(TrainConfig().policy), 64, 80 * GIB) is None  # tiny fits
+    # 2 prompts a step: the HF engine's KV cache of the default 16 x 8 sequences would be a second wall
     config = flat_config(model="Qwen/Qwen2.5-1.5B", max_completion_length=16384, gradient_checkpointing=False,
-                         micro_batch_size=4)
+                         micro_batch_size=4, prompts_per_step=2)
     shape = fit.training_shape(config.policy)
     advice = fit.fit_advice(config, shape, 512, 80 * GIB)
     named = re.search(r"^the plan needs [\d.]+ GiB on this 80.0 GiB card; (\w+): \S+ would make it fit", advice or "")

@@ -22,8 +22,13 @@ def test_a_rollout_process_adds_at_least_its_weights():
         assert stale["rollout_weights"] == engine_weights, dtype
         assert stale["total"] - alone["total"] >= engine_weights, dtype
         assert stale["rollout_kv_cache"] == P.hf_kv_cache(shape, job)
-        # the rollout process's sampling log-probs keep every decode step's fp32 logits
-        assert stale["rollout_logits"] >= job.group_size * job.completion_length * shape.vocab_size * 4
+        # the rollout process's sampling log-probs: one decode step's logits and work for the step's rows, and one
+        # fp32 value a sampled token (its sampler takes them as it draws, no step's logits are kept)
+        rows = job.prompts_per_step * job.group_size
+        assert stale["rollout_logits"] == rows * shape.vocab_size * (
+            weight_bytes + P.GENERATE_LOGIT_BYTES + P.LOGP_LOGIT_BYTES) + rows * job.completion_length * 4
+        longer = P.plan(shape, dataclasses.replace(job, max_staleness=1, completion_length=4096))
+        assert longer["rollout_logits"] - stale["rollout_logits"] == rows * 2048 * 4
         assert stale["total"] == sum(v for k, v in stale.items() if k != "total")
         assert stale["kv_cache"] == 0            # the trainer itself no longer generates
         for card, capacity in P.CARDS.items():
@@ -36,17 +41,19 @@ def test_a_rollout_process_adds_at_least_its_weights():
     assert "rollout_weights" not in stale and stale["total"] == P.plan(shape, vllm)["total"]
 
 
-def test_hf_kv_cache_is_one_group_at_full_length():
-    # one model.generate call per prompt: group_size sequences, keys and values of every layer in fp32 weights
+def test_hf_kv_cache_holds_every_prompt_of_the_step_at_full_length():
+    # one model.generate call for all of the step's prompts (HFEngine batches them): prompts_per_step x group_size
+    # sequences, keys and values of every layer in fp32 weights, and one decode step's logits of those rows
     job = P.Job(prompt_length=10, completion_length=2000, group_size=64, prompts_per_step=4, dtype="fp32",
                 engine="hf", device="cpu")
     kv_dim = 2 * (64 // 4)
-    expected = 2 * 3 * kv_dim * 64 * (10 + 2000) * 4
+    expected = 2 * 3 * kv_dim * 4 * 64 * (10 + 2000) * 4
     assert P.hf_kv_cache(SMALL, job) == expected
+    assert P.hf_kv_cache(SMALL, dataclasses.replace(job, prompts_per_step=1)) == expected // 4
     estimate = P.plan(SMALL, job)
     assert estimate["kv_cache"] == expected                        # it is the peak here, before the update
     assert estimate.generation_peak == estimate["total"] > estimate.training_peak
-    assert estimate["generation_logits"] == 64 * 1000 * (4 + P.GENERATE_LOGIT_BYTES)
+    assert estimate["generation_logits"] == 4 * 64 * 1000 * (4 + P.GENERATE_LOGIT_BYTES)
     assert estimate["gradients"] == estimate["activations"] == estimate["loss_buffers"] == 0     # freed / not yet
     assert estimate["total"] == sum(estimate[k] for k in ("weights", "optimizer", "reference_model", "runtime",
                                                           "kv_cache", "generation_logits"))

@@ -14,12 +14,13 @@ The training peak is reached in the backward pass of a micro-batch, once gradien
 The fp32 gradient sum is counted for bf16 weights with more than one micro-batch per step (one process sums the
 micro-batches' gradients in fp32: grpo_fast.train.update.step.Fp32GradientSum), 4 bytes per trainable parameter.
 The HF engine in the trainer's process (max_staleness 0) generates before the update, with gradients freed: a
-second peak of weights + optimizer states + reference model + runtime + its KV cache (one model.generate call of
-group_size sequences at prompt + completion tokens, in the weights' dtype) + one decode step's logits; the plan's
-peak is the higher of the two (its prefill's transient activations are not counted). With max_staleness >= 1 the
-engine runs in its own process on the same device while the trainer updates: the HF engine's weights, KV cache,
-the fp32 logits of every decode step it keeps for the sampling log-probs and a second runtime are added
-(rollout_*); vLLM's weights and cache are in its pool either way (fits_in adds the pool).
+second peak of weights + optimizer states + reference model + runtime + its KV cache (one model.generate call for
+all of the step's prompts: prompts_per_step x group_size sequences at prompt + completion tokens, in the weights'
+dtype) + one decode step's logits of those rows; the plan's peak is the higher of the two (its prefill's transient
+activations are not counted). With max_staleness >= 1 the engine runs in its own process on the same device while
+the trainer updates: the HF engine's weights, KV cache, decode step's logits, the sampling log-probs its sampler
+takes as it draws (one decode step's fp32 work and 4 bytes a sampled token, not the logits of every step) and a
+second runtime are added (rollout_*); vLLM's weights and cache are in its pool either way (fits_in adds the pool).
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
@@ -213,7 +214,11 @@ CUDA_CONTEXT = 600 * 2**20      # CUDA context and cuBLAS workspaces
 # bytes per logit of one HF decode step beyond the model's output: the fp32 next-token scores, the processors'
 # fp32 copy, top-p's sorted values (fp32) and indices (int64)
 GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
-ROLLOUT_LOGIT_COPIES = 3        # a rollout process's kept fp32 logits, their stacked copy / temperature, log_softmax
+# a rollout process's sampling log-probs, taken by the sampler as it draws (grpo_fast.train.rollout.sampling): per
+# logit of the decode step, the fp32 log_softmax and, under top-k / top-p, the kept-set copy it is taken over; per
+# sampled token, the fp32 log-prob
+LOGP_LOGIT_BYTES = 4 + 4
+LOGP_TOKEN_BYTES = 4
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
 # (grpo_fast.packed_attention.choose_attention)
@@ -436,10 +441,12 @@ def _with_generation(shape: ModelShape, job: Job, components: dict, training_pea
     (max_staleness >= 1) its rollout_* components on top. Other engines: unchanged, generation peak 0."""
     param_bytes, _ = _bytes(job.dtype)
     params = shape.num_parameters()
-    # The HF engine generates one prompt's group per model.generate call, with the policy's weights in their own
-    # dtype (no autocast): the KV cache of group_size sequences at full length and one decode step's logits.
+    # The HF engine generates all of the step's prompts in one model.generate call, with the policy's weights in
+    # their own dtype (no autocast): the KV cache of prompts_per_step x group_size sequences at full length and one
+    # decode step's logits of those rows.
+    rows = job.prompts_per_step * job.group_size
     kv_cache = hf_kv_cache(shape, job)
-    step_logits = job.group_size * shape.vocab_size * (param_bytes + GENERATE_LOGIT_BYTES)
+    step_logits = rows * shape.vocab_size * (param_bytes + GENERATE_LOGIT_BYTES)
     # In-process HF generation runs before the update, gradients freed (zero_grad(set_to_none=True)): a separate
     # peak of the weights, optimizer states, reference model, KV cache and decode logits. When it is the higher
     # one, the components are those it holds.
@@ -451,13 +458,14 @@ def _with_generation(shape: ModelShape, job: Job, components: dict, training_pea
             components = {name: value if name in held else 0 for name, value in components.items()}
             components["kv_cache"], components["generation_logits"] = kv_cache, step_logits
     # max_staleness >= 1: the engine's own process, at the same time as the update. The HF engine holds the
-    # policy's weights in their dtype, its KV cache, and every step's fp32 logits for the sampling log-probs
-    # (output_logits), their stacked copy and its log_softmax; vLLM's weights and cache are in its pool (fits_in).
+    # policy's weights in their dtype, its KV cache, one decode step's logits and the sampling log-probs its sampler
+    # takes as it draws (that step's log_softmax, and one fp32 value a sampled token); vLLM's weights and cache
+    # are in its pool (fits_in).
     if job.max_staleness and job.engine == "hf":
         components["rollout_weights"] = params * param_bytes
         components["rollout_kv_cache"] = kv_cache
-        components["rollout_logits"] = (job.group_size * job.completion_length * shape.vocab_size * 4
-                                        * ROLLOUT_LOGIT_COPIES + step_logits)
+        components["rollout_logits"] = (step_logits + rows * shape.vocab_size * LOGP_LOGIT_BYTES
+                                        + rows * job.completion_length * LOGP_TOKEN_BYTES)
         components["rollout_runtime"] = runtime
     return components, generation_peak
 
@@ -494,10 +502,10 @@ def _loss_buffers(job: Job, shape: ModelShape, tokens: int, act_bytes: int, capa
 
 
 def hf_kv_cache(shape: ModelShape, job: Job) -> int:
-    """Bytes of the HF engine's KV cache: one model.generate call of group_size sequences up to prompt +
-    completion tokens, keys and values of every layer in the weights' dtype
-    (grpo_fast.train.rollout.engines.HFEngine)."""
-    tokens = job.group_size * (job.prompt_length + job.completion_length)
+    """Bytes of the HF engine's KV cache: one model.generate call for all of a step's prompts, prompts_per_step x
+    group_size sequences up to prompt + completion tokens, keys and values of every layer in the weights' dtype
+    (grpo_fast.train.rollout.engines.HFEngine batches every prompt of a call)."""
+    tokens = job.prompts_per_step * job.group_size * (job.prompt_length + job.completion_length)
     return 2 * shape.num_layers * shape.kv_dim * tokens * _bytes(job.dtype)[0]
 
 
