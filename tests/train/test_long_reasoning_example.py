@@ -24,7 +24,7 @@ def test_the_cpu_recipe_filters_groups_and_penalizes_long_completions(tmp_path):
     assert any(r["frac_filtered_groups"] > 0 for r in history)              # groups were dropped
     assert any(r["sampling_rounds"] > 1 for r in history)                   # and more prompts sampled
     rows = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
-    assert config.rollout.stages() == [(0, 96), (75, 128)]
+    assert list(config.rollout.stages) == [(0, 96), (75, 128)]
     penalized = [row for row in rows if row["reward"] < 0]
     assert penalized                                                        # long completions lost reward
     assert all(-1.0 <= row["reward"] <= 1.0 for row in rows)

@@ -32,7 +32,7 @@ def completion_stages(text: str) -> list:
     """--completion-length: a length (Job checks its range), or a schedule FROM_STEP:LENGTH,... as `train
     --max-completion-length` takes it, checked as train checks it; as [(from step, length)]."""
     try:
-        return RolloutConfig(max_completion_length=text).stages() if ":" in text else [(0, int(text))]
+        return list(RolloutConfig(max_completion_length=text).stages) if ":" in text else [(0, int(text))]
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"a length or a schedule FROM_STEP:LENGTH,... (e.g. 0:8192,200:16384), "
                                          f"got {text!r}" + (f": {error}" if ":" in text else "")) from None
@@ -159,7 +159,7 @@ def main(args) -> int:
             config.rollout.check_for_training()
             shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
             context = check_plan_context(shape, job, config.policy.rope_scaling, config.policy.model)
-            print_plan(args, shape, job, config.rollout.stages(), context,    # the largest stage of the schedule
+            print_plan(args, shape, job, config.rollout.stages, context,    # the largest stage of the schedule
                        config.policy.rope_scaling)
             return 0
         shape = load_shape(args.model)

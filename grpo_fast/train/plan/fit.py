@@ -180,7 +180,7 @@ def log_run_plan(config, samples: list, device, log) -> None:
     job = training_job(config, prompt_bytes, device.type)        # sized by the largest stage
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     log(f"memory plan (grpo-fast plan for the table): {summary(plan(shape, job, capacity))}")
-    stages = config.rollout.stages()
+    stages = config.rollout.stages
     for start, length in stages if len(stages) > 1 else []:     # a line per completion_length_stages stage
         staged = plan(shape, dataclasses.replace(job, completion_length=length), capacity)
         log(f"  stage from step {start + 1}: completions of up to {length} tokens, peak "

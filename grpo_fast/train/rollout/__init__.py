@@ -52,7 +52,7 @@ class Rollouts:
         prompt_ids = self.share.ids(step)
         try:
             seed = rollout_seed(step, self.share.first_row, self.share.seed)
-            generation = self.engine.generate(prompt_ids, seed=seed, max_tokens=self.rollout.completion_length_at(step))
+            generation = self.engine.generate(prompt_ids, seed=seed, max_tokens=self.rollout.stages.at(step))
         except Exception as error:
             texts = [text[:60] for text in self.share.at(step)[1]]
             raise EngineError(f"the {self.name} engine failed to generate for prompts {texts}: "
@@ -86,7 +86,7 @@ class AheadRollouts(Rollouts):
     def _submit(self, step: int) -> None:
         if step < self.max_steps:
             seed = rollout_seed(step, self.share.first_row, self.share.seed)
-            self.engine.submit(step, self.share.ids(step), seed, self.rollout.completion_length_at(step))
+            self.engine.submit(step, self.share.ids(step), seed, self.rollout.stages.at(step))
 
     def get(self, step: int) -> tuple[Generation, dict]:
         """(Generation, info): info has the policy version it was sampled from, its staleness, the engine's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Optional
 
 from grpo_fast.fields import (
     AT_LEAST_ONE,
@@ -28,6 +29,9 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16")
 TEMPERATURE_MIN = 0.01
 SAMPLING_TEMPERATURE = bounded(POSITIVE, TEMPERATURE_MIN, LOGIT_FACTOR_MAX)
 SAMPLING_ROUNDS = 3                     # max_sampling_rounds' default: any other value needs dynamic_sampling
+SHORT_STEPS = ("train", "error")
+# the batch multiplier: a round generates at most this many times the prompts a step wants
+SAMPLING_MULTIPLIER = bounded(AT_LEAST_ONE, 1.0, 1024.0)
 
 
 def check_sampling(engine: str, top_k: int, top_p: float, training: bool = True) -> None:
@@ -78,6 +82,46 @@ def length_stages(value):
     return sorted(pairs)
 
 
+class LengthStages(tuple):
+    """The completion budget by step, parsed once: ((from step, length), ...) sorted by step, the first from step
+    0 (0-based steps: the log's step n is step n - 1 here). One stage is a run without a schedule."""
+
+    def __new__(cls, pairs):
+        pairs = tuple((int(start), int(length)) for start, length in pairs)
+        if not pairs or pairs[0][0] != 0 or any(later[0] <= earlier[0] for earlier, later in zip(pairs, pairs[1:])) \
+                or any(length <= 0 for _, length in pairs):
+            raise ValueError(f"completion_length_stages must start at step 0, with later steps after and positive "
+                             f"lengths, got {[f'{start}:{length}' for start, length in pairs]}")
+        return super().__new__(cls, pairs)
+
+    @property
+    def largest(self) -> int:
+        """The longest stage's length: what sizes the context, vLLM and the planner."""
+        return max(length for _, length in self)
+
+    @property
+    def shortest(self) -> int:
+        return min(length for _, length in self)
+
+    def at(self, step: int) -> int:
+        """The completion budget of the (0-based) `step`: its stage's length."""
+        return [length for start, length in self if start <= step][-1]
+
+    def starting_at(self, step: int):
+        """The 1-based number of the stage that begins at `step`, or None (none begins there, or one stage)."""
+        starts = [start for start, _ in self]
+        return starts.index(step) + 1 if len(self) > 1 and step in starts else None
+
+    def unreached(self, max_steps: int) -> list:
+        """The stages (from step, length) that start at or after max_steps: a run of max_steps never samples
+        them, though they size its context and vLLM (a --resume with more steps reaches them)."""
+        return [(start, length) for start, length in self if start >= max_steps]
+
+    def texts(self) -> list:
+        """["FROM_STEP:LENGTH", ...]: the key completion_length_stages as it is written."""
+        return [f"{start}:{length}" for start, length in self]
+
+
 @dataclass
 class RolloutConfig:
     """The config section `rollout`. vLLM samples with its own numerics: the `correction` section weighs each
@@ -114,9 +158,21 @@ class RolloutConfig:
                                         "no gradient) is dropped and more training prompts are sampled until the step "
                                         "has prompts_per_step informative groups, or max_sampling_rounds rounds")
     max_sampling_rounds: int = key(SAMPLING_ROUNDS, "with dynamic_sampling, the step's rounds of generation at most "
-                                                    "(the first included); then the step trains on what it has, "
-                                                    "filled with dropped groups. Another value without "
-                                                    "dynamic_sampling is refused", AT_LEAST_ONE)
+                                                    "(the first included); a step still short then does as "
+                                                    "short_step says. Another value without dynamic_sampling is "
+                                                    "refused", AT_LEAST_ONE)
+    dynamic_sampling_metric: Optional[str] = key(None, "with dynamic_sampling, what a group must differ in to be "
+                                                       "kept: a reward's name from scoring.rewards (its own score, "
+                                                       "unweighted), or 'reward' (the weighted sum); None: the "
+                                                       "first reward that is not 'overlong', the task's correctness "
+                                                       "(DAPO and verl filter on accuracy)")
+    sampling_batch_multiplier: float = key(1.0, "with dynamic_sampling, each round generates this many times the "
+                                                "prompts a step wants (verl's gen_batch_size / train_batch_size), "
+                                                "the first round included", SAMPLING_MULTIPLIER)
+    short_step: str = key("train", "with dynamic_sampling, a step that has fewer informative groups than "
+                                   "prompts_per_step after max_sampling_rounds: 'train' on those it has (normalized "
+                                   "over their tokens, as a step of those groups alone), or stop the run with an "
+                                   "'error' (verl's)", choices=SHORT_STEPS)
     vllm_gpu_memory_utilization: float = key(0.3, "vLLM's share of the GPU memory, in (0, 1]", FRACTION)
     vllm_dtype: str = key("auto", '"auto" (bfloat16 on a GPU, and on a CPU that computes bf16 natively: AMX or '
                                   'AVX512-BF16; else float32), "float32" or "bfloat16": the vLLM engine\'s weights '
@@ -130,33 +186,22 @@ class RolloutConfig:
                 raise ValueError(f"max_completion_length is a schedule ({self.max_completion_length!r}) and "
                                  f"completion_length_stages is given too ({self.completion_length_stages}): give "
                                  "the stages once, in one of them")
-            self.completion_length_stages = [f"{step}:{length}" for step, length in stages]
+            self.completion_length_stages = LengthStages(stages).texts()
             self.max_completion_length = max(length for _, length in stages)
         check_keys(self)
         check_sampling(self.engine, self.top_k, self.top_p, training=False)
         if self.completion_length_stages:
-            stages = length_stages(",".join(self.completion_length_stages))
-            if stages[0][0] != 0 or any(later[0] <= earlier[0] for earlier, later in zip(stages, stages[1:])) \
-                    or any(length <= 0 for _, length in stages):
-                raise ValueError(f"completion_length_stages must start at step 0, with later steps after and "
-                                 f"positive lengths, got {self.completion_length_stages}")
-            largest = max(length for _, length in stages)
-            if largest != self.max_completion_length:
-                raise ValueError(f"completion_length_stages' largest length ({largest}) must be "
+            self._stages = LengthStages(length_stages(",".join(self.completion_length_stages)))
+            if self._stages.largest != self.max_completion_length:
+                raise ValueError(f"completion_length_stages' largest length ({self._stages.largest}) must be "
                                  f"max_completion_length ({self.max_completion_length})")
+        else:
+            self._stages = LengthStages([(0, self.max_completion_length)])
 
-    def stages(self) -> list:
-        """[(from step, length)] of completion_length_stages, or [(0, max_completion_length)]."""
-        return length_stages(",".join(self.completion_length_stages)) or [(0, self.max_completion_length)]
-
-    def unreached_stages(self, max_steps: int) -> list:
-        """The stages (from step, length) that start at or after max_steps (0-based): a run of max_steps never
-        samples them, though they size its context and vLLM (a --resume with more steps reaches them)."""
-        return [(start, length) for start, length in self.stages() if start >= max_steps]
-
-    def completion_length_at(self, step: int) -> int:
-        """The completion budget of the (0-based) `step`: its stage's length."""
-        return [length for start, length in self.stages() if start <= step][-1]
+    @property
+    def stages(self) -> LengthStages:
+        """The completion budget by step (completion_length_stages, or one stage of max_completion_length)."""
+        return self._stages
 
     def check_for_training(self) -> None:
         """The sampling a training job may use (`check_sampling`): `grpo-fast train` and `grpo-fast plan` call it;
@@ -167,6 +212,13 @@ class RolloutConfig:
             raise ValueError(f"max_sampling_rounds ({self.max_sampling_rounds}) bounds the rounds of dynamic "
                              "sampling, which is off: set dynamic_sampling: true, or leave max_sampling_rounds "
                              f"at {SAMPLING_ROUNDS}")
+        unused = {"dynamic_sampling_metric": (self.dynamic_sampling_metric, None),
+                  "sampling_batch_multiplier": (self.sampling_batch_multiplier, 1.0),
+                  "short_step": (self.short_step, "train")}
+        for name, (value, default) in unused.items():
+            if value != default and not self.dynamic_sampling:
+                raise ValueError(f"{name} ({value!r}) is a setting of dynamic sampling, which is off: set "
+                                 f"dynamic_sampling: true, or leave {name} at {default!r}")
 
     @property
     def truncates_sampling(self) -> bool:
