@@ -243,8 +243,9 @@ def flat_config(**keys):
 
 def update_sections(config) -> tuple:
     """(loss, batching, optimization, temperature) of a TrainConfig: what accumulate_gradients and policy_update
-    take after the batch."""
-    return config.loss, config.batching, config.optimization, config.rollout.temperature
+    take after the batch (the loss at the run's max_completion_length: dr_grpo's normalizer unless given)."""
+    return (config.loss.at_length(config.rollout.max_completion_length), config.batching, config.optimization,
+            config.rollout.temperature)
 
 
 def logprob_sections(config) -> tuple:

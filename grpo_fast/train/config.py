@@ -19,7 +19,8 @@ loss section is the library's LossConfig, declared the same way, with the same d
 them, checks what spans sections, and maps the keys: every key is named on the command line by its field name
 alone (`--temperature 0.7`) or with its section (`--rollout.temperature 0.7`). The one name two
 sections share, max_completion_length, is the rollout's (tokens sampled); the loss's dr_grpo normalizer is
-`loss.max_completion_length`, which follows it unless given.
+`loss.max_completion_length`: unset (None), each step's completion budget (its stage's length); a value given is
+kept, whatever it equals.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from grpo_fast.train.tasks.config import TASKS, DataConfig, EvaluationConfig, ch
 from grpo_fast.train.update.config import (
     BatchingConfig,
     CorrectionConfig,
+    LossSection,
     OptimizationConfig,
     ScoringConfig,
     WarmStartConfig,
@@ -99,14 +101,6 @@ ADDRESSES = _addresses()
 NAMES = {(key.section, key.field): name for name, key in KEYS.items()}
 
 
-def _loss_section(values: dict, max_completion_length: int) -> LossConfig:
-    """LossConfig of the section's values (it checks them); the dr_grpo normalizer is the rollout's length unless
-    loss.max_completion_length is given."""
-    if values.get("max_completion_length") is None:
-        values = {**values, "max_completion_length": max_completion_length}
-    return LossConfig(**values)
-
-
 @dataclass
 class TrainConfig:
     """Every option of `grpo-fast train`, in one section per stage of a run (the module docstring lists them;
@@ -119,7 +113,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=LossSection)
     optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -132,8 +126,7 @@ class TrainConfig:
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"TrainConfig's section {name!r} must be a {cls.__name__}, got "
                                 f"{type(getattr(self, name)).__name__}")
-        if self.loss.max_completion_length is None:      # the dr_grpo normalizer: the rollout's length
-            self.loss = dataclasses.replace(self.loss, max_completion_length=self.rollout.max_completion_length)
+        self.loss = LossSection.of(self.loss)         # max_completion_length None: each step's budget
         _check_across_sections(self)
 
     @classmethod
@@ -144,7 +137,7 @@ class TrainConfig:
 
     def replace(self, **values) -> TrainConfig:
         """A copy with the keys `values` (named as in `from_keys`) changed, checked anew."""
-        return _build(_merge(_place(_own_keys(self.flat())), _place(values)), convert=False)
+        return _build(_merge(_place(self.flat()), _place(values)), convert=False)
 
     def flat(self) -> dict:
         """{key: value} of every key, named as on the command line."""
@@ -157,6 +150,13 @@ class TrainConfig:
         if self.rollout.prompts_per_step % world_size:
             raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({world_size}) so "
                              f"that each rank scores whole groups, got {self.rollout.prompts_per_step}")
+        per_rank, minibatches = self.rollout.prompts_per_step // world_size, self.optimization.steps_per_generation
+        if per_rank % minibatches:
+            raise ValueError(f"steps_per_generation ({minibatches}) cuts each process's {per_rank} groups "
+                             f"(prompts_per_step {self.rollout.prompts_per_step} over {world_size} process"
+                             f"{'es' if world_size > 1 else ''}) into mini-batches of whole groups: make "
+                             f"prompts_per_step a multiple of {minibatches * world_size}, or change "
+                             "steps_per_generation")
         if self.rollout.max_staleness and world_size > 1:
             raise ValueError(f"max_staleness={self.rollout.max_staleness} runs one rollout process for one trainer "
                              f"process; under torchrun ({world_size} processes) use max_staleness: 0")
@@ -194,7 +194,11 @@ def _check_across_sections(config: TrainConfig) -> None:
     if config.evaluation.eval_reward == "overlong":
         raise ValueError("eval_reward 'overlong' scores lengths, not answers: name a reward that scores the answer "
                          "(accuracy, exact_match, ...) or leave it unset")
-    shortest = min(length for _, length in config.rollout.stages())
+    metric = config.rollout.dynamic_sampling_metric
+    if metric is not None and metric != "reward" and metric not in config.scoring.rewards:
+        raise ValueError(f"dynamic_sampling_metric must be 'reward' (the weighted sum) or one of scoring.rewards "
+                         f"{config.scoring.rewards}, got {metric!r}")
+    shortest = config.rollout.stages.shortest
     if config.scoring.overlong_buffer > shortest:
         raise ValueError(f"overlong_buffer ({config.scoring.overlong_buffer}) must be at most max_completion_length "
                          f"({shortest}, of its shortest stage): the penalty ramps over the last tokens before it")
@@ -251,25 +255,14 @@ def _build(placed: dict, convert: bool) -> TrainConfig:
                 if (section, item) == ("rollout", "max_completion_length") and length_stages(value) is not None:
                     continue                            # a schedule: RolloutConfig reads it
                 values[item] = keys.convert(key.name, value, key.kind, key.choices)
-        if section == "loss":
-            sections[section] = _loss_section(values, sections["rollout"].max_completion_length)
-        else:
-            sections[section] = cls(**values)
+        sections[section] = (LossSection if section == "loss" else cls)(**values)
     return TrainConfig(**sections)
-
-
-def _own_keys(values: dict) -> dict:
-    """A config's keys without loss.max_completion_length where it is the rollout's: it follows the rollout's
-    again, as where it was not given."""
-    if values.get("loss.max_completion_length") == values.get("max_completion_length"):
-        values = {name: value for name, value in values.items() if name != "loss.max_completion_length"}
-    return values
 
 
 def saved_config(saved: dict, overrides: Optional[dict] = None) -> TrainConfig:
     """The TrainConfig a checkpoint saved, nested by section (dataclasses.asdict) or flat (earlier versions), with
     `overrides` {key: value} (values as text or typed) applied."""
-    return _build(_merge(_place(_own_keys(flat_values(saved))), _place(overrides or {})), convert=True)
+    return _build(_merge(_place(flat_values(saved)), _place(overrides or {})), convert=True)
 
 
 def key_names(values: dict) -> dict:

@@ -349,8 +349,9 @@ def test_a_file_nests_by_section_and_keys_are_given_flat_or_with_their_section(t
     path = tmp_path / "c.yaml"
     path.write_text(NESTED)
     config = load_config(str(path), parse_overrides(["--rollout.top-k", "8", "--beta", "0.1", "--run.seed=3"]))
-    assert config.loss == LossConfig(loss_type="grpo", importance_sampling_level="sequence", epsilon_low=3e-4,
-                                     epsilon_high=4e-4, beta=0.1, max_completion_length=6)
+    assert config.loss.at_length(6) == LossConfig(loss_type="grpo", importance_sampling_level="sequence",
+                                                  epsilon_low=3e-4, epsilon_high=4e-4, beta=0.1,
+                                                  max_completion_length=6)
     assert (config.rollout.group_size, config.rollout.temperature, config.rollout.top_k) == (4, 0.7, 8)
     assert (config.optimization.num_iterations, config.run.max_steps, config.run.seed) == (2, 3, 3)
     with pytest.raises(ValueError, match=r"^temperature and rollout\.temperature are the same key"):
@@ -384,18 +385,22 @@ def test_unknown_keys_name_the_keys_they_were_probably_meant_to_be():
 
 
 def test_the_loss_section_is_a_loss_config_with_the_trainers_defaults():
-    """epsilon_high 0.28 (the library's default is epsilon_low); dr_grpo's normalizer is the rollout's
-    max_completion_length unless loss.max_completion_length is given, and follows it through replace()."""
+    """epsilon_high 0.28 (the library's default is epsilon_low); dr_grpo's normalizer is each step's completion
+    budget unless loss.max_completion_length is given (None in the section: at_length fills it), and a value given
+    stays, through replace() too, whatever it equals."""
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.variants import LossConfig
 
-    assert TrainConfig().loss == LossConfig(epsilon_high=0.28, max_completion_length=6)
+    assert TrainConfig().loss.at_length(6) == LossConfig(epsilon_high=0.28, max_completion_length=6)
+    assert TrainConfig().loss.max_completion_length is None
     config = load_config(None, {"loss_type": "dr_grpo", "max_completion_length": "9"})
-    assert (config.rollout.max_completion_length, config.loss.max_completion_length) == (9, 9)
-    assert config.replace(max_completion_length=20).loss.max_completion_length == 20
+    assert (config.rollout.max_completion_length, config.loss.max_completion_length) == (9, None)
+    assert config.replace(max_completion_length=20).loss.at_length(20).max_completion_length == 20
     config = load_config(None, {"loss_type": "dr_grpo", "loss.max_completion_length": "12"})
     assert (config.rollout.max_completion_length, config.loss.max_completion_length) == (6, 12)
-    assert config.replace(max_completion_length=20).loss.max_completion_length == 12
+    assert config.replace(max_completion_length=20).loss.at_length(20).max_completion_length == 12
+    config = load_config(None, {"loss_type": "dr_grpo", "loss.max_completion_length": "6"})    # equal: kept
+    assert config.replace(max_completion_length=20).loss.at_length(20).max_completion_length == 6
     with pytest.raises(ValueError, match="loss_type must be one of"):
         load_config(None, {"loss_type": "ppo"})
 

@@ -1,10 +1,12 @@
 """The config sections of the update stage: `correction` (the rollout correction), `scoring` (rewards and how they
 become advantages), `optimization` (AdamW, the schedule, updates per rollout), `batching` (micro-batches) and
-`warm_start` (supervised steps before GRPO). The loss options are the section `loss`, a grpo_fast.LossConfig.
+`warm_start` (supervised steps before GRPO). The loss options are the section `loss`, a grpo_fast.LossConfig
+(LossSection: its max_completion_length may stay unset, each step's completion budget).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -27,10 +29,43 @@ from grpo_fast.fields import (
 from grpo_fast.train.update.advantages import ESTIMATORS, SCALES
 from grpo_fast.train.update.correction import IS_MODES
 from grpo_fast.train.update.optimizer import OPTIMIZERS
+from grpo_fast.variants import LossConfig
 
 # a learning rate: the optimizers take lr and lr * weight_decay as float32 scalars (torch refuses one beyond
 # float32's range, at the first step), and both within 1e18 keep that product below 1e36
 LEARNING_RATE = bounded(POSITIVE, 0.0, COEFFICIENT_MAX, open_low=True)
+
+
+@dataclass(frozen=True)
+class LossSection(LossConfig):
+    """The config section `loss`: a grpo_fast.LossConfig whose max_completion_length (dr_grpo's normalizer) may
+    stay None, meaning each step's completion budget (its stage's max_completion_length); a value given is kept,
+    whatever it equals. `at_length(n)` is the LossConfig of a step whose budget is n."""
+
+    def __post_init__(self):
+        given = self.max_completion_length
+        object.__setattr__(self, "max_completion_length", 1 if given is None else given)   # the other checks
+        try:
+            super().__post_init__()
+        finally:
+            object.__setattr__(self, "max_completion_length", given)
+
+    @classmethod
+    def of(cls, loss: LossConfig) -> "LossSection":
+        """The section of a LossConfig built in code (its max_completion_length as given)."""
+        return loss if isinstance(loss, cls) else cls(**_loss_values(loss))
+
+    def at_length(self, length: int) -> LossConfig:
+        """The LossConfig of a step whose completion budget is `length`: max_completion_length as given, else
+        `length`."""
+        values = _loss_values(self)
+        if values["max_completion_length"] is None:
+            values["max_completion_length"] = length
+        return LossConfig(**values)
+
+
+def _loss_values(loss: LossConfig) -> dict:
+    return {item.name: getattr(loss, item.name) for item in dataclasses.fields(LossConfig)}
 
 
 @dataclass
@@ -99,7 +134,10 @@ class ScoringConfig:
 @dataclass
 class OptimizationConfig:
     """The config section `optimization`: AdamW (or a low-bit one), warm-up then decay, grad-norm clipping, and
-    num_iterations updates per rollout (> 1 reuses it with old log-probs)."""
+    the updates per rollout: num_iterations passes over it, each steps_per_generation optimizer steps on
+    mini-batches of it (more than one update in all takes old log-probs before the first).
+
+    updates_per_step: num_iterations x steps_per_generation, the optimizer steps of a training step."""
 
     # 5e-4: at 1e-3 AdamW's early steps on the built-in task drove whole answer digits to probability ~0 where they
     # were sampled wrong, before the policy had learned when they are right; a digit never sampled earns no reward
@@ -110,7 +148,8 @@ class OptimizationConfig:
     # sequence at 0.78-0.97 (seed 2 the lowest both times; README, Quick start)
     learning_rate: float = key(5e-4, "AdamW learning rate of the GRPO steps", LEARNING_RATE)
     weight_decay: float = key(0.0, "AdamW weight decay", NON_NEGATIVE_COEFFICIENT)
-    warmup_steps: int = key(5, "steps of linear learning-rate warm-up", NON_NEGATIVE)
+    warmup_steps: int = key(5, "training steps of linear learning-rate warm-up (the rate moves at each of their "
+                               "optimizer steps)", NON_NEGATIVE)
     lr_schedule: str = key("cosine", "decay to 0 at max_steps after the warm-up: cosine, linear, constant",
                            choices=("cosine", "linear", "constant"))
     max_grad_norm: float = key(1.0, "gradients are clipped to this norm", POSITIVE_FP32)
@@ -119,12 +158,22 @@ class OptimizationConfig:
     grad_accum_dtype: str = key("fp32", "what gradients of bf16 weights add up in over a step's micro-batches: fp32 "
                                         "(an fp32 copy of them while the step runs; one process) or bf16 (no copy; "
                                         "rounded at every micro-batch)", choices=("fp32", "bf16"))
-    num_iterations: int = key(1, "updates per rollout (> 1 reuses it with old log-probs)", POSITIVE)
+    num_iterations: int = key(1, "passes over a step's rollouts (> 1 reuses them with old log-probs)", POSITIVE)
+    steps_per_generation: int = key(1, "optimizer steps per pass over a step's rollouts: they are cut into this "
+                                       "many mini-batches of whole groups (DAPO: 16; TRL's name; verl: "
+                                       "train_batch_size / ppo_mini_batch_size), one step each, the loss normalized "
+                                       "over each; > 1 takes old log-probs once before the first, so the ratio "
+                                       "moves and clipping acts. The learning-rate schedule counts optimizer steps",
+                                  POSITIVE)
     loss_implementation: str = key("grpo_fast", '"grpo_fast" or "naive" (the same loss from the full logits, for '
                                                 "comparisons)", choices=("grpo_fast", "naive"))
 
     def __post_init__(self):
         check_keys(self)
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.num_iterations * self.steps_per_generation
 
 
 @dataclass
