@@ -22,11 +22,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import random
-import sys
 import threading
-import time
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
 
 import torch
 
@@ -36,21 +33,22 @@ from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.distributed import DistributionConfig
 from grpo_fast.train.plan.fit import log_run_plan
 from grpo_fast.train.policy import PolicyConfig, frozen_reference, load_model
-from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, rollout_seed, start_rollouts
+from grpo_fast.train.rollout import EngineError, log_ignored_generation_settings, start_rollouts
 from grpo_fast.train.rollout.config import RolloutConfig
-from grpo_fast.train.rollout.generation import select_rows
+from grpo_fast.train.rollout.dynamic_sampling import sample_step
 from grpo_fast.train.run import signals, tracking
 from grpo_fast.train.run.config import RunConfig
 from grpo_fast.train.run.errors import RunError
 from grpo_fast.train.run.evaluate import HeldOut, eval_reward
+from grpo_fast.train.run.progress import progress_bar, progress_postfix
 from grpo_fast.train.run.record import RunFiles, StageClock, step_record
 from grpo_fast.train.saved import checkpoint, export
-from grpo_fast.train.tasks.rewards import load_reward, weighted_rewards
+from grpo_fast.train.tasks.rewards import load_reward
 from grpo_fast.train.update import precision
 from grpo_fast.train.update.advantages import group_advantages
-from grpo_fast.train.update.config import BatchingConfig, OptimizationConfig, ScoringConfig
+from grpo_fast.train.update.config import LossSection
 from grpo_fast.train.update.optimizer import optimizer_for
-from grpo_fast.train.update.step import Policy, policy_update, update_batch
+from grpo_fast.train.update.step import Policy, policy_updates, update_batch
 from grpo_fast.train.update.warm_start import supervised_warm_start
 from grpo_fast.variants import LossConfig
 
@@ -69,7 +67,7 @@ def start_processes(config: TrainConfig, log) -> tuple:
     torch.manual_seed(config.run.seed)
     random.seed(config.run.seed)
     log = log if world.is_main else lambda *_: None
-    for start, length in config.rollout.unreached_stages(config.run.max_steps):   # kept for a longer --resume
+    for start, length in config.rollout.stages.unreached(config.run.max_steps):   # kept for a longer --resume
         log(f"warning: the stage {start}:{length} of completion_length_stages starts at step {start + 1}, after "
             f"max_steps ({config.run.max_steps}): this run never samples it, yet sizes the context and vLLM for "
             f"{length} tokens")
@@ -179,147 +177,7 @@ def open_outputs(config: TrainConfig, world, resumed_step, eval_problems: list, 
     return files, trackers, held_out
 
 
-class StepLines:
-    """The progress bar where no terminal shows it (nohup, a batch scheduler, CI: tqdm's bar then disables itself):
-    the steps to run, and after a step (`set_postfix`) one plain line with the bar's fields, every tenth of the run
-    or every `every_s` seconds, whichever comes first, and at the last step."""
-
-    def __init__(self, steps: range, total: int, log, every_s: float = 60.0):
-        self.steps, self.total, self.log, self.every_s = steps, total, log, every_s
-        self.every, self.step, self.last_line = max(1, total // 10), steps.start, time.monotonic()
-
-    def __iter__(self):
-        for self.step in self.steps:
-            yield self.step
-
-    def set_postfix(self, fields: dict) -> None:
-        done, now = self.step + 1, time.monotonic()
-        if done % self.every == 0 or done == self.total or now - self.last_line >= self.every_s:
-            self.last_line = now
-            self.log(f"step {done}/{self.total}: " + ", ".join(f"{name} {value}" for name, value in fields.items()))
-
-
-def progress_bar(run: RunConfig, start_step: int, world, log):
-    """The steps left to run: a tqdm progress bar on rank 0 when stderr is a terminal, else `StepLines`."""
-    from tqdm.auto import tqdm
-
-    steps = range(start_step, run.max_steps)
-    if world.is_main and not sys.stderr.isatty():
-        return StepLines(steps, run.max_steps, log)
-    return tqdm(steps, initial=start_step, total=run.max_steps, desc="grpo", disable=None if world.is_main
-                else True)
-
-
 # ------------------------------------------------------------------------------------ the stages of a step
-def score(reward_fns: list, completions: list, completion_ids: list, samples: list, step: int,
-          scoring: ScoringConfig, group_size: int, max_tokens: Optional[int] = None) -> torch.Tensor:
-    """(B,) fp32 weighted rewards of the completions (the scoring section's reward_weights), group_size consecutive
-    ones per sample; each reward gets the `solution` and `completion_ids` columns, as in TRL, and with max_tokens
-    (the step's completion budget) a `max_completion_length` column."""
-    solutions = [s["solution"] for s in samples for _ in range(group_size)]
-    columns = {} if max_tokens is None else {"max_completion_length": [max_tokens] * len(completions)}
-    try:
-        rewards = weighted_rewards(reward_fns, scoring.reward_weights, completions, solution=solutions,
-                                   completion_ids=completion_ids, **columns)
-    except (RuntimeError, TypeError, ValueError) as error:
-        raise RunError(f"step {step + 1}: {error}") from error
-    return torch.tensor(rewards, dtype=torch.float32)
-
-
-def step_advantages(rewards: torch.Tensor, scoring: ScoringConfig, group_size: int) -> tuple:
-    """(advantages (B,), reward statistics) of a step's rewards: group_advantages as the scoring section says."""
-    return group_advantages(rewards, group_size, scale=scoring.scale_rewards, estimator=scoring.advantage_estimator)
-
-
-def informative(rewards: torch.Tensor, group_size: int) -> list:
-    """Per group of group_size consecutive rewards: whether they differ (at least two scored and not all equal),
-    so that its advantages, and its gradient, are not all zero."""
-    flags = []
-    for group in rewards.view(-1, group_size):
-        scored = group[torch.isfinite(group)]
-        flags.append(scored.numel() >= 2 and bool(scored.max() > scored.min()))
-    return flags
-
-
-class Round(NamedTuple):
-    """One round of a step's rollouts under dynamic sampling: group_size rows per sample, scored."""
-
-    samples: list
-    prompts: list
-    generation: object
-    completions: list
-    rewards: torch.Tensor
-    informative: list          # per group: its rewards differ
-
-
-def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring: ScoringConfig,
-                rollout: RolloutConfig, clock: StageClock, world, log) -> tuple:
-    """(samples, prompt texts, Generation, completions, rewards, info) of a step: its prompts' rollouts (info: the
-    rollouts' metrics), decoded and scored (clock: the generation and scoring laps).
-
-    With rollout.dynamic_sampling (DAPO), groups whose rewards are all equal are dropped and further training
-    prompts (share.extra) are sampled from the policy as it is, a round at a time, until every rank has its share
-    of prompts_per_step informative groups or max_sampling_rounds rounds are done (every rank runs as many rounds
-    as the neediest: a sharded policy generates in lockstep); a step that ends short is filled with dropped groups
-    (they add no policy gradient), and one line of `log` says so. info then has frac_filtered_groups (dropped /
-    generated), sampling_rounds, reward (the mean over every generated completion: it stands for the step's
-    reward in its record, as the policy's own, comparable with a run without the filter) and reward_kept (the mean
-    over the groups the step trains on, which the filter pulls toward the middle), each over ranks."""
-    samples, prompts = share.at(step)
-    generation, info = rollouts.get(step)
-    clock.lap("generation")
-    wanted, group_size, pool, max_tokens = len(samples), rollout.group_size, [], rollout.completion_length_at(step)
-    while True:
-        completions = tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
-        rewards = score(reward_fns, completions, generation.token_ids(), samples, step, scoring, group_size,
-                        max_tokens)
-        clock.lap("scoring")
-        if not rollout.dynamic_sampling:
-            return samples, prompts, generation, completions, rewards, info
-        pool.append(Round(samples, prompts, generation, completions, rewards, informative(rewards, group_size)))
-        found = sum(sum(entry.informative) for entry in pool)
-        device = generation.input_ids.device
-        if len(pool) == rollout.max_sampling_rounds or not distributed.all_reduce_max(int(found < wanted), world,
-                                                                                        device):
-            break
-        samples, prompts = share.extra(step, len(pool))
-        generation = rollouts.generate(tasks.prompt_ids(prompts, tokenizer), n=group_size, max_tokens=max_tokens,
-                                       seed=rollout_seed(step, share.first_row, share.seed, len(pool)))
-        clock.lap("generation")
-    # informative groups first (in draw order), filled with the earliest dropped ones; then in draw order
-    groups = [(index, group) for index, entry in enumerate(pool) for group in range(len(entry.samples))]
-    kept = [(index, group) for index, group in groups if pool[index].informative[group]][:wanted]
-    kept = sorted(kept + [(index, group) for index, group in groups
-                          if not pool[index].informative[group]][:wanted - len(kept)])
-    rows = [(index, group * group_size + row) for index, group in kept for row in range(group_size)]
-    rewards = torch.stack([pool[index].rewards[row] for index, row in rows])
-    generated = torch.cat([entry.rewards for entry in pool])
-    totals = distributed.sum_over_ranks({
-        "groups": float(len(groups)), "informative": float(found), "wanted": float(wanted),
-        "useful": float(min(found, wanted)), "generated_sum": float(generated.nansum()),
-        "generated": float(generated.isfinite().sum()), "kept_sum": float(rewards.nansum()),
-        "kept": float(rewards.isfinite().sum())}, world, device)
-    info.update(frac_filtered_groups=1.0 - totals["informative"] / totals["groups"], sampling_rounds=len(pool),
-                reward=_mean(totals["generated_sum"], totals["generated"]),
-                reward_kept=_mean(totals["kept_sum"], totals["kept"]))
-    counts = {name: round(totals[name]) for name in ("groups", "informative", "wanted", "useful")}
-    if counts["useful"] < counts["wanted"]:
-        log(f"step {step + 1}: dynamic sampling ended short: {counts['useful']} informative "
-            f"group{'' if counts['useful'] == 1 else 's'} of the "
-            f"{counts['wanted']} wanted (prompts_per_step) after {len(pool)} rounds (max_sampling_rounds), "
-            f"{counts['groups'] - counts['informative']} of the {counts['groups']} groups generated dropped for "
-            f"equal rewards; {counts['wanted'] - counts['useful']} of them fill the step (no gradient from them)")
-    return ([pool[index].samples[group] for index, group in kept],
-            [pool[index].prompts[group] for index, group in kept],
-            select_rows([entry.generation for entry in pool], rows, tokenizer.pad_token_id),
-            [pool[index].completions[row] for index, row in rows], rewards, info)
-
-
-def _mean(total: float, count: float) -> float:
-    """total / count, NaN where no reward scored a sample."""
-    return total / count if count else float("nan")
-
-
 def count_bad_steps(updates: list, bad_steps: int, step: int, run: RunConfig, log) -> int:
     """The number of steps in a row whose updates were skipped as not finite (see policy_update), this one
     included; raises RunError when it reaches max_bad_steps."""
@@ -348,45 +206,15 @@ def warn_single_token_kept_sets(batch, rollout: RolloutConfig, step: int, log) -
             f"and nothing is learned; raise top_p (or top_k)")
 
 
-def stage_loss(loss: LossConfig, rollout: RolloutConfig, step: int, log) -> LossConfig:
-    """The loss section of `step` under completion_length_stages: the dr_grpo normalizer follows the stage's
-    length (unless loss.max_completion_length was set to another); one line when a stage begins."""
-    stages = rollout.stages()
-    if len(stages) == 1:
-        return loss
-    length = rollout.completion_length_at(step)
-    starts = [start for start, _ in stages]
-    if step in starts:
-        log(f"step {step + 1}: completions of up to {length} tokens from here (stage {starts.index(step) + 1} of "
-            f"{len(stages)})")
-    if loss.max_completion_length != rollout.max_completion_length:
-        return loss
-    return dataclasses.replace(loss, max_completion_length=length)
-
-
-def update_policy(policy: Policy, optimizer, scheduler, batch, loss: LossConfig, batching: BatchingConfig,
-                  optimization: OptimizationConfig, temperature: float, world) -> tuple:
-    """(update metrics, learning rate they used): optimization.num_iterations optimizer steps on the step's batch
-    (policy_update), then the schedule's step."""
-    updates = [policy_update(policy, optimizer, batch, loss, batching, optimization, temperature, world)
-               for _ in range(optimization.num_iterations)]
-    lr = float(scheduler.get_last_lr()[0])
-    scheduler.step()
-    return updates, lr
-
-
-def progress_postfix(record: dict, last_eval: dict, loss: LossConfig) -> dict:
-    """What the progress bar shows after a step: reward, the share of groups dynamic sampling dropped, held-out
-    accuracy, loss, tokens/s, KL."""
-    postfix = {"reward": f"{record['reward']:.3f}"}
-    if "frac_filtered_groups" in record:
-        postfix["filtered"] = f"{record['frac_filtered_groups']:.2f}"
-    if last_eval:
-        postfix["eval_acc"] = f"{last_eval['accuracy']:.3f}"
-    postfix.update(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-    if loss.beta:
-        postfix["kl"] = f"{record['kl']:.4f}"
-    return postfix
+def stage_loss(loss: LossSection, rollout: RolloutConfig, step: int, log) -> LossConfig:
+    """The LossConfig of `step`: the loss section at the step's completion budget (loss.max_completion_length, the
+    dr_grpo normalizer, unless given: the stage's length); one line when a stage of completion_length_stages
+    begins."""
+    stage = rollout.stages.starting_at(step)
+    if stage is not None:
+        log(f"step {step + 1}: completions of up to {rollout.stages.at(step)} tokens from here (stage {stage} of "
+            f"{len(rollout.stages)})")
+    return loss.at_length(rollout.stages.at(step))
 
 
 def export_model(model, tokenizer, run: RunConfig, world, steps_done: int) -> None:
@@ -435,30 +263,35 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
         held_out.at_start(start_step, log)      # the model as GRPO starts, or an evaluation an interrupt cut
         for step in progress:
             clock = StageClock()              # generation: with max_staleness > 0, the time the trainer waited
-            step_samples, prompts, generation, completions, rewards, rollout_info = sample_step(
-                step, share, rollouts, tokenizer, data.reward_fns, config.scoring, config.rollout, clock, world, log)
-            advantages, reward_stats = step_advantages(rewards, config.scoring, config.rollout.group_size)
-            batch = update_batch(generation, advantages, policy, reference_policy, config.scoring, config.correction,
-                                 config.optimization, config.batching, config.rollout.temperature, world)
+            taken = sample_step(step, share, rollouts, tokenizer, data.reward_fns, config.scoring, config.rollout,
+                                clock, world, log)
+            advantages, reward_stats = group_advantages(taken.rewards, config.rollout.group_size,
+                                                        scale=config.scoring.scale_rewards,
+                                                        estimator=config.scoring.advantage_estimator)
+            batch = update_batch(taken.generation, advantages, policy, reference_policy, config.scoring,
+                                 config.correction, config.optimization, config.batching, config.rollout.temperature,
+                                 world, taken.trained)
             warn_single_token_kept_sets(batch, config.rollout, step, log)
             with signals.interrupts_deferred():   # from the first optimizer step to the step's records: whole
-                updates, lr = update_policy(policy, optimizer, scheduler, batch,
-                                            stage_loss(config.loss, config.rollout, step, log), config.batching,
-                                            config.optimization, config.rollout.temperature, world)
+                updates, lr = policy_updates(policy, optimizer, scheduler, batch,
+                                             stage_loss(config.loss, config.rollout, step, log), config.batching,
+                                             config.optimization, config.rollout.temperature,
+                                             config.rollout.group_size, world)
                 bad_steps = count_bad_steps(updates, bad_steps, step, config.run, log)
                 clock.lap("update")
                 rollouts.after_update(model, step)
                 clock.lap("sync")
-                record = {**step_record(step + 1, generation, batch, rewards, reward_stats, updates, lr, clock,
-                                        world, device), **rollout_info}   # dynamic sampling's reward: the generated
+                record = {**step_record(step + 1, taken.generation, batch, taken.rewards, reward_stats, updates, lr,
+                                        clock, world, device), **taken.info}  # dynamic sampling's: the generated
                 history.append(record)
                 rng_at_start = (torch.get_rng_state(), random.getstate())   # the step is done: resume after it
                 files.append(record)
                 trackers.log(record, step + 1, prefix="train/")
-                logged = files.add_completions(step + 1, prompts, completions, rewards.tolist(),
+                logged = files.add_completions(step + 1, taken.prompts, taken.completions, taken.rewards.tolist(),
                                                config.rollout.group_size, config.run.log_completions)
             held_out.after_step(step + 1)
-            progress.set_postfix(progress_postfix(record, held_out.last, config.loss))
+            progress.set_postfix(progress_postfix(record, held_out.last, config.loss,
+                                                  clip_fractions=config.optimization.updates_per_step > 1))
             if (step + 1) % config.run.save_every == 0 or step + 1 == config.run.max_steps:
                 trackers.log_completions(step + 1, logged)
                 save(step + 1)

@@ -16,9 +16,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from grpo_fast.train import distributed, tasks  # noqa: E402
 from grpo_fast.train import loop as T  # noqa: E402
-from grpo_fast.train import tasks  # noqa: E402
 from grpo_fast.train.policy import train_tokenizer  # noqa: E402
+from grpo_fast.train.rollout import dynamic_sampling  # noqa: E402
 from grpo_fast.train.rollout.generation import pack, select_rows, unpack  # noqa: E402
 from grpo_fast.train.run.record import StageClock  # noqa: E402
 from tests import helpers  # noqa: E402
@@ -85,15 +86,16 @@ class ScriptedRollouts:
         return self._generation(prompt_ids, seed)
 
 
-def scripted(samples, right=(), mixed=(), rounds=3, dynamic=True, prompts_per_step=4, seed=0, log=None):
+def scripted(samples, right=(), mixed=(), rounds=3, dynamic=True, prompts_per_step=4, seed=0, log=None, **keys):
     tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples] + ["x"])
     config = flat_config(dynamic_sampling=dynamic, max_sampling_rounds=rounds, group_size=3,
-                         prompts_per_step=prompts_per_step)
+                         prompts_per_step=prompts_per_step, **keys)
     share = tasks.StepShare(samples, tokenizer, config.data, prompts_per_step, seed)
     rollouts = ScriptedRollouts(tokenizer, 3, right, mixed)
     rollouts.share = share
-    result = T.sample_step(0, share, rollouts, tokenizer, [helpers.counting_reward], config.scoring,
-                           config.rollout, StageClock(), T.distributed.World(), [].append if log is None else log)
+    result = dynamic_sampling.sample_step(0, share, rollouts, tokenizer, [helpers.counting_reward], config.scoring,
+                                          config.rollout, StageClock(), distributed.World(),
+                                          [].append if log is None else log)
     return share, rollouts, result
 
 
@@ -105,14 +107,14 @@ def test_uninformative_groups_are_replaced_by_further_prompts_in_order():
     # the step's own prompts: one mixed group (kept), two all right and one all wrong (dropped); the next round's
     # prompts are all mixed: the first three fill the step
     logged = []
-    share, rollouts, (kept, prompts, generation, completions, rewards, info) = scripted(
+    share, rollouts, (kept, prompts, generation, completions, rewards, info, trained) = scripted(
         samples, right=first[1:3], mixed=[first[0]] + extra, log=logged.append)
     assert [s["prompt"] for s in kept] == [first[0]] + extra[:3]
     assert prompts == [tasks.prompt_text(s, share.tokenizer, share.data) for s in kept]
     assert len(rollouts.calls) == 2 and rollouts.calls[1][0] == extra            # one further round, then enough
     # reward: the 24 completions generated, 1 + 3 + 3 + 0 + 4 x 1 right; reward_kept: the 4 groups kept, 1 each
     assert info == {"frac_filtered_groups": 3 / 8, "sampling_rounds": 2, "reward": 11 / 24, "reward_kept": 4 / 12}
-    assert logged == []                                                          # not short: nothing to say
+    assert logged == [] and trained is None                                      # not short: nothing to say
     assert generation.completion_ids.shape[0] == 12 and len(completions) == 12
     assert torch.equal(rewards, torch.tensor([1.0, 0, 0] * 4))
     texts = share.tokenizer.batch_decode(generation.completion_ids, skip_special_tokens=True)
@@ -122,23 +124,75 @@ def test_uninformative_groups_are_replaced_by_further_prompts_in_order():
         [s["prompt"] for s in kept]
 
 
-def test_the_round_cap_trains_on_what_it_has_filled_with_dropped_groups():
+def test_the_round_cap_trains_on_the_informative_groups_alone():
     samples = tasks.arithmetic_task(40, seed=1)
     first = [s["prompt"] for s in tasks.StepShare(samples, None, flat_config().data, 4, 0).at(0)[0]]
     logged = []
-    _, rollouts, (kept, _, generation, _, rewards, info) = scripted(samples, mixed=[first[2]], rounds=2,
-                                                                    log=logged.append)
+    _, rollouts, (kept, _, generation, _, rewards, info, trained) = scripted(samples, mixed=[first[2]], rounds=2,
+                                                                             log=logged.append)
     assert len(rollouts.calls) == 2 and info["sampling_rounds"] == 2
     assert info["frac_filtered_groups"] == pytest.approx(7 / 8)
-    assert (info["reward"], info["reward_kept"]) == (1 / 24, 1 / 12)    # one right completion of 24, of 12 kept
+    assert (info["reward"], info["reward_kept"]) == (1 / 24, 1 / 3)    # one right completion of 24, of 3 trained
     assert logged == ["step 1: dynamic sampling ended short: 1 informative group of the 4 wanted (prompts_per_step) "
-                      "after 2 rounds (max_sampling_rounds), 7 of the 8 groups generated dropped for equal rewards; "
-                      "3 of them fill the step (no gradient from them)"]
-    # the informative group first in draw order, then the earliest dropped ones: always prompts_per_step groups
-    assert [s["prompt"] for s in kept] == sorted([first[0], first[1], first[2], first[3]], key=first.index)
-    assert torch.equal(rewards.view(4, 3).amax(1), torch.tensor([0.0, 0.0, 1.0, 0.0]))
+                      "after 2 rounds (max_sampling_rounds), 7 of the 8 groups generated dropped for equal "
+                      "exact_match; the step trains on those 1 alone"]
+    # the informative group first, then the earliest dropped ones, which fill the batch untrained (every rank
+    # runs as many rows) and count in no normalizer
+    assert [s["prompt"] for s in kept] == [first[2], first[0], first[1], first[3]]
+    assert torch.equal(rewards.view(4, 3).amax(1), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert trained.tolist() == [True] * 3 + [False] * 9
     off = scripted(samples, mixed=[first[2]], dynamic=False)
-    assert len(off[1].calls) == 1 and off[2][5] == {}                          # off: one round, no new metrics
+    assert len(off[1].calls) == 1 and off[2].info == {} and off[2].trained is None   # off: one round
+
+
+def test_short_step_error_stops_the_run_in_one_line_naming_the_rounds():
+    samples = tasks.arithmetic_task(40, seed=1)
+    first = [s["prompt"] for s in tasks.StepShare(samples, None, flat_config().data, 4, 0).at(0)[0]]
+    with pytest.raises(T.RunError) as error:
+        scripted(samples, mixed=[first[2]], rounds=2, short_step="error")
+    assert str(error.value) == (
+        "step 1: dynamic sampling ended short: 1 informative group of the 4 wanted (prompts_per_step) after 2 "
+        "rounds (max_sampling_rounds), 7 of the 8 groups generated dropped for equal exact_match; "
+        "raise max_sampling_rounds or sampling_batch_multiplier, or set short_step: train to train on the groups "
+        "found")
+
+
+def test_each_round_generates_the_batch_multiplier_times_the_prompts_wanted():
+    """sampling_batch_multiplier 2.5 with 4 prompts a step: the first round is the step's 4 prompts and 6 more
+    (10 in all), each further round 10; the informative groups are taken in draw order."""
+    samples = tasks.arithmetic_task(60, seed=1)
+    share = tasks.StepShare(samples, None, flat_config().data, 4, 0)
+    first = [s["prompt"] for s in share.at(0)[0]]
+    oversampled = [s["prompt"] for s in share.extra(0, 0, 6)[0]]
+    second = [s["prompt"] for s in share.extra(0, 1, 10)[0]]
+    _, rollouts, taken = scripted(samples, mixed=[first[1]] + oversampled[4:] + second[:1],
+                                  sampling_batch_multiplier=2.5)
+    assert [len(texts) for texts, _ in rollouts.calls] == [4, 6, 10]
+    assert [s["prompt"] for s in taken.samples] == [first[1]] + oversampled[4:] + second[:1]
+    assert taken.info["sampling_rounds"] == 2 and taken.trained is None
+    assert len({seed for _, seed in rollouts.calls}) == 3                  # each generation its own seed
+
+
+def test_groups_are_filtered_on_the_accuracy_not_the_summed_reward():
+    """rewards [counting_reward, overlong]: a group all wrong whose completions' lengths differ in the overlong
+    penalty differs in the summed reward but not in accuracy: dropped by default (DAPO, verl's metric=acc), kept
+    with dynamic_sampling_metric 'reward'."""
+    samples = tasks.arithmetic_task(40, seed=1)
+    tokenizer = train_tokenizer([s["prompt"] + s["solution"] for s in samples] + ["x"])
+    completions = ["x", "x x x", "x", "7", "8", "7"]             # group 1 all wrong, lengths differ; group 2 mixed
+    ids = [tokenizer(c)["input_ids"] for c in completions]
+    two = [{"prompt": "3+4=", "solution": "9"}, {"prompt": "3+4=", "solution": "7"}]
+    config = flat_config(rewards=["tests.helpers:counting_reward", "overlong"], overlong_buffer=2,
+                         max_completion_length=4, dynamic_sampling=True, group_size=3)
+    from grpo_fast.train.tasks.rewards import load_reward
+    fns = [helpers.counting_reward, load_reward("overlong", max_completion_length=4, buffer=2, penalty=1.0)]
+    by_accuracy = dynamic_sampling.score(fns, completions, ids, two, 0, config.scoring, 3, 4,
+                                         dynamic_sampling.filter_metric(config.rollout, config.scoring.rewards))
+    by_reward = dynamic_sampling.score(fns, completions, ids, two, 0, config.scoring, 3, 4, "reward")
+    assert torch.equal(by_accuracy.rewards, by_reward.rewards)
+    assert len(set(by_reward.rewards[:3].tolist())) > 1                  # the summed reward differs in group 1
+    assert dynamic_sampling.informative(by_accuracy.metric, 3) == [False, True]
+    assert dynamic_sampling.informative(by_reward.metric, 3) == [True, True]
 
 
 def test_held_out_problems_are_never_drawn():
@@ -191,16 +245,19 @@ def test_a_step_that_ends_short_is_logged_and_both_reward_means_are_recorded(tmp
             groups += [scores[i:i + 4] for scores in [next(scored)[1]] for i in range(0, len(scores), 4)]
         informative = [group for group in groups if len(set(group)) > 1]
         dropped = [group for group in groups if len(set(group)) == 1]
-        kept = informative[:2] + dropped[:2 - len(informative[:2])]  # informative first, filled with dropped ones
+        trained = informative[:2]                    # a short step trains on its informative groups alone
         assert record["reward"] == pytest.approx(sum(map(sum, groups)) / (4 * len(groups)))
-        assert record["reward_kept"] == pytest.approx(sum(map(sum, kept)) / 8)
+        if trained:
+            assert record["reward_kept"] == pytest.approx(sum(map(sum, trained)) / (4 * len(trained)))
+        else:
+            assert record["reward_kept"] is None and record["loss"] is None     # nothing trained: NaN, null
         assert record["frac_filtered_groups"] == len(dropped) / len(groups)
         step = record["step"]
         line = (f"step {step}: dynamic sampling ended short: {len(informative)} informative "
                 f"group{'' if len(informative) == 1 else 's'} of the 2 wanted "
                 f"(prompts_per_step) after 2 rounds (max_sampling_rounds), {len(dropped)} of the {len(groups)} "
-                f"groups generated dropped for equal rewards; {2 - len(informative)} of them fill the step (no "
-                "gradient from them)")
+                f"groups generated dropped for equal tests.helpers:recording_reward; the step trains on those "
+                f"{len(informative)} alone")
         assert (line in logged) == (len(informative) < 2), (line, logged)
         short += [step] * (len(informative) < 2)
         progress = [text for text in logged if text.startswith(f"step {step}/3: ")]

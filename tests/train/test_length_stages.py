@@ -25,10 +25,10 @@ from tests.helpers import flat_config  # noqa: E402
 def test_a_schedule_in_yaml_or_on_the_command_line(given):
     config = flat_config(max_completion_length=given)
     assert config.rollout.max_completion_length == 8 and config.rollout.completion_length_stages == ["0:4", "2:8"]
-    assert [config.rollout.completion_length_at(step) for step in range(4)] == [4, 4, 8, 8]
-    assert config.loss.max_completion_length == 8
+    assert [config.rollout.stages.at(step) for step in range(4)] == [4, 4, 8, 8]
+    assert config.loss.max_completion_length is None        # each stage's (stage_loss)
     cli = load_config(None, parse_overrides(["--max-completion-length", "0:4,2:8"]))
-    assert cli.rollout.stages() == [(0, 4), (2, 8)]
+    assert list(cli.rollout.stages) == [(0, 4), (2, 8)]
     same = load_config(None, parse_overrides(["--completion-length-stages", "0:4,2:8", "--max-completion-length", "8"]))
     assert same.rollout == cli.rollout
 
@@ -58,7 +58,7 @@ def test_yaml_keeps_a_base_60_looking_value_as_text(tmp_path):
     with pytest.raises(ValueError, match=r"must start at step 0.*got \['1:30'\]"):
         load_config(str(path))
     path.write_text("rollout:\n  completion_length_stages: [0:4, 5:16]\n  max_completion_length: 16\n")
-    assert load_config(str(path)).rollout.stages() == [(0, 4), (5, 16)]
+    assert list(load_config(str(path)).rollout.stages) == [(0, 4), (5, 16)]
 
 
 def test_a_stage_from_max_steps_on_is_named_in_one_line():
@@ -81,6 +81,12 @@ def test_the_dr_grpo_normalizer_and_the_overlong_penalty_follow_the_stage():
                      "step 3: completions of up to 8 tokens from here (stage 2 of 2)"]
     fixed = flat_config(max_completion_length="0:4,2:8", loss_type="dr_grpo", **{"loss.max_completion_length": 6})
     assert T.stage_loss(fixed.loss, fixed.rollout, 0, print).max_completion_length == 6
+    # a value given stays whatever it equals: the rollout's largest length too (it was taken for "not given")
+    equal = flat_config(max_completion_length="0:4,2:8", loss_type="dr_grpo", **{"loss.max_completion_length": 8})
+    assert [T.stage_loss(equal.loss, equal.rollout, step, print).max_completion_length for step in (0, 2)] == [8, 8]
+    assert equal.replace(seed=1).loss.max_completion_length == 8 and config.replace(seed=1).loss.max_completion_length \
+        is None
+    assert [T.stage_loss(config.loss, config.rollout, step, print).max_completion_length for step in (0, 2)] == [4, 8]
     reward = soft_overlong_penalty(8, 2)
     ids = [[1] * 3, [1] * 4, [1] * 7]
     assert reward(["", "", ""], completion_ids=ids) == [0.0, 0.0, -0.5]                  # the largest stage

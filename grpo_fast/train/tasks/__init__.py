@@ -20,7 +20,7 @@ import os
 import random
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from grpo_fast.fields import LENGTH_MAX
 from grpo_fast.train.tasks import dataset_files
@@ -257,11 +257,11 @@ class StepShare:
         """The prompts of this share at `step` as token ids, one list per prompt."""
         return prompt_ids(self.at(step)[1], self.tokenizer)
 
-    def extra(self, step: int, round_: int) -> tuple:
-        """(samples, prompt texts): this share's count of further training prompts for round `round_` >= 1 of
-        `step` (dynamic sampling), drawn at random from the training samples by (seed, step, round, rank), so a
-        resumed run draws the same ones."""
-        count = self.prompts_per_step // self.world_size
+    def extra(self, step: int, round_: int, count: Optional[int] = None) -> tuple:
+        """(samples, prompt texts): `count` (default: this share's count) further training prompts for round
+        `round_` of `step` (dynamic sampling; round 0: the first round's oversampling), drawn at random from the
+        training samples by (seed, step, round, rank), so a resumed run draws the same ones."""
+        count = self.prompts_per_step // self.world_size if count is None else count
         rng = random.Random(f"extra-{self.seed}-{step}-{round_}-{self.rank}")
         chosen = [self.samples[rng.randrange(len(self.samples))] for _ in range(count)]
         return chosen, [prompt_text(sample, self.tokenizer, self.data) for sample in chosen]

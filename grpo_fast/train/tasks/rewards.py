@@ -290,12 +290,14 @@ def _kind(value) -> str:
     return "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
-def weighted_rewards(functions, weights: Optional[list], completions, **columns) -> list:
+def weighted_rewards(functions, weights: Optional[list], completions, scores: Optional[list] = None,
+                     **columns) -> list:
     """sum_k weights[k] * functions[k](completions, **columns) per completion, skipping None (NaN where every
     function skipped the sample). A non-finite score (inf, NaN) is skipped like None, with a warning. A function
     that fails, returns something other than one number or None per completion, or a finite score beyond float32's
     range (which the trainer's fp32 rewards would hold as inf), raises an error naming it; so does a weighted sum
-    beyond that range."""
+    beyond that range. scores: a list that gets each function's own scores, unweighted (floats, None where
+    skipped), in the order of `functions` (dynamic sampling filters on one of them)."""
     functions = list(functions)
     if not functions:
         raise ValueError("at least one reward function is needed, got none")
@@ -309,14 +311,16 @@ def weighted_rewards(functions, weights: Optional[list], completions, **columns)
     for function, weight in zip(functions, weights):
         name = getattr(function, "__name__", repr(function))
         try:
-            scores = function(completions, **columns)
+            returned = function(completions, **columns)
         except Exception as error:
             raise RuntimeError(f"reward {name} failed on a batch of {len(completions)} completions: {error}") \
                 from error
-        values, non_finite = _scores_of(name, scores, len(completions))
+        values, non_finite = _scores_of(name, returned, len(completions))
         if non_finite:
             warnings.warn(f"reward {name} returned {non_finite} non-finite score(s) (inf, -inf or NaN) for "
                           f"{len(completions)} completions: those samples are skipped for it", stacklevel=2)
+        if scores is not None:
+            scores.append(values)
         for i, value in enumerate(values):
             if value is not None:
                 totals[i] += weight * value

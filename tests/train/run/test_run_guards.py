@@ -440,7 +440,7 @@ def test_without_a_terminal_each_tenth_of_the_run_is_one_plain_line(tmp_path, mo
     """Under nohup, a batch scheduler or CI the bar disables itself; a plain line with its fields comes every tenth
     of the run (20 steps: every 2), or every 60 s when a tenth takes longer (a clock that jumps 61 s a step: every
     step), and at the last step."""
-    from grpo_fast.train.loop import StepLines
+    from grpo_fast.train.run.progress import StepLines
 
     logged = []
     T.train(flat_config(**{**FAST, "max_steps": 20, "save_every": 20, "beta": 0.04, "sft_steps": 0, "group_size": 2,
@@ -449,7 +449,7 @@ def test_without_a_terminal_each_tenth_of_the_run_is_one_plain_line(tmp_path, mo
     assert [line.split(":")[0] for line in lines] == [f"step {n}/20" for n in range(2, 21, 2)], lines
     assert all(", loss " in line and ", tok_s " in line and ", kl " in line for line in lines), lines
     clock = iter(range(0, 10_000, 61))
-    monkeypatch.setattr("grpo_fast.train.loop.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("grpo_fast.train.run.progress.time.monotonic", lambda: next(clock))
     slow, printed = StepLines(range(0, 20), 20, [].append), []
     slow.log = printed.append
     for _ in slow:

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from grpo_fast.train import loop as T
+from grpo_fast.train.rollout.dynamic_sampling import score
 from grpo_fast.train.tasks.rewards import load_reward, soft_overlong_penalty
+from grpo_fast.train.update.advantages import group_advantages
 from tests.helpers import flat_config
 
 
@@ -72,8 +74,8 @@ def test_the_trainer_adds_the_penalty_to_each_completions_reward(tmp_path):
     reward_fns = [load_reward("exact_match"), load_reward("overlong", max_completion_length=8, buffer=6, penalty=0.5)]
     samples = [{"solution": "4"}, {"solution": "9"}]
     ids = [[1], [1, 2, 3], [1] * 5, [1] * 8]
-    rewards = T.score(reward_fns, ["4", "5", "9", "9"], ids, samples, 0, config.scoring, 2)
-    advantages, _ = T.step_advantages(rewards, config.scoring, 2)
+    rewards = score(reward_fns, ["4", "5", "9", "9"], ids, samples, 0, config.scoring, 2).rewards
+    advantages, _ = group_advantages(rewards, 2)
     penalty = [0.0, -0.5 * 1 / 6, -0.5 * 3 / 6, -0.5]
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 1.0, 1.0]) + torch.tensor(penalty))
     assert advantages[0] > advantages[1] and advantages[2] > advantages[3]    # the shorter right answer wins
