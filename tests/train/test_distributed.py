@@ -126,8 +126,12 @@ def options(*parts):
     return [item for pair in joined.items() for item in pair] + flags
 
 
-@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp2", []), ("ddp", LORA), ("fsdp2", LORA)],
-                         ids=["ddp", "fsdp2", "ddp-lora", "fsdp2-lora"])
+# two mini-batches a step (each rank's 2 groups strided into them, as one process's 4): the same optimizer steps
+MINI = ["--steps-per-generation", "2"]
+
+
+@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp2", MINI), ("ddp", LORA + MINI), ("fsdp2", LORA)],
+                         ids=["ddp", "fsdp2-minibatches", "ddp-lora-minibatches", "fsdp2-lora"])
 def test_torchrun_matches_one_process_and_resumes(strategy, extra, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
@@ -141,6 +145,8 @@ def test_torchrun_matches_one_process_and_resumes(strategy, extra, tmp_path):
     for key in ("reward", "completion_len", "frac_zero_std_groups"):       # same rollouts: per-prompt seeds
         assert a[0][key] == b[0][key], key
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-5 * max(1.0, abs(b[0]["loss"]))
+    if extra and MINI[0] in extra:                                # the second mini-batch's ratio has moved
+        assert a[1]["clip_ratio/region_mean"] == pytest.approx(b[1]["clip_ratio/region_mean"], abs=1e-6)
     assert {"checkpoint-2", "curves.png", "metrics.jsonl"} <= set(os.listdir(two))
     if extra:
         saved = torch.load(two / "checkpoint-2" / "state.pt", weights_only=False)["model"]

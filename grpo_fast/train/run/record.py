@@ -35,13 +35,14 @@ class StageClock:
 def step_record(step: int, generation, batch, rewards, reward_stats: dict, updates: list, lr: float,
                 clock: StageClock, world, device) -> dict:
     """The metrics line of a finished step, over all ranks: rewards and completion statistics (means over
-    ranks), the last update's loss metrics and grad norm, the updates skipped as not finite and the samples no
-    reward scored (NaN rewards), the learning rate the step used, throughput, and the seconds of each stage
-    (from `clock`: generation, scoring, update, sync; this rank's) as {stage}_seconds. generation: the engine's
-    Generation; batch: the step's UpdateBatch (grpo_fast.train.update.step), whose loss_mask (B, C) holds the
-    tokens the loss counted and is_ratio the rollout correction (B, C) or None."""
+    ranks), the loss metrics and grad norm of the step's optimizer steps (`updates`, policy_updates'; their mean:
+    loss, kl, entropy, grad_norm and the clip fractions clip_ratio/low_mean, high_mean, region_mean under TRL's
+    names; NaN where no step was taken), the updates skipped as not finite and the samples no reward scored (NaN
+    rewards), the learning rate the step began with, throughput, and the seconds of each stage (from `clock`:
+    generation, scoring, update, sync; this rank's) as {stage}_seconds. generation: the engine's Generation; batch:
+    the step's UpdateBatch (grpo_fast.train.update.step), whose loss_mask (B, C) holds the tokens the loss counted
+    and is_ratio the rollout correction (B, C) or None."""
     loss_mask, is_ratio, seconds, stages = batch.loss_mask, batch.is_ratio, clock.total(), clock.seconds
-    update = updates[-1]
     totals = distributed.sum_over_ranks({
         "skipped_samples": float(rewards.isnan().sum()),
         "tokens": float(loss_mask.sum()), "sampled_tokens": float(generation.completion_mask.sum()),
@@ -50,19 +51,28 @@ def step_record(step: int, generation, batch, rewards, reward_stats: dict, updat
         "frac_zero_std_groups": reward_stats["frac_zero_std_groups"],
         "is_ratio_mean": 0.0 if is_ratio is None else masked_mean(is_ratio, loss_mask).item(),
     }, world, device)
+    update = {name: _update_mean(updates, name) for name in ("loss", "kl", "entropy", "grad_norm")}
     record = {"step": step, "reward": totals["reward_mean"] / world.size,
               "reward_std": totals["reward_std"] / world.size,
               "frac_zero_std_groups": totals["frac_zero_std_groups"] / world.size, "loss": update["loss"],
-              "kl": update.get("kl", 0.0), "entropy": update.get("entropy", float("nan")),
+              "kl": update["kl"] if updates and "kl" in updates[0] else 0.0, "entropy": update["entropy"],
               "completion_len": totals["sampled_tokens"] / totals["rows"],
               "truncated": totals["truncated"] / totals["rows"], "grad_norm": update["grad_norm"], "lr": lr,
               "tokens_per_s": totals["tokens"] / seconds, "seconds": seconds,
               "generation_tokens_per_s": totals["sampled_tokens"] / max(stages["generation"], 1e-9),
               "skipped_updates": sum(u["skipped"] for u in updates), "skipped_samples": totals["skipped_samples"]}
+    record.update({name: _update_mean(updates, name) for name in (updates[0] if updates else {})
+                   if name.startswith("clip_ratio/") or name == "cispo_clip_ratio"})
     record.update({f"{stage}_seconds": value for stage, value in stages.items()})
     if is_ratio is not None:
         record["is_ratio_mean"] = totals["is_ratio_mean"] / world.size
     return record
+
+
+def _update_mean(updates: list, name: str) -> float:
+    """The mean of metric `name` over a step's optimizer steps (NaN without any, or where none has it)."""
+    values = [update[name] for update in updates if name in update]
+    return sum(values) / len(values) if values else float("nan")
 
 
 # model/: the export; tensorboard/ and wandb/: the trackers' files (grpo_fast.train.run.tracking)

@@ -26,12 +26,14 @@ from grpo_fast.train.run.record import check_output_dir
 
 # Keys a resumed run must share with its checkpoint: they decide the model (its vocabulary and positions, its
 # dtype, its adapters, its warm start; rope_scaling would re-encode the positions of the policy, its reference
-# and the old log-probs mid-run), the optimizer's state, the prompts each step draws and how rewards are
-# grouped. Every other key may change on resume and then applies.
+# and the old log-probs mid-run), the optimizer's state and the schedule's count of optimizer steps
+# (num_iterations x steps_per_generation a step), the prompts each step draws and how rewards are grouped. Every
+# other key may change on resume and then applies.
 RESUME_FIXED = ("model", "task", "prompt_column", "solution_column", "train_split", "eval_task", "eval_split",
                 "eval_fraction", "num_prompts", "max_operand", "seed", "prompt_format", "system_prompt",
                 "group_size", "prompts_per_step", "max_completion_length", "dtype", "optimizer", "lora_rank",
-                "lora_alpha", "lora_target_modules", "sft_steps", "rope_scaling")
+                "lora_alpha", "lora_target_modules", "sft_steps", "rope_scaling", "num_iterations",
+                "steps_per_generation")
 
 
 def save_on_main(output_dir: str, step: int, state: dict, tokenizer, world) -> str:

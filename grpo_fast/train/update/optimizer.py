@@ -11,7 +11,8 @@ optimizer (the config key)   optimizer's own memory per trained parameter
 With bf16 weights an update smaller than a weight's rounding step would be lost: `adamw` keeps an fp32 master
 copy of each bf16 weight in its state (the classic mixed-precision recipe); the torchao optimizers round each
 updated weight to bf16 stochastically, so that small updates survive on average without a master copy. The
-schedule is a linear warm-up over warmup_steps, then cosine, linear or constant to max_steps.
+schedule is a linear warm-up over warmup_steps, then cosine, linear or constant to max_steps; it moves at every
+optimizer step (steps_per_generation x num_iterations of them a training step).
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ def check_optimizer(dtype: str, optimizer: str, lora_rank: int, installed: bool 
                          "'grpo-fast[lowbit]' (or torchao), or use optimizer adamw")
 
 
-def lr_factor(step: int, optimization, max_steps: int) -> float:
-    """Linear warm-up over optimization.warmup_steps, then (its lr_schedule) cosine or linear decay to 0 at the
-    run's max_steps, or constant."""
-    warmup_steps, schedule = optimization.warmup_steps, optimization.lr_schedule
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+def lr_factor(update: int, optimization, max_steps: int) -> float:
+    """The learning-rate factor of the run's optimizer step `update` (0-based; a training step takes
+    optimization.updates_per_step of them): linear warm-up over optimization.warmup_steps training steps, then
+    (its lr_schedule) cosine or linear decay to 0 at the run's max_steps, or constant."""
+    per_step, schedule = optimization.updates_per_step, optimization.lr_schedule
+    warmup, total = optimization.warmup_steps * per_step, max_steps * per_step
+    if update < warmup:
+        return (update + 1) / (warmup + 1)
+    progress = (update - warmup) / max(1, total - warmup)
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     if schedule == "linear":
@@ -122,7 +125,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
 def optimizer_for(policy, optimization, max_steps: int, state):
     """(optimizer, scheduler): the optimization section's optimizer of the trained parameters and its
-    learning-rate schedule over the run's max_steps (lr_factor), restored from `state` when resuming."""
+    learning-rate schedule over the run's max_steps (lr_factor: the scheduler steps after every optimizer step),
+    restored from `state` when resuming."""
     optimizer = make_optimizer(policy.trunk.parameters(), optimization.optimizer, optimization.learning_rate,
                                optimization.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, optimization, max_steps))

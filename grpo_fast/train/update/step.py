@@ -3,7 +3,9 @@
     batch = UpdateBatch(input_ids, attention_mask, prompt_length, completion_ids, loss_mask, advantages)
     batch.ref_logps = completion_logprobs(Policy.of(ref_model), batch, config.batching, temperature)  # beta > 0
     metrics = policy_update(Policy.of(model), optimizer, batch, config.loss, config.batching, config.optimization,
-                            temperature)
+                            temperature)                   # one optimizer step on the whole batch
+    updates, lr = policy_updates(Policy.of(model), optimizer, scheduler, batch, config.loss, config.batching,
+                                 config.optimization, temperature)   # a step's: num_iterations x mini-batches
 
 Each function takes the config sections it reads (grpo_fast.train.config: loss, batching, optimization,
 correction, scoring) and the rollouts' sampling temperature, which the log-probs divide the logits by.
@@ -56,7 +58,9 @@ class UpdateBatch:
     fp32: the engine's log-probs when the correction comes from the update's own forward (one iteration per
     step: accumulate_gradients fills is_ratio from them, as `correction`, the CorrectionConfig, says), else None.
     kept: with top-k / top-p sampling, the kept set of each of the B x C completion positions
-    (grpo_fast.kept.KeptSet), over which every log-prob is taken.
+    (grpo_fast.kept.KeptSet), over which every log-prob is taken. trained (B,) bool: the rows the step trains on
+    (None: all); the others (a short step's filler groups under dynamic sampling) have no loss tokens and count in
+    no normalizer, neither tokens nor sequences.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +75,47 @@ class UpdateBatch:
     sampling_logps: Optional[torch.Tensor] = None
     correction: Optional[CorrectionConfig] = None
     kept: Optional[KeptSet] = None
+    trained: Optional[torch.Tensor] = None
+
+    @property
+    def trained_rows(self) -> int:
+        """The rows the step trains on: the sequences its per-sequence normalizers count."""
+        return self.input_ids.shape[0] if self.trained is None else int(self.trained.sum())
+
+    def rows(self, rows: list) -> "UpdateBatch":
+        """The UpdateBatch of some rows (a mini-batch), every per-row tensor taken alike, in that order."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
+
+        def cut(tensor):
+            return None if tensor is None else tensor[index.to(tensor.device)]
+
+        kept = None
+        if self.kept is not None:
+            columns = self.completion_ids.shape[1]
+            positions = index.to(self.kept.ids.device)[:, None] * columns + torch.arange(
+                columns, device=self.kept.ids.device)
+            kept = self.kept.select(positions.reshape(-1))
+        return dataclasses.replace(
+            self, input_ids=cut(self.input_ids), attention_mask=cut(self.attention_mask),
+            completion_ids=cut(self.completion_ids), loss_mask=cut(self.loss_mask), advantages=cut(self.advantages),
+            old_logps=cut(self.old_logps), ref_logps=cut(self.ref_logps), is_ratio=cut(self.is_ratio),
+            sampling_logps=cut(self.sampling_logps), kept=kept, trained=cut(self.trained))
+
+
+def mini_batches(batch: UpdateBatch, count: int, group_size: int) -> list:
+    """`count` UpdateBatches of whole groups of `batch` (group_size rows each), equal in size, mini-batch k holding
+    groups k, k + count, k + 2 count, ...: the mini-batches a step's optimizer steps take in turn
+    (steps_per_generation); [batch] itself for one. Strided, so that mini-batch k of a step is the same groups
+    whether one process holds the step or each of several holds its share of whole groups (a multiple of
+    `count`): data-parallel ranks step on the mini-batches one process would."""
+    groups = batch.input_ids.shape[0] // group_size
+    if groups % count or batch.input_ids.shape[0] % group_size:
+        raise ValueError(f"steps_per_generation ({count}) must divide the step's {groups} groups of "
+                         f"{group_size} into whole groups")
+    if count == 1:
+        return [batch]
+    return [batch.rows([group * group_size + row for group in range(first, groups, count)
+                        for row in range(group_size)]) for first in range(count)]
 
 
 def micro_kept(batch: UpdateBatch, micro: MicroBatch) -> Optional[KeptSet]:
@@ -188,26 +233,31 @@ def completion_logprobs(policy: Policy, batch: UpdateBatch, batching: BatchingCo
 
 def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference_policy, scoring: ScoringConfig,
                  correction: CorrectionConfig, optimization: OptimizationConfig, batching: BatchingConfig,
-                 temperature: float, world: distributed.World = distributed.World()) -> UpdateBatch:
+                 temperature: float, world: distributed.World = distributed.World(),
+                 trained: Optional[torch.Tensor] = None) -> UpdateBatch:
     """The UpdateBatch of a step's Generation (grpo_fast.train.rollout.generation) and its (B,) advantages: the
-    loss mask (without truncated completions under scoring.mask_truncated_completions), and the old and
-    reference log-probs and the rollout correction (grpo_fast.train.update.correction) where the sections need
-    them (one no-grad forward each). reference_policy: the KL reference (beta > 0), or None.
+    loss mask (without truncated completions under scoring.mask_truncated_completions, and without the rows
+    `trained` marks False), and the old and reference log-probs and the rollout correction
+    (grpo_fast.train.update.correction) where the sections need them (one no-grad forward each, before any update).
+    reference_policy: the KL reference (beta > 0), or None.
 
-    With one iteration per step the rollout correction needs no forward of its own: the weights that the old
+    With one optimizer step per step the rollout correction needs no forward of its own: the weights that the old
     log-probs would come from are the ones the update's forward runs, so accumulate_gradients computes the ratio
-    from that forward's hidden states (batch.sampling_logps), one no-grad pass over the LM head per micro-batch."""
+    from that forward's hidden states (batch.sampling_logps), one no-grad pass over the LM head per micro-batch.
+    More optimizer steps (optimization.updates_per_step) take the old log-probs once, before the first."""
     loss_mask = generation.completion_mask
     if scoring.mask_truncated_completions:
         loss_mask = loss_mask & ~generation.truncated[:, None]
+    if trained is not None:
+        loss_mask = loss_mask & trained.to(loss_mask.device)[:, None]
     batch = UpdateBatch(generation.input_ids, generation.attention_mask, generation.prompt_length,
-                        generation.completion_ids, loss_mask, advantages.to(loss_mask.device))
+                        generation.completion_ids, loss_mask, advantages.to(loss_mask.device), trained=trained)
     if generation.kept_ids is not None:
         batch.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
     correct = generation.sampling_logps is not None and correction.importance_sampling != "none"
-    if correct and optimization.num_iterations == 1:
+    if correct and optimization.updates_per_step == 1:
         batch.sampling_logps, batch.correction = generation.sampling_logps, correction
-    elif optimization.num_iterations > 1 or correct:
+    elif optimization.updates_per_step > 1 or correct:
         batch.old_logps = completion_logprobs(policy, batch, batching, temperature, world)
         if correct:
             batch.is_ratio = importance_weights(batch.old_logps, generation.sampling_logps, loss_mask,
@@ -261,7 +311,8 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, loss_config: LossCo
                          world: distributed.World = distributed.World()) -> dict:
     """Backward of the step's loss, micro-batch by micro-batch: the micro-batch losses are weighted
     (`variants.micro_batch_share`, over the sequences and tokens of all ranks) so that their sum is the loss of
-    the whole batch at once, however it is cut, packed and spread over ranks. Every rank runs as many backward
+    the whole batch at once, however it is cut, packed and spread over ranks (rows that batch.trained marks False
+    count in no normalizer). Every rank runs as many backward
     passes as the busiest (extra ones weigh 0) and reduces gradients in the last. Returns the loss and the loss
     metrics (token-weighted means over micro-batches), summed over ranks. With one process and grad_accum_dtype
     fp32 (the default), gradients of bf16 weights accumulate over micro-batches in fp32 (Fp32GradientSum). With
@@ -269,7 +320,7 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, loss_config: LossCo
     (own_rollout_correction, with batch.correction) and fills batch.is_ratio."""
     loss_function = LOSS_IMPLEMENTATIONS[optimization.loss_implementation]
     device = batch.loss_mask.device
-    totals = distributed.sum_over_ranks({"sequences": batch.input_ids.shape[0],
+    totals = distributed.sum_over_ranks({"sequences": batch.trained_rows,
                                          "tokens": float(batch.loss_mask.sum())}, world, device)
     batches = micro_batches(batch, batching, world, shares_prompts(batching, policy.model))
     fp32_sum = None
@@ -324,3 +375,24 @@ def policy_update(policy: Policy, optimizer, batch: UpdateBatch, loss_config: Lo
     summed["skipped"] = 0.0 if finite else 1.0
     optimizer.zero_grad(set_to_none=True)
     return summed
+
+
+def policy_updates(policy: Policy, optimizer, scheduler, batch: UpdateBatch, loss_config: LossConfig,
+                   batching: BatchingConfig, optimization: OptimizationConfig, temperature: float, group_size: int,
+                   world: distributed.World = distributed.World()) -> tuple:
+    """(update metrics, the learning rate of the first): a step's optimizer steps, each a policy_update (its own
+    normalizer) on a mini-batch of whole groups (mini_batches: optimization.steps_per_generation of them, in
+    turn), num_iterations passes over them (TRL's order), the scheduler stepped after each. A mini-batch with no
+    row to train on (a short step's fillers, on every rank) takes no optimizer step (the schedule still moves:
+    it counts a step's optimizer steps alike in every step); its metrics are left out."""
+    parts = mini_batches(batch, optimization.steps_per_generation, group_size)
+    device = batch.loss_mask.device
+    trained = [distributed.sum_over_ranks({"rows": float(part.trained_rows)}, world, device)["rows"] for part in parts]
+    lr, updates = float(scheduler.get_last_lr()[0]), []
+    for _ in range(optimization.num_iterations):
+        for part, rows in zip(parts, trained):
+            if rows:
+                updates.append(policy_update(policy, optimizer, part, loss_config, batching, optimization,
+                                             temperature, world))
+            scheduler.step()
+    return updates, lr
