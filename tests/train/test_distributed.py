@@ -145,10 +145,10 @@ def test_torchrun_matches_one_process_and_resumes(strategy, extra, tmp_path):
     for key in ("reward", "completion_len", "frac_zero_std_groups"):       # same rollouts: per-prompt seeds
         assert a[0][key] == b[0][key], key
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-5 * max(1.0, abs(b[0]["loss"]))
-    if extra and MINI[0] in extra:                                # the second mini-batch's ratio has moved
+    if MINI[0] in extra:                                # the second mini-batch's ratio has moved
         assert a[1]["clip_ratio/region_mean"] == pytest.approx(b[1]["clip_ratio/region_mean"], abs=1e-6)
     assert {"checkpoint-2", "curves.png", "metrics.jsonl"} <= set(os.listdir(two))
-    if extra:
+    if "--lora-rank" in extra:
         saved = torch.load(two / "checkpoint-2" / "state.pt", weights_only=False)["model"]
         assert saved and all(".lora_" in name for name in saved)
     # a checkpoint written by 2 processes resumes in one

@@ -135,7 +135,7 @@ def test_the_round_cap_trains_on_the_informative_groups_alone():
     assert (info["reward"], info["reward_kept"]) == (1 / 24, 1 / 3)    # one right completion of 24, of 3 trained
     assert logged == ["step 1: dynamic sampling ended short: 1 informative group of the 4 wanted (prompts_per_step) "
                       "after 2 rounds (max_sampling_rounds), 7 of the 8 groups generated dropped for equal "
-                      "exact_match; the step trains on those 1 alone"]
+                      "exact_match; the step trains on that one alone"]
     # the informative group first, then the earliest dropped ones, which fill the batch untrained (every rank
     # runs as many rows) and count in no normalizer
     assert [s["prompt"] for s in kept] == [first[2], first[0], first[1], first[3]]
@@ -203,8 +203,10 @@ def test_held_out_problems_are_never_drawn():
     assert drawn <= {s["prompt"] for s in training} and not drawn & {s["prompt"] for s in held_out}
 
 
+# two mini-batches a step, strided: a short step's fillers (last in the batch) share them with informative groups
 RUN = dict(sft_steps=20, max_steps=4, save_every=2, group_size=4, prompts_per_step=4, log_completions=0,
-           eval_every=0, dynamic_sampling=True, max_sampling_rounds=3, rewards=["tests.helpers:counting_reward"])
+           eval_every=0, dynamic_sampling=True, max_sampling_rounds=3, steps_per_generation=2,
+           rewards=["tests.helpers:counting_reward"])
 
 
 def test_a_run_logs_the_filter_and_resumes_bit_for_bit(tmp_path, monkeypatch):
@@ -253,11 +255,12 @@ def test_a_step_that_ends_short_is_logged_and_both_reward_means_are_recorded(tmp
             assert record["reward_kept"] is None and record["loss"] is None     # nothing trained: NaN, null
         assert record["frac_filtered_groups"] == len(dropped) / len(groups)
         step = record["step"]
+        trains = ["no group to train on: the step takes no update", "the step trains on that one alone",
+                  ""][min(len(informative), 2)]
         line = (f"step {step}: dynamic sampling ended short: {len(informative)} informative "
                 f"group{'' if len(informative) == 1 else 's'} of the 2 wanted "
                 f"(prompts_per_step) after 2 rounds (max_sampling_rounds), {len(dropped)} of the {len(groups)} "
-                f"groups generated dropped for equal tests.helpers:recording_reward; the step trains on those "
-                f"{len(informative)} alone")
+                f"groups generated dropped for equal tests.helpers:recording_reward; {trains}")
         assert (line in logged) == (len(informative) < 2), (line, logged)
         short += [step] * (len(informative) < 2)
         progress = [text for text in logged if text.startswith(f"step {step}/3: ")]
@@ -302,7 +305,8 @@ def test_two_processes_run_their_rounds_in_lockstep(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "grpo_fast.cli", "train", "--sft-steps", "20", "--max-steps", "2",
                "--group-size", "4", "--prompts-per-step", "4", "--log-completions", "0", "--eval-every", "0",
-               "--dynamic-sampling", "true", "--distributed", "fsdp2", "--output-dir", str(out)]
+               "--dynamic-sampling", "true", "--steps-per-generation", "2", "--distributed", "fsdp2", "--output-dir",
+               str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

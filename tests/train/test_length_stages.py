@@ -93,8 +93,9 @@ def test_the_dr_grpo_normalizer_and_the_overlong_penalty_follow_the_stage():
     assert reward(["", "", ""], completion_ids=ids, max_completion_length=[4] * 3) == [-0.5, -1.0, -1.0]
 
 
+# two mini-batches a step (one group each): the staged budget, the rollout process and the resume under them
 RUN = dict(sft_steps=10, max_steps=4, save_every=2, group_size=2, prompts_per_step=2, log_completions=0,
-           eval_every=0, ignore_eos=True, max_completion_length="0:4,2:8",
+           eval_every=0, ignore_eos=True, max_completion_length="0:4,2:8", steps_per_generation=2,
            rewards=["tests.helpers:counting_reward"])
 
 

@@ -183,8 +183,10 @@ def _kept(pool: list, rounds: int, wanted: int, step: int, rollout: RolloutConfi
         if rollout.short_step == "error":
             raise RunError(f"step {step + 1}: dynamic sampling ended short: {found}; raise max_sampling_rounds or "
                            "sampling_batch_multiplier, or set short_step: train to train on the groups found")
-        log(f"step {step + 1}: dynamic sampling ended short: {found}; the step trains on those "
-            f"{counts['useful']} alone")
+        useful = counts["useful"]
+        trains = ("no group to train on: the step takes no update" if useful == 0 else
+                  f"the step trains on {'that one' if useful == 1 else f'those {useful}'} alone")
+        log(f"step {step + 1}: dynamic sampling ended short: {found}; {trains}")
     trained = None
     if fillers:
         trained = torch.arange(len(rows), device=device) < len(useful) * group_size
