@@ -377,6 +377,14 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None) ->
     return _build(_merge(_place(values), _place(overrides or {})), convert=True)
 
 
+def load_config_values(path: str) -> dict:
+    """{key: value} of a YAML config file as written (named as on the command line), unchecked."""
+    loaded = _read_yaml(os.path.expanduser(path)) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: a config file is a mapping of sections to their keys")
+    return key_names(_file_keys(loaded, path))
+
+
 def keys_help() -> str:
     """Every key by section: `  key: type = default  help`, one line each (for `train --help`); the headers and
     indentation are those of a config file."""

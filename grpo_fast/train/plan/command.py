@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, replace
 
-from grpo_fast.train.config import KEYS, load_config
+from grpo_fast.train.config import KEYS, load_config, load_config_values
 from grpo_fast.train.plan.fit import check_plan_context, fitting_change, training_job, training_shape
 from grpo_fast.train.plan.memory import (
     ATTENTIONS,
@@ -25,6 +26,7 @@ from grpo_fast.train.plan.memory import (
 from grpo_fast.train.plan.report import format_report, report
 from grpo_fast.train.policy import check_rope_scaling
 from grpo_fast.train.rollout.config import RolloutConfig
+from grpo_fast.train.tasks.config import TASKS
 from grpo_fast.train.update import precision
 
 
@@ -148,6 +150,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
 
 
+def plan_config(path: str) -> tuple:
+    """(TrainConfig, the missing dataset or None) of a training config: load_config(path), or where its data.task
+    or evaluation.eval_task is a dataset on disk not there yet (a job planned before the download) the same config
+    on the built-in task: a plan takes its prompt length from --prompt-length, not from the data."""
+    try:
+        return load_config(path), None
+    except ValueError as error:
+        placed = {}
+        for name in ("task", "eval_task"):
+            value = load_config_values(path).get(name)
+            if isinstance(value, str) and value not in TASKS and not os.path.exists(os.path.expanduser(value)):
+                placed[name] = value
+        if not placed:
+            raise error
+        config = load_config(path, {name: "max" if name == "task" else None for name in placed})
+        return config, " and ".join(placed.values())
+
+
 def main(args) -> int:
     """`grpo-fast plan`: print the table (or JSON) for the arguments of `add_arguments`."""
     try:
@@ -155,7 +175,10 @@ def main(args) -> int:
             if args.rope_scaling is not None:
                 raise ValueError(f"--rope-scaling plans a preset or config.json; {args.model} gives its own "
                                  "(policy.rope_scaling): set it there")
-            config = load_config(args.model)
+            config, absent = plan_config(args.model)
+            if absent:
+                print(f"data: {absent} is not here yet; planned with prompts of --prompt-length "
+                      f"{args.prompt_length} tokens")
             config.rollout.check_for_training()
             shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
             context = check_plan_context(shape, job, config.policy.rope_scaling, config.policy.model)

@@ -30,7 +30,8 @@ from grpo_fast.train.update import precision
 def training_shape(policy) -> ModelShape:
     """The shape of the model the policy section trains (policy.model): the built-in tiny model, its folder's
     config.json, or for a hub id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b), with the
-    preset's context for an Instruct checkpoint alone (another's may differ: left to the trainer's check). The tiny
+    preset's context for an Instruct checkpoint or the preset's own alone (another's may differ: left to the trainer's
+    check). The tiny
     model's context is sized by the trainer to the run's lengths: not checked. Raises ValueError otherwise."""
     if policy.model == "tiny":
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
@@ -46,7 +47,7 @@ def training_shape(policy) -> ModelShape:
         raise ValueError(f"cannot plan model {policy.model!r}: not a local folder with a config.json, and its "
                          f"name matches no preset ({', '.join(PRESETS)})")
     shape = PRESETS[matches[-1]]
-    if not name.endswith("-instruct"):
+    if not name.endswith("-instruct") and name != matches[-1]:       # a preset named exactly: its own context
         shape = dataclasses.replace(shape, max_position_embeddings=None, rope_parameters=None)
     return shape
 

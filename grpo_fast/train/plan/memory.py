@@ -180,6 +180,10 @@ PRESETS = {
     "qwen2.5-7b": ModelShape(3584, 18944, 28, 28, 4, 152064, attention_bias=True, max_position_embeddings=32768),
     "llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8, 128256, max_position_embeddings=131072,
                                rope_parameters=LLAMA3_ROPE),
+    # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json: Qwen2.5-Math-1.5B's shape, its own LM head, 131072
+    # positions (examples/long_reasoning_16k.yaml)
+    "deepseek-r1-distill-qwen-1.5b": ModelShape(1536, 8960, 28, 12, 2, 151936, attention_bias=True,
+                                                max_position_embeddings=131072),
 }
 
 # Bytes each card offers: the total CUDA reports (torch.cuda.mem_get_info, the "total capacity" in PyTorch's
