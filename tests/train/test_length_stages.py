@@ -99,11 +99,21 @@ RUN = dict(sft_steps=10, max_steps=4, save_every=2, group_size=2, prompts_per_st
            rewards=["tests.helpers:counting_reward"])
 
 
-def test_the_plan_command_sizes_the_largest_stage_and_gives_a_line_per_stage(capsys):
+def test_the_plan_command_sizes_the_largest_stage_and_gives_a_line_per_stage(capsys, tmp_path):
+    """The long-reasoning recipe with staged lengths (8k, then 16k from step 101), planned before its dataset is
+    downloaded: one line says so, and the plan is the config's job with --prompt-length's prompts."""
     from grpo_fast.cli import main as cli
 
-    assert cli(["plan", os.path.join(helpers.ROOT, "examples", "long_reasoning_16k.yaml")]) == 0
+    with open(os.path.join(helpers.ROOT, "examples", "long_reasoning_16k.yaml")) as recipe:
+        text = recipe.read()
+    assert "  max_completion_length: 20480\n" in text
+    staged = tmp_path / "staged.yaml"
+    staged.write_text(text.replace("  max_completion_length: 20480\n",
+                                   "  max_completion_length: {0: 8192, 100: 16384}\n"))
+    assert cli(["plan", str(staged)]) == 0
     out = capsys.readouterr().out
+    assert out.splitlines()[0] == ("data: data/dapo-math-17k/data/dapo-math-17k.parquet is not here yet; planned "
+                                   "with prompts of --prompt-length 512 tokens")
     assert "prompt 512 + completion 16384 tokens" in out
     lines = [line for line in out.splitlines() if line.startswith("stage from step")]
     assert [line.split(", training peak")[0] for line in lines] == [
