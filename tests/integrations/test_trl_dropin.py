@@ -101,6 +101,12 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
         assert calls["fused_loss"] > 0, "the fused loss was not used"
     else:
         assert calls["fused_loss"] == 0 and calls["logprobs"] > 0, "TRL's loss on grpo_fast log-probs expected"
+    assert_trains_like(actual, expected)
+
+
+def assert_trains_like(actual, expected):
+    """actual's logged losses, grad norms, entropies and TRL's loss metrics equal expected's to the module's
+    tolerances, and so do its updated weights, which training moved (else the comparison would show nothing)."""
     logged_by_trl = ("clip_ratio", "cispo", "vespo", "policy_loss", "kl", "entropy_coef")
     keys = ["loss", "grad_norm", "entropy"] + [k for k in expected.state.log_history[0] if k.startswith(logged_by_trl)]
     for key in keys:
@@ -111,6 +117,40 @@ def test_matches_grpo_trainer(name, tmp_path, calls):
     initial = tiny_model(len(actual.processing_class)).state_dict()
     moved = max((p - initial[n]).abs().max().item() for n, p in actual.model.named_parameters())
     assert moved > 1e-4, "training did not change the weights, so the comparison shows nothing"
+
+
+# (GRPOConfig options, optimizer steps). steps_per_generation cuts each generation batch into that many optimizer
+# steps (num_iterations > 1 then replays the buffered batch), so every step after a rollout's first trains on
+# completions of a policy that has since moved: TRL scores the batch's old log-probs at the rollout, and dapo's
+# normalizer is the generation batch's token count brought to one accumulation window.
+STEPS_PER_GENERATION = {
+    # a clip range small enough that the second step's ratios, against the first step's policy, clip
+    "two_steps": (dict(steps_per_generation=2, epsilon=1e-3), 2),
+    # TRL's default clip range: the replayed slices (steps 3 and 4) clip
+    "num_iterations": (dict(steps_per_generation=2, num_iterations=2), 4),
+    # more steps per generation than accumulation steps: the second optimizer step's micro-batches are off-policy
+    "grad_accumulation": (dict(steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                               epsilon=1e-3), 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEPS_PER_GENERATION))
+def test_steps_per_generation_matches_grpo_trainer(name, tmp_path, monkeypatch):
+    """TRL's steps_per_generation: the fused loss takes the old log-probs TRL hands each micro-batch and the
+    generation batch's token count, and trains to GRPOTrainer's weights. Every fused call gets old log-probs;
+    the first optimizer step is on-policy (nothing clips), a later one is not (some tokens clip), so the ratio
+    reached the loss."""
+    config, steps = STEPS_PER_GENERATION[name]
+    expected = run_grpo(trl.GRPOTrainer, tmp_path / "trl", steps=steps, **config)
+    old_logps, fused_loss = [], dropin.checked_policy_loss
+    monkeypatch.setattr(dropin, "checked_policy_loss",
+                        lambda *args, **kwargs: old_logps.append(kwargs["old_logps"]) or fused_loss(*args, **kwargs))
+    actual = run_grpo(dropin.FastGRPOTrainer, tmp_path / "fast", steps=steps, **config)
+    assert len(old_logps) == steps * config.get("gradient_accumulation_steps", 1), "the fused loss was not used"
+    assert all(old is not None for old in old_logps), "a micro-batch reached the loss without old log-probs"
+    assert_trains_like(actual, expected)
+    clipped = logged(actual, "clip_ratio/region_mean")
+    assert clipped[0] == 0 and max(clipped[1:]) > 0, clipped
 
 
 @pytest.mark.parametrize("name", ["dapo", "grpo_kl_grad_accumulation", "dapo_router_logits_off_in_config"])
