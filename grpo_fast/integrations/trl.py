@@ -176,10 +176,13 @@ class FastGRPOTrainer(GRPOTrainer):
 
     The fused loss serves every loss type of `grpo_fast.LOSS_TYPES` at token level (vespo, and GSPO's sequence
     level, in two phases: 4 GEMM passes), KL, delta, the vLLM importance-sampling ratio, the entropy bonus (static
-    or adaptive), gradient accumulation, mixture-of-experts models (router aux loss), vision-language inputs
-    (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains (`fallback_reasons` lists
-    it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs. Options the loss type never
-    reads are ignored, as TRL ignores them; a value grpo_fast refuses is refused by the constructor, in one line.
+    or adaptive), gradient accumulation, rollouts replayed or cut into several optimizer steps (num_iterations,
+    steps_per_generation: TRL's old log-probs and its generation batch's token count, tested by
+    test_trl_dropin.py's test_steps_per_generation_matches_grpo_trainer), mixture-of-experts models (router aux
+    loss), vision-language inputs (pixel values through the model's own forward) and DeepSpeed ZeRO-3. What remains
+    (`fallback_reasons` lists it, and the constructor warns once) runs TRL's own loss on grpo_fast log-probs.
+    Options the loss type never reads are ignored, as TRL ignores them; a value grpo_fast refuses is refused by the
+    constructor, in one line.
 
     share_prompts (default False: on SmolLM2 it pays at short completions, 0.46x of TRL's update at 64 tokens
     against 0.80x padded, but not at 256, where its runs' generation was slower, unexplained; see docs/trl.md):
