@@ -183,9 +183,9 @@ def _kept(pool: list, rounds: int, wanted: int, step: int, rollout: RolloutConfi
         if rollout.short_step == "error":
             raise RunError(f"step {step + 1}: dynamic sampling ended short: {found}; raise max_sampling_rounds or "
                            "sampling_batch_multiplier, or set short_step: train to train on the groups found")
-        useful = counts["useful"]
-        trains = ("no group to train on: the step takes no update" if useful == 0 else
-                  f"the step trains on {'that one' if useful == 1 else f'those {useful}'} alone")
+        found_count = counts["useful"]
+        trains = ("no group to train on: the step takes no update" if found_count == 0 else
+                  f"the step trains on {'that one' if found_count == 1 else f'those {found_count}'} alone")
         log(f"step {step + 1}: dynamic sampling ended short: {found}; {trains}")
     trained = None
     if fillers:
