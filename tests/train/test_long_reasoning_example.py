@@ -1,7 +1,6 @@
 """examples/long_reasoning_cpu.yaml, the long-reasoning recipe on this machine, run for a few steps as a policy
 early in its training (a shorter warm start: its completions still run long): groups whose completions all score
-alike are dropped and resampled, long completions get the overlong penalty, and with two mini-batches a step the
-ratio moves and the clip range acts."""
+alike are dropped and resampled, and long completions get the overlong penalty."""
 
 import json
 import os
@@ -24,7 +23,6 @@ def test_the_cpu_recipe_filters_groups_and_penalizes_long_completions(tmp_path):
     assert [r["step"] for r in history] == [1, 2, 3]
     assert any(r["frac_filtered_groups"] > 0 for r in history)              # groups were dropped
     assert any(r["sampling_rounds"] > 1 for r in history)                   # and more prompts sampled
-    assert any(r["clip_ratio/region_mean"] > 0 for r in history)            # the second mini-batch clipped
     rows = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
     assert list(config.rollout.stages) == [(0, 96), (75, 128)]
     penalized = [row for row in rows if row["reward"] < 0]
