@@ -146,7 +146,7 @@ def worker(args) -> dict:
         if ref_model is not None:
             rollout.ref_logps = completion_logprobs(Policy.of(ref_model), rollout, config.batching,
                                                      config.rollout.temperature)
-        policy_update(Policy.of(model), optimizer, rollout, config.loss, config.batching, config.optimization,
+        policy_update(Policy.of(model), optimizer, rollout, config.loss_at(0), config.batching, config.optimization,
                       config.rollout.temperature)
 
     if args.warmup_tokens:      # gradients and AdamW's state exist before the first measured step

@@ -73,7 +73,7 @@ def worker(args) -> dict:
     seconds, cpu_seconds = [], []
     for step in range(args.steps + 1):                    # the first one warms up
         started, cpu_started = time.perf_counter(), time.process_time()
-        policy_update(Policy.of(model), optimizer, batch, config.loss, config.batching, config.optimization,
+        policy_update(Policy.of(model), optimizer, batch, config.loss_at(0), config.batching, config.optimization,
                       config.rollout.temperature)
         if step:
             seconds.append(time.perf_counter() - started)

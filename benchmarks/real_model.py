@@ -143,8 +143,9 @@ def update(model, args) -> list:
         for share in (False, True):
             config = TrainConfig.from_keys(share_prompts=share, loss_type="dapo", beta=0.0, micro_batch_size=64,
                                            max_completion_length=completion_tokens)
-            seconds, metrics = median_time(lambda _: policy_update(Policy.of(model), optimizer, batch, config.loss,
-                                                                   config.batching, config.optimization,
+            seconds, metrics = median_time(lambda _: policy_update(Policy.of(model), optimizer, batch,
+                                                                   config.loss_at(0), config.batching,
+                                                                   config.optimization,
                                                                    config.rollout.temperature), args.repeats)
             trunk_tokens = (int(batch.attention_mask.sum()) if not share else
                             args.prompts * args.prompt_tokens + int(batch.loss_mask.sum()))

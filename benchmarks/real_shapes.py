@@ -177,7 +177,7 @@ def worker(args) -> dict:
     seconds, losses, grad_norms = [], [], []
     for _ in range(args.steps):
         started = time.perf_counter()
-        metrics = policy_update(policy, optimizer, rollout, config.loss, config.batching, config.optimization,
+        metrics = policy_update(policy, optimizer, rollout, config.loss_at(0), config.batching, config.optimization,
                                 config.rollout.temperature)
         seconds.append(time.perf_counter() - started)
         losses.append(metrics["loss"])

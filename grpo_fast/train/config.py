@@ -139,6 +139,11 @@ class TrainConfig:
         """A copy with the keys `values` (named as in `from_keys`) changed, checked anew."""
         return _build(_merge(_place(self.flat()), _place(values)), convert=False)
 
+    def loss_at(self, step: int) -> LossConfig:
+        """The LossConfig of (0-based) `step`: the loss section at the step's completion budget (its stage's
+        max_completion_length: dr_grpo's normalizer unless loss.max_completion_length is given)."""
+        return self.loss.at_length(self.rollout.stages.at(step))
+
     def flat(self) -> dict:
         """{key: value} of every key, named as on the command line."""
         return flat_values(dataclasses.asdict(self))

@@ -87,6 +87,7 @@ def test_the_dr_grpo_normalizer_and_the_overlong_penalty_follow_the_stage():
     assert equal.replace(seed=1).loss.max_completion_length == 8 and config.replace(seed=1).loss.max_completion_length \
         is None
     assert [T.stage_loss(config.loss, config.rollout, step, print).max_completion_length for step in (0, 2)] == [4, 8]
+    assert [config.loss_at(step).max_completion_length for step in (0, 2)] == [4, 8]
     reward = soft_overlong_penalty(8, 2)
     ids = [[1] * 3, [1] * 4, [1] * 7]
     assert reward(["", "", ""], completion_ids=ids) == [0.0, 0.0, -0.5]                  # the largest stage

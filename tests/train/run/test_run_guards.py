@@ -106,7 +106,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_folder_to_the_s
 
     options = dict(sft_steps=0, max_steps=1, eval_every=1, eval_prompts=2, eval_samples=1)
     with monkeypatch.context() as patch:
-        patch.setattr(T, "update_policy", failing)
+        patch.setattr(T, "policy_updates", failing)
         with pytest.raises(RuntimeError, match="without overflow"):
             run(tmp_path, **options)
     folder = tmp_path / "run"
