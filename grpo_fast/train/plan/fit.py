@@ -13,7 +13,17 @@ from typing import Optional
 import torch
 
 from grpo_fast.train import pretrained, tasks
-from grpo_fast.train.plan.memory import GIB, PRESETS, Job, ModelShape, fits_in, load_shape, plan, pool_shortfall
+from grpo_fast.train.plan.memory import (
+    CHECKPOINT_PRESETS,
+    GIB,
+    PRESETS,
+    Job,
+    ModelShape,
+    fits_in,
+    load_shape,
+    plan,
+    pool_shortfall,
+)
 from grpo_fast.train.plan.report import summary
 from grpo_fast.train.policy import (
     TINY_HEADS,
@@ -30,8 +40,8 @@ from grpo_fast.train.update import precision
 def training_shape(policy) -> ModelShape:
     """The shape of the model the policy section trains (policy.model): the built-in tiny model, its folder's
     config.json, or for a hub id the preset its name starts with (Qwen/Qwen2.5-7B-Instruct: qwen2.5-7b), with the
-    preset's context for an Instruct checkpoint or the preset's own alone (another's may differ: left to the trainer's
-    check). The tiny
+    preset's context for an Instruct checkpoint or a preset of one checkpoint (CHECKPOINT_PRESETS) alone (another's may
+    differ: left to the trainer's check). The tiny
     model's context is sized by the trainer to the run's lengths: not checked. Raises ValueError otherwise."""
     if policy.model == "tiny":
         return ModelShape(hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN, num_layers=TINY_LAYERS,
@@ -47,7 +57,7 @@ def training_shape(policy) -> ModelShape:
         raise ValueError(f"cannot plan model {policy.model!r}: not a local folder with a config.json, and its "
                          f"name matches no preset ({', '.join(PRESETS)})")
     shape = PRESETS[matches[-1]]
-    if not name.endswith("-instruct") and name != matches[-1]:       # a preset named exactly: its own context
+    if not name.endswith("-instruct") and name not in CHECKPOINT_PRESETS:   # a family's other checkpoints may differ
         shape = dataclasses.replace(shape, max_position_embeddings=None, rope_parameters=None)
     return shape
 

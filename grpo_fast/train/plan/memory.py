@@ -185,6 +185,8 @@ PRESETS = {
     "deepseek-r1-distill-qwen-1.5b": ModelShape(1536, 8960, 28, 12, 2, 151936, attention_bias=True,
                                                 max_position_embeddings=131072),
 }
+# presets that are one checkpoint, not a family: their context holds for the name itself
+CHECKPOINT_PRESETS = ("deepseek-r1-distill-qwen-1.5b",)
 
 # Bytes each card offers: the total CUDA reports (torch.cuda.mem_get_info, the "total capacity" in PyTorch's
 # out-of-memory message), at the low end of what drivers report. The "GB" in the names are the vendors' labels,
