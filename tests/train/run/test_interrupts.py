@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from grpo_fast.train import loop as T  # noqa: E402
-from grpo_fast.train.rollout import Rollouts, engines  # noqa: E402
+from grpo_fast.train.rollout import Rollouts, dynamic_sampling, engines  # noqa: E402
 from grpo_fast.train.run import evaluate, record  # noqa: E402
 from grpo_fast.train.saved import checkpoint, export
 from grpo_fast.train.update import step as update_step  # noqa: E402
@@ -37,11 +37,12 @@ QUIET = dict(log=lambda *_: None)
 # the weights, the optimizer or the run's files have already changed when the signal arrives
 STAGES = {
     "generation": (Rollouts, "get", 2),
-    "scoring": (T, "score", 2),
+    "scoring": (dynamic_sampling, "score", 2),
     "old log-probs": (update_step, "completion_logprobs", 2),
-    "between iterations": (T, "policy_update", 3),
-    "after the last iteration": (T, "policy_update", 4),
-    "learning-rate schedule": (torch.optim.lr_scheduler.LambdaLR, "step", 3),
+    "between iterations": (update_step, "policy_update", 3),
+    "after the last iteration": (update_step, "policy_update", 4),
+    # once as it is built, then after each optimizer step (2 a step): call 5 ends step 2's
+    "learning-rate schedule": (torch.optim.lr_scheduler.LambdaLR, "step", 5),
     "weight push": (engines.HFEngine, "sync_weights", 2),
     "metrics line": (record.RunFiles, "append", 2),
     "evaluation": (evaluate, "evaluate", 2),

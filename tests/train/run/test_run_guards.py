@@ -190,7 +190,7 @@ def test_resume_refuses_a_changed_model_or_data_and_applies_other_keys(tmp_path,
             "weight_decay"]
         return original(policy, optimizer, *args, **kwargs)
 
-    monkeypatch.setattr(T, "policy_update", spy)
+    monkeypatch.setattr(update, "policy_update", spy)
     logged = []
     helpers.CALLS.update(n=0, interrupt_at=None)
     T.train(flat_config(**{**FAST, "max_steps": 3, "learning_rate": 2.5e-4, "weight_decay": 0.1},
