@@ -100,7 +100,7 @@ class HFEngine:
         sampled_ids = output.sequences[:, longest:]
         truncates = rollout.truncates_sampling
         if self.sampling_logps:
-            token_logps = torch.stack(sampler.token_logps, dim=1)[:, :sampled_ids.shape[1]].tolist()
+            token_logps = sampler.token_logps[:, :sampled_ids.shape[1]].tolist()
         rows, completions, truncated, logps = [], [], [], []
         for row, sampled in enumerate(sampled_ids.tolist()):
             ended = tokenizer.eos_token_id in sampled and not rollout.ignore_eos

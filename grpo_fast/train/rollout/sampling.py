@@ -4,7 +4,7 @@
                                   top_p=1.0, top_k=0, record_logps=True)
     model.generate(input_ids, do_sample=False, logits_processor=[sampler], ...)   # one call for every prompt
     sampler.kept_steps            # with top_k > 0 or top_p < 1: each step's kept set, the tokens drawn from
-    sampler.token_logps           # with record_logps: each step's log-prob of the token drawn, per row
+    sampler.token_logps           # with record_logps: (rows, steps) log-probs of the tokens drawn
 
 `generate` samples a whole batch from one random stream, so a row's draws would depend on every other row of the
 call: on which prompts share the step and on the rank that got them. This processor draws instead: prompt i's n
@@ -76,8 +76,8 @@ class PromptSeededSampler:
     whole-vocabulary log-prob, as in the trainer's.
     kept_steps: with top_k > 0 or top_p < 1, one entry per generated position: the kept set of every row as
     `kept_mask(...).nonzero()`, (K, 2) int64 pairs (row, token id), ids ascending within a row.
-    token_logps: with record_logps, one entry per generated position: (rows,) fp32, each row's drawn token's
-    log-prob at `temperature`, over its kept set under top-k / top-p, else over the whole vocabulary."""
+    token_logps: with record_logps, (rows, generated positions) fp32: each row's drawn token's log-prob at
+    `temperature`, over its kept set under top-k / top-p, else over the whole vocabulary."""
 
     def __init__(self, seeds: list, n: int, temperature: float, top_p: float, top_k: int = 0,
                  banned_ids: tuple = (), record_logps: bool = False):
@@ -87,7 +87,9 @@ class PromptSeededSampler:
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.banned_ids, self.record_logps = list(banned_ids), record_logps
         self.kept_steps: list = []
-        self.token_logps: list = []
+        # one buffer for every step's log-probs, doubled when full: per-step tensors kept for the whole generation
+        # would sit between the KV cache's blocks in the C heap and keep freed ones from being returned
+        self._logps, self._steps = None, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[0] != len(self.generators) * self.n:
@@ -107,7 +109,27 @@ class PromptSeededSampler:
         uniforms = torch.cat([torch.rand(self.n, generator=generator) for generator in self.generators])
         tokens = inverse_cdf_draw(probs, uniforms.to(probs.device))
         if self.record_logps:
-            over = logits if kept is None else logits.masked_fill(~kept, float("-inf"))
-            self.token_logps.append(over.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+            # written over this step's logits and probabilities, which the draw has finished with: the record
+            # allocates no (rows, V) tensor of its own
+            if kept is not None:
+                logits.masked_fill_(kept.logical_not_(), float("-inf"))
+            logps = torch.log_softmax(logits, dim=-1, out=probs)
+            self._record(logps.gather(-1, tokens[:, None]).squeeze(-1))
         chosen = torch.full_like(scores, float("-inf"))
         return chosen.scatter_(-1, tokens[:, None], 0.0)
+
+    @property
+    def token_logps(self) -> torch.Tensor:
+        if self._logps is None:
+            return torch.zeros(len(self.generators) * self.n, 0)
+        return self._logps[:, :self._steps]
+
+    def _record(self, step_logps: torch.Tensor) -> None:
+        """Appends one step's (rows,) log-probs as the next column of the buffer."""
+        if self._logps is None or self._steps == self._logps.shape[1]:
+            grown = step_logps.new_zeros(step_logps.shape[0], max(64, 2 * self._steps))
+            if self._logps is not None:
+                grown[:, :self._steps] = self._logps
+            self._logps = grown
+        self._logps[:, self._steps] = step_logps
+        self._steps += 1
