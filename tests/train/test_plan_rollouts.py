@@ -22,13 +22,14 @@ def test_a_rollout_process_adds_at_least_its_weights():
         assert stale["rollout_weights"] == engine_weights, dtype
         assert stale["total"] - alone["total"] >= engine_weights, dtype
         assert stale["rollout_kv_cache"] == P.hf_kv_cache(shape, job)
-        # the rollout process's sampling log-probs: one decode step's logits and work for the step's rows, and one
-        # fp32 value a sampled token (its sampler takes them as it draws, no step's logits are kept)
+        # the rollout process's sampling log-probs: one decode step's logits and work for the step's rows, and an
+        # fp32 value a sampled token in a buffer that doubles (its sampler takes them as it draws, no step's logits
+        # are kept)
         rows = job.prompts_per_step * job.group_size
-        assert stale["rollout_logits"] == rows * shape.vocab_size * (
-            weight_bytes + P.GENERATE_LOGIT_BYTES + P.LOGP_LOGIT_BYTES) + rows * job.completion_length * 4
+        assert stale["rollout_logits"] == (rows * shape.vocab_size * (weight_bytes + P.GENERATE_LOGIT_BYTES)
+                                           + rows * job.completion_length * 8)
         longer = P.plan(shape, dataclasses.replace(job, max_staleness=1, completion_length=4096))
-        assert longer["rollout_logits"] - stale["rollout_logits"] == rows * 2048 * 4
+        assert longer["rollout_logits"] - stale["rollout_logits"] == rows * 2048 * 8
         assert stale["total"] == sum(v for k, v in stale.items() if k != "total")
         assert stale["kv_cache"] == 0            # the trainer itself no longer generates
         for card, capacity in P.CARDS.items():

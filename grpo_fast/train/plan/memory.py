@@ -19,8 +19,8 @@ all of the step's prompts: prompts_per_step x group_size sequences at prompt + c
 dtype) + one decode step's logits of those rows; the plan's peak is the higher of the two (its prefill's transient
 activations are not counted). With max_staleness >= 1 the engine runs in its own process on the same device while
 the trainer updates: the HF engine's weights, KV cache, decode step's logits, the sampling log-probs its sampler
-takes as it draws (one decode step's fp32 work and 4 bytes a sampled token, not the logits of every step) and a
-second runtime are added (rollout_*); vLLM's weights and cache are in its pool either way (fits_in adds the pool).
+takes as it draws (a buffer of fp32 values, one a sampled token, not the logits of every step) and a second
+runtime are added (rollout_*); vLLM's weights and cache are in its pool either way (fits_in adds the pool).
 
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
@@ -220,11 +220,10 @@ CUDA_CONTEXT = 600 * 2**20      # CUDA context and cuBLAS workspaces
 # bytes per logit of one HF decode step beyond the model's output: the fp32 next-token scores, the processors'
 # fp32 copy, top-p's sorted values (fp32) and indices (int64)
 GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
-# a rollout process's sampling log-probs, taken by the sampler as it draws (grpo_fast.train.rollout.sampling): per
-# logit of the decode step, the fp32 log_softmax and, under top-k / top-p, the kept-set copy it is taken over; per
-# sampled token, the fp32 log-prob
-LOGP_LOGIT_BYTES = 4 + 4
-LOGP_TOKEN_BYTES = 4
+# a rollout process's sampling log-probs, taken by the sampler as it draws (grpo_fast.train.rollout.sampling) over
+# the decode step's own buffers: per sampled token an fp32 value in a buffer that doubles when full (up to twice
+# the tokens)
+LOGP_TOKEN_BYTES = 2 * 4
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
 # (grpo_fast.packed_attention.choose_attention)
@@ -465,13 +464,11 @@ def _with_generation(shape: ModelShape, job: Job, components: dict, training_pea
             components["kv_cache"], components["generation_logits"] = kv_cache, step_logits
     # max_staleness >= 1: the engine's own process, at the same time as the update. The HF engine holds the
     # policy's weights in their dtype, its KV cache, one decode step's logits and the sampling log-probs its sampler
-    # takes as it draws (that step's log_softmax, and one fp32 value a sampled token); vLLM's weights and cache
-    # are in its pool (fits_in).
+    # takes as it draws (one fp32 value a sampled token); vLLM's weights and cache are in its pool (fits_in).
     if job.max_staleness and job.engine == "hf":
         components["rollout_weights"] = params * param_bytes
         components["rollout_kv_cache"] = kv_cache
-        components["rollout_logits"] = (step_logits + rows * shape.vocab_size * LOGP_LOGIT_BYTES
-                                        + rows * job.completion_length * LOGP_TOKEN_BYTES)
+        components["rollout_logits"] = step_logits + rows * job.completion_length * LOGP_TOKEN_BYTES
         components["rollout_runtime"] = runtime
     return components, generation_peak
 
