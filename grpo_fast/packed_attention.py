@@ -102,9 +102,22 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     sliding_window latest keys of its own sequence (transformers' convention). shared_prompts: the row holds each
     group's prompt once and its completions after it (SharedPrompts), which shared_prompt_attention computes.
     Soft-capping or sinks in kwargs (EAGER_ONLY): the model's own eager attention in place of sdpa, the same way
-    (per sequence, or on the whole padded or cached batch under the additive form of its mask)."""
+    (per sequence, or on the whole padded or cached batch under the additive form of its mask).
+    sequence_shards (in kwargs, grpo_fast.sequence_parallel.shard_row's): query, key and value are this rank's
+    shard of the row; an all-to-all gives each rank the whole row for its share of the heads, and another the
+    output back for its own tokens (Ulysses)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    shards = kwargs.pop("sequence_shards", None)
+    if shards is not None:
+        # Ulysses: this rank's heads over the whole row, then back to its tokens (grpo_fast.sequence_parallel)
+        from grpo_fast import sequence_parallel
+
+        module, query, key, value = sequence_parallel.spread_heads(module, query, key, value, shards)
+        output, _ = varlen_attention_forward(module, query, key, value, attention_mask, dropout, scaling,
+                                             sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+                                             max_length_k, None, shared_prompts, **kwargs)
+        return sequence_parallel.gather_heads(output, shards), None
     batch, _, length, _ = query.shape
     extra = eager_only(kwargs)
     packed_row = attention_mask is None and batch == 1 and key.shape[2] == length

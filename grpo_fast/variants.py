@@ -30,6 +30,7 @@ from grpo_fast.fields import (
     key,
     one_of,
 )
+from grpo_fast.sequence_parallel import batch_sum, sequence_sum
 
 # name -> how the per-token losses are reduced (see `token_weights`) and which per-token objective is used.
 #   sequence_mean: mean over each sequence's tokens, then over sequences          (grpo, sapo)
@@ -159,14 +160,14 @@ def token_weights(mask: torch.Tensor, config: LossConfig, num_items_in_batch=Non
     """
     batch_size = mask.shape[0]
     if config.reduction == "sequence_mean":
-        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / batch_size
+        return mask / sequence_sum(mask).clamp(min=1.0) / batch_size
     if config.reduction == "token_mean":
-        return mask / mask.sum().clamp(min=1.0)
+        return mask / batch_sum(mask).clamp(min=1.0)
     if config.reduction == "constant":
         return mask / (batch_size * config.max_completion_length)
     if config.reduction == "num_items":
         if num_items_in_batch is None:
-            num_items_in_batch = mask.sum()
+            num_items_in_batch = batch_sum(mask)
         num_items = torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device)
         return mask / num_items.clamp(min=1.0)
     if config.reduction == "sequence_sum":
@@ -195,7 +196,7 @@ def importance_ratio(logp, old_logps, mask, config: LossConfig) -> torch.Tensor:
     """exp(logp - old) per token, or per sequence (B, 1) as exp of the masked mean log-ratio (GSPO)."""
     log_ratio = clamp_log_ratio(logp - old_logps, config)
     if config.importance_sampling_level == "sequence":
-        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        log_ratio = sequence_sum(log_ratio * mask) / sequence_sum(mask).clamp(min=1.0)
     return torch.exp(log_ratio)
 
 
@@ -263,10 +264,10 @@ def vespo_weights(logp, old_logps, advantages, mask, is_ratio, config: LossConfi
         log_floor = math.log(1e-8)
         keep = mask > 0
         log_ratio = torch.clamp(logp - old_logps, -20.0, 20.0)
-        seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True)
+        seq_log_ratio = sequence_sum(log_ratio * mask)
         if is_ratio is not None:
             log_is_ratio = torch.clamp(torch.log(is_ratio), log_floor, 20.0)
-            seq_log_ratio = seq_log_ratio + torch.where(keep, log_is_ratio, 0.0).sum(-1, keepdim=True)
+            seq_log_ratio = seq_log_ratio + sequence_sum(torch.where(keep, log_is_ratio, 0.0))
         log_w = torch.clamp(seq_log_ratio, log_floor, 20.0)
         non_negative = advantages >= 0
         k = torch.where(non_negative, torch.full_like(advantages, config.vespo_k_pos),
@@ -341,7 +342,7 @@ def token_loss_grad(logp: torch.Tensor, terms: TokenTerms) -> torch.Tensor:
 
 def entropy_bonus_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """Per-token weights of the entropy bonus: the loss gets -(entropy * these).sum()."""
-    return config.entropy_coef * mask / mask.sum().clamp(min=1.0)
+    return config.entropy_coef * mask / batch_sum(mask).clamp(min=1.0)
 
 
 def policy_loss(logp, entropy, mask, advantages, *, old_logps=None, ref_logps=None, is_ratio=None,
@@ -397,7 +398,7 @@ def masked_mean(x, mask):
     """(x * mask).sum() / mask.sum(), as TRL's global_masked_mean: per-sequence values (B, 1) average over all B."""
     if x.shape[-1] == 1 and mask.shape[-1] != 1:
         return x.sum() / max(x.shape[0], 1)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return batch_sum(x * mask) / batch_sum(mask).clamp(min=1.0)
 
 
 def loss_metrics(ratio, kl, entropy, advantages, mask, config: LossConfig, phi=None) -> dict:
