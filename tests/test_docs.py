@@ -224,7 +224,7 @@ def test_the_readme_is_a_guide_whose_commands_are_ci():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.split("\n")) <= 300, "README.md: at most 300 lines; move details to a page of docs/"
     commands = [code.strip() for _, language, code, _ in fenced_blocks(ROOT / "README.md") if language == "bash"]
-    test_command = next(c for c in commands if c.endswith("python -m pytest"))
+    test_command = next(c for c in commands if c.endswith("python -m pytest -n 2"))
     assert test_command in (ROOT / ".ci" / "run").read_text().split("\n"), "the README's test command is what CI runs"
     assert any(c.endswith("&& grpo-fast train") for c in commands), "the README's first command runs the default job"
 
