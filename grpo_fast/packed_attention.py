@@ -438,24 +438,25 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def choose_attention(device, dtype=None) -> str:
+def choose_attention(device, dtype=None, flash: bool = True) -> str:
     """"flash_attention_2" on CUDA when flash_attn is importable and the compute dtype is half precision
     (`dtype`: a grpo_fast.train.update.precision name or a torch dtype; flash-attention has no fp32 kernels), else
-    "grpo_fast_varlen"."""
+    "grpo_fast_varlen". flash False: "grpo_fast_varlen" always (sequence parallelism's all-to-all lives there)."""
     device = torch.device(device)
-    if device.type == "cuda" and dtype in HALF_PRECISIONS and flash_attn_available():
+    if flash and device.type == "cuda" and dtype in HALF_PRECISIONS and flash_attn_available():
         return FLASH
     return NAME
 
 
-def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
+def use_varlen_attention(model: torch.nn.Module, device, dtype=None, flash: bool = True) -> str:
     """Sets the attention of `model` (a transformers causal LM, possibly inside PEFT / DDP wrappers; gradient
     checkpointing on or off) to `choose_attention(device, dtype)` and returns its name, for the log.
 
     dtype: the run's compute dtype (a grpo_fast.train.update.precision name such as "bf16-autocast", or a torch dtype);
     None: the model's parameter dtype. Generation with the same model (left padding, KV cache) is unchanged.
     A model with attention sinks never gets flash-attention 2, which has none (transformers would drop them);
-    one whose soft-capping or sinks (sdpa_drops) its modeling file has no eager attention for is refused."""
+    one whose soft-capping or sinks (sdpa_drops) its modeling file has no eager attention for is refused.
+    flash False: never flash-attention 2 (choose_attention)."""
     base = _transformers_model(model)
     drops = sdpa_drops(base)
     if drops and getattr(sys.modules.get(type(base).__module__), "eager_attention_forward", None) is None:
@@ -464,7 +465,7 @@ def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
                          "none; set the trainer's attention: eager (and packing: false)")
     if dtype is None:
         dtype = next(base.parameters()).dtype
-    name = choose_attention(device, dtype)
+    name = choose_attention(device, dtype, flash)
     if name == FLASH and drops == SINKS:
         name = NAME
     if name == FLASH:
@@ -478,7 +479,7 @@ def use_varlen_attention(model: torch.nn.Module, device, dtype=None) -> str:
     return name
 
 
-def use_attention(model: torch.nn.Module, choice: str, device, dtype=None) -> str:
+def use_attention(model: torch.nn.Module, choice: str, device, dtype=None, flash: bool = True) -> str:
     """The trainer's `attention` key (CHOICES): "auto" is use_varlen_attention(model, device, dtype); "eager" or
     "sdpa" sets that transformers implementation, kept for training and generation alike (it does not keep a
     packed row's sequences apart in every model, so the trainer refuses packing with it). Returns the name, for
@@ -487,7 +488,7 @@ def use_attention(model: torch.nn.Module, choice: str, device, dtype=None) -> st
     if choice not in CHOICES:
         raise ValueError(f"attention must be one of {CHOICES}, got {choice!r}")
     if choice == "auto":
-        return use_varlen_attention(model, device, dtype)
+        return use_varlen_attention(model, device, dtype, flash)
     base = _transformers_model(model)
     drops = sdpa_drops(base)
     if choice == "sdpa" and drops:

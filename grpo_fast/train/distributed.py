@@ -21,17 +21,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from grpo_fast.fields import check_keys, key
+from grpo_fast.fields import LENGTH, check_keys, key
 from grpo_fast.models import final_hidden_states
 
 
 @dataclass
 class DistributionConfig:
-    """The config section `distribution`: under torchrun each rank takes prompts_per_step / world_size prompts of
-    each step, and the policy is wrapped as `distributed` says."""
+    """The config section `distribution`: under torchrun each data-parallel group takes prompts_per_step / its
+    number of groups prompts of each step, and the policy is wrapped as `distributed` says."""
 
     distributed: str = key("ddp", 'under torchrun: "ddp" (DistributedDataParallel) or "fsdp2" (fully_shard per '
                                   "decoder layer)", choices=("ddp", "fsdp2"))
+    sequence_parallel: int = key(1, "processes that share each packed micro-batch's tokens (Ulysses, "
+                                    "grpo_fast.sequence_parallel): consecutive ranks of torchrun form a group that "
+                                    "trains on the same rollouts; 1: none", LENGTH)
 
     def __post_init__(self):
         check_keys(self)
@@ -39,22 +42,43 @@ class DistributionConfig:
 
 @dataclass(frozen=True)
 class World:
+    """This process among torchrun's: rank of size; with sequence parallelism, consecutive groups of
+    `sequence_parallel` ranks share each micro-batch's tokens (`sequence_group`: this rank's torch.distributed group)
+    and train on the same rollouts, so the data is split over size / sequence_parallel data-parallel groups."""
+
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    sequence_parallel: int = 1
+    sequence_group: object = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel group: which share of each step's prompts it trains on."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_size(self) -> int:
+        """The number of data-parallel groups (shares of each step's prompts)."""
+        return self.size // self.sequence_parallel
 
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init(device_name: str) -> World:
-    """Joins the process group torchrun describes (WORLD_SIZE > 1): nccl on GPU, gloo on CPU."""
+def init(device_name: str, sequence_parallel: int = 1) -> World:
+    """Joins the process group torchrun describes (WORLD_SIZE > 1): nccl on GPU, gloo on CPU; with
+    sequence_parallel > 1 also the group of this rank's consecutive sequence_parallel ranks. Raises ValueError
+    (one line) when sequence_parallel does not divide the number of processes."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size % sequence_parallel:
+        raise ValueError(f"sequence_parallel {sequence_parallel} must divide the number of processes, got {size} "
+                         f"(torchrun --nproc_per_node a multiple of {sequence_parallel})")
     if size == 1:
         return World()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -63,7 +87,21 @@ def init(device_name: str) -> World:
         if cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo")
-    return World(rank, size, local_rank)
+    return World(rank, size, local_rank, sequence_parallel, sequence_group(rank, size, sequence_parallel))
+
+
+def sequence_group(rank: int, size: int, sequence_parallel: int):
+    """The torch.distributed group of `rank`'s consecutive sequence_parallel ranks (None for 1). Every rank must
+    call it: each creates every group, in the same order."""
+    if sequence_parallel == 1:
+        return None
+    mine = None
+    for first in range(0, size, sequence_parallel):
+        ranks = list(range(first, first + sequence_parallel))
+        created = dist.new_group(ranks)
+        if rank in ranks:
+            mine = created
+    return mine
 
 
 def resolve_device(name: str, world: World = World()) -> torch.device:
@@ -141,6 +179,24 @@ def sum_over_ranks(values: dict, world: World, device) -> dict:
     tensor = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return dict(zip(names, tensor.tolist()))
+
+
+def sum_over_groups(values: dict, world: World, device) -> dict:
+    """{name: number} summed over the data-parallel groups: for values alike on the ranks of a sequence-parallel
+    group (each counted once); sum_over_ranks without sequence parallelism."""
+    totals = sum_over_ranks(values, world, device)
+    return {name: value / world.sequence_parallel for name, value in totals.items()}
+
+
+def same_in_sequence_group(value, world: World):
+    """`value` (any picklable object) as the first rank of this rank's sequence-parallel group has it: the group
+    trains on one rollout. As it is without sequence parallelism."""
+    if world.sequence_parallel == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=world.rank - world.rank % world.sequence_parallel,
+                               group=world.sequence_group)
+    return holder[0]
 
 
 def all_reduce_max(value: int, world: World, device) -> int:

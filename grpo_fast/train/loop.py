@@ -62,8 +62,8 @@ def start_processes(config: TrainConfig, log) -> tuple:
     from tqdm.auto import tqdm
 
     tqdm.set_lock(threading.RLock())              # tqdm's default lock is a multiprocessing one, a file in /dev/shm
-    world = distributed.init(config.policy.device)
-    config.check_world(world.size)                # every config x processes check, before anything runs
+    world = distributed.init(config.policy.device, config.distribution.sequence_parallel)
+    config.check_world(world.data_size)           # every config x processes check, before anything runs
     torch.manual_seed(config.run.seed)
     random.seed(config.run.seed)
     log = log if world.is_main else lambda *_: None
@@ -118,7 +118,9 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
                                   precision.weights_dtype(dtype), prompt_format=config.data.prompt_format,
                                   seed=config.run.seed, max_completion_length=config.rollout.max_completion_length)
     model.to(device)
-    log(f"attention: {attention.use_attention(model, config.policy.attention, device, dtype)}")   # auto: packed rows
+    name = attention.use_attention(model, config.policy.attention, device, dtype,   # auto: packed rows
+                                   flash=config.distribution.sequence_parallel == 1)
+    log(f"attention: {name}")
     log_ignored_generation_settings(model, log)
     if config.policy.lora_rank:
         lora.check_target_modules(model, config.policy.lora_target_modules)  # before the warm start trains anything
@@ -247,7 +249,7 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     optimizer, scheduler = optimizer_for(policy, config.optimization, config.run.max_steps, state)
     state = None                                  # the checkpoint's tensors are loaded: free them
     share = tasks.StepShare(data.samples, tokenizer, config.data, config.rollout.prompts_per_step, config.run.seed,
-                            world.rank, world.size)
+                            world.data_rank, world.data_size)
     sharded_root = policy.trunk if config.distribution.distributed == "fsdp2" and world.size > 1 else None
     rollouts = start_rollouts(config, model, tokenizer, share, max_prompt_tokens, sharded_root, start_step)
     files, trackers, held_out = open_outputs(config, world, start_step if folder else None, data.eval_problems,

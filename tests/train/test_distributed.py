@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
+from grpo_fast import packed_attention as attention  # noqa: E402
 from grpo_fast.train import distributed  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
 from tests.helpers import flat_config, free_port, update_sections  # noqa: E402
@@ -38,11 +39,12 @@ def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def step_worker(rank, world_size, port, strategy, loss_type, result_file):
+def step_worker(rank, world_size, port, strategy, loss_type, result_file, sequence_parallel=1):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
-        world = distributed.World(rank, world_size, 0)
+        world = distributed.World(rank, world_size, 0, sequence_parallel,
+                                  distributed.sequence_group(rank, world_size, sequence_parallel))
         config = flat_config(loss_type=loss_type, beta=0.05, max_completion_length=9, gradient_checkpointing=True,
                              micro_batch_tokens=14, learning_rate=1e-3, max_grad_norm=1e9)
         # the whole batch in one process, as the reference
@@ -56,12 +58,15 @@ def step_worker(rank, world_size, port, strategy, loss_type, result_file):
         optimizer.step()
         expected_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-        # the same batch cut across ranks (uneven: rank 0 gets more rows than the others)
+        # the same batch cut across data-parallel groups (uneven: the first gets more rows than the others); the
+        # ranks of a sequence-parallel group share each micro-batch's tokens
         model, batch = model_and_rollout()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if sequence_parallel > 1:
+            attention.use_varlen_attention(model, "cpu", flash=False)       # where the all-to-all lives
         policy = Policy(model, distributed.wrap(model, strategy, world))
-        bounds = [0, 3, 6] if world_size == 2 else [0, 2, 4, 6]
-        mine = rows_of(batch, slice(bounds[rank], bounds[rank + 1]))
+        bounds = {1: [0, 6], 2: [0, 3, 6], 3: [0, 2, 4, 6]}[world.data_size]
+        mine = rows_of(batch, slice(bounds[world.data_rank], bounds[world.data_rank + 1]))
         loss = accumulate_gradients(policy, mine, *update_sections(config), world)["loss"]
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(policy.trunk.parameters(), lr=1e-3, eps=1e-3)
@@ -87,6 +92,18 @@ def test_data_parallel_step_equals_one_process(strategy, world_size, loss_type, 
     sys.path.insert(0, ROOT)      # the spawned processes import this module as tests.train.test_distributed
     mp.spawn(step_worker, args=(world_size, free_port(), strategy, loss_type, str(tmp_path / "r.json")),
              nprocs=world_size, join=True)
+    assert json.loads((tmp_path / "r.json").read_text())["loss"] != 0
+
+
+@pytest.mark.parametrize("strategy,world_size,sequence_parallel,loss_type", [
+    ("ddp", 2, 2, "grpo"), ("fsdp2", 2, 2, "dapo"), ("ddp", 4, 2, "dr_grpo")], ids=["ddp-sp2", "fsdp2-sp2", "dp2-sp2"])
+def test_sequence_parallel_step_equals_one_process(strategy, world_size, sequence_parallel, loss_type, tmp_path):
+    """Each micro-batch's tokens cut over a sequence-parallel group (with a KL reference and gradient
+    checkpointing), one data-parallel group or two: the loss, every gradient and the weights after AdamW equal one
+    process's on the whole batch."""
+    sys.path.insert(0, ROOT)
+    mp.spawn(step_worker, args=(world_size, free_port(), strategy, loss_type, str(tmp_path / "r.json"),
+                                sequence_parallel), nprocs=world_size, join=True)
     assert json.loads((tmp_path / "r.json").read_text())["loss"] != 0
 
 

@@ -112,12 +112,13 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
     run's), decoded and scored (clock: a run.record.StageClock, lapped at "generation" and "scoring"); with
     rollout.dynamic_sampling, the rounds of the module docstring.
 
-    Every rank runs as many rounds as the neediest (a sharded policy generates in lockstep). info then has
+    Every rank runs as many rounds as the neediest (a sharded policy generates in lockstep); the ranks of a
+    sequence-parallel group take its first rank's rollouts. info then has
     frac_filtered_groups (dropped / generated), sampling_rounds, reward (the mean over every generated completion:
     the step's reward in its record, the policy's own, comparable with a run without the filter) and reward_kept
     (over the informative groups the step trains on, which the filter pulls toward the middle), each over ranks."""
     samples, prompts = share.at(step)
-    generation, info = rollouts.get(step)
+    generation, info = distributed.same_in_sequence_group(rollouts.get(step), world)
     clock.lap("generation")
     wanted, group_size, max_tokens = len(samples), rollout.group_size, rollout.stages.at(step)
     metric = filter_metric(rollout, scoring.rewards) if rollout.dynamic_sampling else REWARD
@@ -138,8 +139,8 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
 
     def more(round_: int, count: int, seed: int) -> None:       # `count` further prompts, generated and scored
         extra_samples, extra_prompts = share.extra(step, round_, count)
-        extra = rollouts.generate(tasks.prompt_ids(extra_prompts, tokenizer), n=group_size, max_tokens=max_tokens,
-                                  seed=seed)
+        extra = distributed.same_in_sequence_group(rollouts.generate(
+            tasks.prompt_ids(extra_prompts, tokenizer), n=group_size, max_tokens=max_tokens, seed=seed), world)
         clock.lap("generation")
         pool.append(scored(extra_samples, extra_prompts, extra))
 
@@ -166,7 +167,7 @@ def _kept(pool: list, rounds: int, wanted: int, step: int, rollout: RolloutConfi
     rewards = torch.stack([pool[index].rewards[row] for index, row in rows])
     generated = torch.cat([entry.rewards for entry in pool])
     trained_rewards = rewards[:len(useful) * group_size]
-    totals = distributed.sum_over_ranks({
+    totals = distributed.sum_over_groups({
         "groups": float(len(groups)), "informative": float(sum(sum(entry.informative) for entry in pool)),
         "wanted": float(wanted), "useful": float(len(useful)), "generated_sum": float(generated.nansum()),
         "generated": float(generated.isfinite().sum()), "kept_sum": float(trained_rewards.nansum()),

@@ -43,7 +43,7 @@ def step_record(step: int, generation, batch, rewards, reward_stats: dict, updat
     the step's UpdateBatch (grpo_fast.train.update.step), whose loss_mask (B, C) holds the tokens the loss counted
     and is_ratio the rollout correction (B, C) or None."""
     loss_mask, is_ratio, seconds, stages = batch.loss_mask, batch.is_ratio, clock.total(), clock.seconds
-    totals = distributed.sum_over_ranks({
+    totals = distributed.sum_over_groups({            # a sequence-parallel group's ranks hold the same rollouts
         "skipped_samples": float(rewards.isnan().sum()),
         "tokens": float(loss_mask.sum()), "sampled_tokens": float(generation.completion_mask.sum()),
         "rows": float(generation.completion_mask.shape[0]), "truncated": generation.truncated.float().sum().item(),
@@ -52,9 +52,9 @@ def step_record(step: int, generation, batch, rewards, reward_stats: dict, updat
         "is_ratio_mean": 0.0 if is_ratio is None else masked_mean(is_ratio, loss_mask).item(),
     }, world, device)
     update = {name: _update_mean(updates, name) for name in ("loss", "kl", "entropy", "grad_norm")}
-    record = {"step": step, "reward": totals["reward_mean"] / world.size,
-              "reward_std": totals["reward_std"] / world.size,
-              "frac_zero_std_groups": totals["frac_zero_std_groups"] / world.size, "loss": update["loss"],
+    record = {"step": step, "reward": totals["reward_mean"] / world.data_size,
+              "reward_std": totals["reward_std"] / world.data_size,
+              "frac_zero_std_groups": totals["frac_zero_std_groups"] / world.data_size, "loss": update["loss"],
               "kl": update["kl"] if updates and "kl" in updates[0] else 0.0, "entropy": update["entropy"],
               "completion_len": totals["sampled_tokens"] / totals["rows"],
               "truncated": totals["truncated"] / totals["rows"], "grad_norm": update["grad_norm"], "lr": lr,
@@ -65,7 +65,7 @@ def step_record(step: int, generation, batch, rewards, reward_stats: dict, updat
                    if name.startswith("clip_ratio/") or name == "cispo_clip_ratio"})
     record.update({f"{stage}_seconds": value for stage, value in stages.items()})
     if is_ratio is not None:
-        record["is_ratio_mean"] = totals["is_ratio_mean"] / world.size
+        record["is_ratio_mean"] = totals["is_ratio_mean"] / world.data_size
     return record
 
 

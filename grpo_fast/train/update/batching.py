@@ -17,12 +17,14 @@ the loss sees the same (b, C) completion tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from grpo_fast.packed_attention import shared_prompt_row, states_at
+from grpo_fast.sequence_parallel import SequenceShards, shard_row, states_here
 
 
 def plan_micro_batches(lengths: list, max_tokens: Optional[int], max_sequences: int,
@@ -57,12 +59,15 @@ class MicroBatch:
     sequence boundaries cu_seq_lens_q / _k (int32, [0, L_0, L_0 + L_1, ...]) and max_length_q / _k when packed);
     hidden_index (b, C): flat positions in the decoder output (rows x length) of the hidden state that predicts
     completion token t (0 where the completion has ended); rows: the rollout rows; completion_length: C.
+    held (b, C) bool, under sequence parallelism (sharded): the tokens whose predicting state this rank computes
+    (hidden_index then indexes its shard's output, and its length where another rank holds the state).
     """
 
     rows: list
     model_inputs: dict
     hidden_index: torch.Tensor
     completion_length: int
+    held: Optional[torch.Tensor] = None
 
     def completion(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """This micro-batch's rows of a (B, C_step) completion tensor, cut to (b, C)."""
@@ -107,8 +112,18 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
                       hidden_index=torch.where(in_completion, predicting, 0), completion_length=completion_length)
 
 
+def sharded(batch: MicroBatch, shards: SequenceShards) -> MicroBatch:
+    """This rank's part of a packed micro-batch under sequence parallelism (grpo_fast.sequence_parallel.shard_row):
+    its shard of the row's tokens, where the states it computes land, and which it holds (`held`)."""
+    model_inputs, hidden_index, held = shard_row(batch.model_inputs, batch.hidden_index, shards)
+    return dataclasses.replace(batch, model_inputs=model_inputs, hidden_index=hidden_index, held=held)
+
+
 def completion_hidden_states(hidden_states, batch: MicroBatch) -> torch.Tensor:
-    """(b, C, H): the final hidden state that predicts each completion token (garbage where it has ended).
-    hidden_states: a module mapping decoder inputs to final hidden states (grpo_fast.train.distributed.HiddenStates,
-    possibly inside DDP / FSDP2)."""
-    return states_at(hidden_states(**batch.model_inputs), batch.hidden_index)
+    """(b, C, H): the final hidden state that predicts each completion token (garbage where it has ended; zero
+    where another rank of a sequence-parallel group holds it). hidden_states: a module mapping decoder inputs to
+    final hidden states (grpo_fast.train.distributed.HiddenStates, possibly inside DDP / FSDP2)."""
+    hidden = hidden_states(**batch.model_inputs)
+    if batch.held is not None:
+        return states_here(hidden, batch.hidden_index)
+    return states_at(hidden, batch.hidden_index)

@@ -30,6 +30,7 @@ from grpo_fast import packed_attention as attention
 from grpo_fast import reference as full_logits
 from grpo_fast.kept import KeptSet
 from grpo_fast.models import lm_head
+from grpo_fast.sequence_parallel import SequenceShards, summing_over
 from grpo_fast.train import distributed, lora
 from grpo_fast.train.update import precision
 from grpo_fast.train.update.batching import (
@@ -37,6 +38,7 @@ from grpo_fast.train.update.batching import (
     completion_hidden_states,
     micro_batch,
     plan_micro_batches,
+    sharded,
 )
 from grpo_fast.train.update.config import BatchingConfig, CorrectionConfig, OptimizationConfig, ScoringConfig
 from grpo_fast.train.update.correction import importance_weights
@@ -171,13 +173,17 @@ def micro_batches(batch: UpdateBatch, batching: BatchingConfig, world: distribut
     """The step's micro-batches, at most micro_batch_size sequences and micro_batch_tokens real tokens each, as
     (micro-batch, counts) pairs. Every rank gets as many as the busiest one has, since each forward and backward of
     a DDP / FSDP2 model is a collective: a rank with fewer repeats its last one with counts=False. share_prompts:
-    see shares_prompts (a shared prompt counts once against micro_batch_tokens)."""
+    see shares_prompts (a shared prompt counts once against micro_batch_tokens). Under sequence parallelism each
+    micro-batch is this rank's shard of it (batching.sharded)."""
     lengths = batch.attention_mask.sum(1).tolist()
     shared = attention.shared_prompt_lengths(batch.input_ids, batch.attention_mask, batch.prompt_length) \
         if share_prompts else None
     plan = plan_micro_batches(lengths, batching.micro_batch_tokens, batching.micro_batch_size, shared)
     batches = [micro_batch(batch.input_ids, batch.attention_mask, batch.prompt_length, rows,
                            packed=batching.packing, share_prompts=share_prompts) for rows in plan]
+    if world.sequence_parallel > 1:
+        shards = SequenceShards(world.sequence_group, world.sequence_parallel, world.rank % world.sequence_parallel)
+        batches = [sharded(micro, shards) for micro in batches]
     count = distributed.all_reduce_max(len(batches), world, batch.input_ids.device)
     return [(batches[min(index, len(batches) - 1)], index < len(batches)) for index in range(count)]
 
@@ -187,6 +193,10 @@ def completion_hidden(policy: Policy, micro: MicroBatch, offload: bool = False):
     (head_in's) in the same dtype, the policy's compute dtype (the backbone under autocast for bf16-autocast).
     offload: keep the activations saved for backward in (pinned) CPU memory (a training forward: policy.offload)."""
     device = micro.hidden_index.device
+    if micro.held is not None and attention.attention_name(policy.model) != attention.NAME:
+        raise ValueError(f"sequence parallelism exchanges heads inside grpo_fast's packed attention, but the model "
+                         f"runs {attention.attention_name(policy.model)!r}: set it with "
+                         f"grpo_fast.packed_attention.use_varlen_attention(model, device, flash=False)")
     dtype, autocast = policy.compute(device)
     saved = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda") if offload else nullcontext()
     adapters = lora.adapters_disabled(policy.model) if policy.adapters_off else nullcontext()
@@ -220,15 +230,23 @@ def completion_logprobs(policy: Policy, batch: UpdateBatch, batching: BatchingCo
                         world: distributed.World = distributed.World()) -> torch.Tensor:
     """(B, C) log-probs of the completions under `policy` at the sampling `temperature`, micro-batch by
     micro-batch (`batching`), one GEMM pass each and no logits (old and reference log-probs); zero off the loss
-    mask."""
+    mask. Under sequence parallelism each rank takes the tokens it holds and the group sums them."""
     logps = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     batches = micro_batches(batch, batching, world, shares_prompts(batching, policy.model))
     for micro, _ in batches:                                  # a repeated micro-batch rewrites the same values
         hidden, weight, head = completion_hidden(policy, micro)
         logps[micro.rows, :micro.completion_length] = micro_batch_logprobs(
-            hidden, weight, head, micro.completion(batch.completion_ids), micro.completion(batch.loss_mask),
+            hidden, weight, head, micro.completion(batch.completion_ids), held_mask(batch.loss_mask, micro),
             temperature, micro_kept(batch, micro))
+    if world.sequence_parallel > 1:
+        torch.distributed.all_reduce(logps, group=world.sequence_group)   # each token's value from one rank
     return logps
+
+
+def held_mask(loss_mask: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+    """The micro-batch's (b, C) loss mask, cut to the tokens this rank holds under sequence parallelism."""
+    mask = micro.completion(loss_mask)
+    return mask if micro.held is None else mask & micro.held
 
 
 def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference_policy, scoring: ScoringConfig,
@@ -255,7 +273,7 @@ def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference
     if generation.kept_ids is not None:
         batch.kept = KeptSet.of(generation.kept_ids, generation.kept_offsets)
     correct = generation.sampling_logps is not None and correction.importance_sampling != "none"
-    if correct and optimization.updates_per_step == 1:
+    if correct and optimization.updates_per_step == 1 and world.sequence_parallel == 1:
         batch.sampling_logps, batch.correction = generation.sampling_logps, correction
     elif optimization.updates_per_step > 1 or correct:
         batch.old_logps = completion_logprobs(policy, batch, batching, temperature, world)
@@ -264,7 +282,7 @@ def update_batch(generation, advantages: torch.Tensor, policy: Policy, reference
                                                 correction.importance_sampling, correction.importance_sampling_cap,
                                                 correction.importance_sampling_min)
     if reference_policy is not None:
-        batch.ref_logps = completion_logprobs(reference_policy, batch, batching, temperature)
+        batch.ref_logps = completion_logprobs(reference_policy, batch, batching, temperature, world)
     return batch
 
 
@@ -320,8 +338,8 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, loss_config: LossCo
     (own_rollout_correction, with batch.correction) and fills batch.is_ratio."""
     loss_function = LOSS_IMPLEMENTATIONS[optimization.loss_implementation]
     device = batch.loss_mask.device
-    totals = distributed.sum_over_ranks({"sequences": batch.trained_rows,
-                                         "tokens": float(batch.loss_mask.sum())}, world, device)
+    totals = distributed.sum_over_groups({"sequences": batch.trained_rows,
+                                          "tokens": float(batch.loss_mask.sum())}, world, device)
     batches = micro_batches(batch, batching, world, shares_prompts(batching, policy.model))
     fp32_sum = None
     if optimization.grad_accum_dtype == "fp32" and world.size == 1 and len(batches) > 1:
@@ -331,20 +349,22 @@ def accumulate_gradients(policy: Policy, batch: UpdateBatch, loss_config: LossCo
         batch.is_ratio = torch.ones(batch.loss_mask.shape, dtype=torch.float32, device=device)
     for index, (micro, counts) in enumerate(batches):
         hidden, weight, head = completion_hidden(policy, micro, policy.offload)
-        mask = micro.completion(batch.loss_mask)
+        mask = held_mask(batch.loss_mask, micro)
         kept = micro_kept(batch, micro)
         if batch.sampling_logps is not None:
             batch.is_ratio[micro.rows, :micro.completion_length] = own_rollout_correction(
                 hidden, weight, micro.completion(batch.completion_ids), mask, micro.completion(batch.sampling_logps),
                 head, batch.correction, temperature, kept)
-        with torch.autocast(hidden.device.type, enabled=False):
+        group = summing_over(world.sequence_group) if world.sequence_parallel > 1 else nullcontext()
+        with torch.autocast(hidden.device.type, enabled=False), group:
             loss, metrics = loss_function(
                 hidden, weight, micro.completion(batch.completion_ids), batch.advantages[micro.rows], mask,
                 old_logps=micro.completion(batch.old_logps), ref_logps=micro.completion(batch.ref_logps),
                 bias=head.bias, config=loss_config, transform=head.transform(temperature, kept),
                 weights=gf.TokenWeights(num_items_in_batch=totals["tokens"], is_ratio=micro.completion(batch.is_ratio)),
             )
-        share = micro_batch_share(mask, loss_config, totals["sequences"], totals["tokens"]) if counts else 0.0
+        whole = micro.completion(batch.loss_mask)             # the micro-batch's, on every rank of its group
+        share = micro_batch_share(whole, loss_config, totals["sequences"], totals["tokens"]) if counts else 0.0
         loss = loss * share
         with distributed.gradient_sync(policy.trunk, enabled=index == len(batches) - 1):
             (loss * world.size).backward()          # DDP and FSDP2 average gradients over ranks
