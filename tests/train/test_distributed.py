@@ -184,3 +184,39 @@ def test_torchrun_with_a_vllm_engine_per_rank(tmp_path):
     lines = records(tmp_path)
     assert [r["step"] for r in lines] == [1, 2]
     assert all(abs(r["is_ratio_mean"] - 1.0) < 1e-3 for r in lines), lines      # engines follow the policy
+
+
+def saved_weights(folder, step):
+    return torch.load(os.path.join(folder, f"checkpoint-{step}", "state.pt"), weights_only=False)["model"]
+
+
+def test_torchrun_with_sequence_parallelism_matches_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2 ... --sequence-parallel 2`: both processes take each packed micro-batch's
+    halves, on one rollout; 3 steps (2 mini-batches each, so clipping acts) give one process's metrics and
+    final weights."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    run = options(FAST, MINI, ["--max-steps", "3", "--save-every", "3", "--micro-batch-tokens", "40",
+                              "--learning-rate", "0.01", "--warmup-steps", "0"])
+    two, one = tmp_path / "two", tmp_path / "one"
+    done = torchrun(2, run + ["--output-dir", str(two), "--sequence-parallel", "2"], env)
+    assert "attention: grpo_fast_varlen" in done.stdout + done.stderr
+    subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train"] + run + ["--output-dir", str(one)],
+                   check=True, capture_output=True, env=env, timeout=900)
+    a, b = records(two), records(one)
+    assert [r["step"] for r in a] == [1, 2, 3]
+    for got, want in zip(a, b):
+        for key in ("reward", "completion_len", "frac_zero_std_groups", "truncated"):
+            assert got[key] == want[key], key
+        for key in ("loss", "entropy", "grad_norm", "clip_ratio/region_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        assert got["tokens_per_s"] * got["seconds"] == pytest.approx(want["tokens_per_s"] * want["seconds"])
+    assert any(r["clip_ratio/region_mean"] > 0 for r in b)
+    weights_two, weights_one = saved_weights(two, 3), saved_weights(one, 3)
+    assert weights_two.keys() == weights_one.keys()
+    for name, weight in weights_one.items():
+        if name.endswith("k_proj.bias"):
+            # a key bias adds the same q.b to a query's every score, which softmax ignores: its gradient is
+            # rounding noise in both runs, which AdamW's normalization turns into steps of either sign
+            continue
+        assert float((weights_two[name] - weight).norm() / weight.norm()) < 1e-5, name
