@@ -17,6 +17,8 @@ Importing this module patches verl 0.9 in place (`install()`; idempotent):
   (verl's optimal token baseline, `actor.calculate_sum_pi_squared=True`), from the same read of each chunk; the
   engine's `prepare_model_inputs` / `prepare_model_outputs` pass the request in and the values out, where verl's
   own refuses the combination with fused kernels ("fused kernels do not materialize the full logits").
+- Under Ulysses sequence parallelism the forward computes each rank's shard, which verl gathers; it refuses an
+  attention other than transformers' flash-attention forward, the only one verl's Ulysses exchange wraps.
 - `FSDPEngineWithLMHead.forward_step`, when its loss is verl's `ppo_loss` with a token-separable policy loss
   (`FUSED_LOSS_MODES`): the micro-batch's whole actor loss runs inside the sweep, 3 GEMM passes instead of 4 and
   no (tokens, vocab) logits (`fused_ppo_loss`). Every other case runs verl's own loss on grpo_fast's log-probs
@@ -111,6 +113,21 @@ def _head_logprobs(head, hidden, labels, temperature, with_sum_pi_squared=False)
     return out if with_sum_pi_squared else (*out, None)
 
 
+def check_ulysses_attention(config) -> None:
+    """Refuse a model whose attention verl's Ulysses does not reach: verl exchanges sequence shards for heads only
+    in its wrapper of transformers' flash-attention forward (`_ulysses_flash_attention_forward`), so under any other
+    attention (sdpa, eager, flex) each rank attends within its own shard of the packed row, silently."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = getattr(config, "_attn_implementation", None)
+    attention = ALL_ATTENTION_FUNCTIONS.get(implementation) if implementation else None
+    if getattr(attention, "func", attention) is not flash_attention_forward:
+        raise ValueError(f"attn_implementation must run transformers' flash-attention forward under Ulysses "
+                         f"sequence parallelism (verl's exchange wraps only that; others attend within each rank's "
+                         f"shard), got {implementation!r}")
+
+
 def forward_with_grpo_fast(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                            inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
                            output_hidden_states=None, return_dict=None, cache_position=None, logits_to_keep=0,
@@ -119,7 +136,14 @@ def forward_with_grpo_fast(self, input_ids=None, attention_mask=None, position_i
     """verl's `forward_with_torch_backend` contract (CausalLMOutputForPPO with log_probs and entropy of the next
     token at every position, (B, T) fp32) with grpo_fast's head; `grpo_fast_loss` (set by the patched
     forward_step) makes the head compute a fused loss instead, returned as the output's `loss`;
-    `grpo_fast_sum_pi_squared` (set by the patched prepare_model_inputs) adds each position's sum_v p_v^2."""
+    `grpo_fast_sum_pi_squared` (set by the patched prepare_model_inputs) adds each position's sum_v p_v^2. Under
+    Ulysses the inputs and `shift_labels` are this rank's shard (verl rolls the labels over the whole row first),
+    and so are the outputs, which verl gathers; `check_ulysses_attention` refuses an attention verl's Ulysses
+    does not exchange."""
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size
+
+    if get_ulysses_sequence_parallel_world_size() > 1:
+        check_ulysses_attention(self.config)
     outputs = dense_common.forward_base_model(
         self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,

@@ -434,6 +434,87 @@ def test_fsdp2_engine_on_two_ranks():
                                torch.tensor(result["logits"]["infer_log_probs"]), rtol=1e-5, atol=1e-5)
 
 
+def test_ulysses_runs_verls_own_loss_with_one_warning():
+    """With Ulysses sequence parallelism each rank's forward holds a shard of the micro-batch's tokens, and the
+    fused loss needs all of them: the engine step is verl's own (its loss on grpo_fast's gathered log-probs)."""
+    engine = cpu_engine(tiny_model(vocab_size=53))
+    data = micro_batch([3, 5, 2], [6, 1, 4], 53, far=False)
+    tu.assign_non_tensor(data, use_remove_padding=True, use_fused_kernels=True)
+    loss_function = partial(ppo_loss, config=actor_config())
+    assert "Ulysses" not in gf_verl._unfusable_reason(engine, data, loss_function, forward_only=False)
+    engine.use_ulysses_sp = True
+    assert gf_verl._unfusable_reason(engine, data, loss_function, forward_only=False) == \
+        "Ulysses sequence parallelism (the loss needs the gathered log-probs)"
+
+
+def test_ulysses_attention_check():
+    """Under Ulysses grpo_fast's forward accepts the attentions that run transformers' flash-attention forward
+    (where verl's exchange lives) and refuses the others in one line naming the one given."""
+    from types import SimpleNamespace
+
+    gf_verl.check_ulysses_attention(SimpleNamespace(_attn_implementation="flash_attention_2"))
+    for implementation in ("sdpa", "eager", "flex_attention"):
+        with pytest.raises(ValueError, match=f"under Ulysses .* got '{implementation}'$"):
+            gf_verl.check_ulysses_attention(SimpleNamespace(_attn_implementation=implementation))
+
+
+def close_to_verl(actual: dict, expected: dict, initial: dict, label: str):
+    """One engine's run of verl_ulysses_check.py against another's: infer_batch's log-probs, entropies and sum p^2
+    before and after the update to 1e-5, verl's metrics to 1e-5 relative, every gradient to 1e-5 of its largest
+    entry, and the updated weights to 1e-5 of each tensor's change plus one fp32 rounding of its largest entry
+    (the norms' weights are near 1)."""
+    for when in ("before", "after"):
+        for key, values in expected[when].items():
+            torch.testing.assert_close(torch.tensor(actual[when][key]), torch.tensor(values), rtol=1e-5, atol=1e-5,
+                                       msg=f"{label} {when} {key}")
+    assert actual["metrics"].keys() == expected["metrics"].keys()
+    for key, values in expected["metrics"].items():
+        assert actual["metrics"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), (label, key)
+    for name, grad in expected["grads"].items():
+        grad = torch.tensor(grad)
+        torch.testing.assert_close(torch.tensor(actual["grads"][name]), grad, rtol=0,
+                                   atol=1e-5 * grad.abs().max().item(), msg=f"{label} gradient {name}")
+        weight, start = torch.tensor(expected["weights"][name]), torch.tensor(initial[name])
+        atol = 1e-5 * (weight - start).abs().max().item() + torch.finfo(torch.float32).eps * start.abs().max().item()
+        torch.testing.assert_close(torch.tensor(actual["weights"][name]), weight, rtol=0, atol=atol,
+                                   msg=f"{label} weight {name}")
+
+
+def test_fsdp2_engine_ulysses_on_two_ranks():
+    """verl's FSDP2 engine with ulysses_sequence_parallel_size 2 on 2 gloo ranks (verl_ulysses_check.py): with
+    grpo_fast's forward (use_fused_kernels) each rank's head computes its shard's log-probs, which verl gathers,
+    and the actor loss is verl's own with one warning naming Ulysses; infer_batch's log-probs, entropies and sum p^2,
+    the update's metrics, gradients and weights, and the log-probs after it equal verl's own logits path under
+    Ulysses, which equals verl without sequence parallelism. Ulysses lives in verl's flash-attention wrapper: on sdpa
+    each rank attends within its shard and verl's log-probs differ, where grpo_fast's forward refuses sdpa in one
+    line (the check runs flash-attention's varlen path on the CPU, see its docstring)."""
+    import tempfile
+
+    from tests.helpers import torchrun_json
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        result = torchrun_json("tests.integrations.verl_ulysses_check", output_dir)
+    assert result["world_size"] == 2
+    runs = {name: result[name] for name in ("sp1", "verl_sp2", "sdpa_sp2", "grpo_fast_sp2")}
+    for name, run in runs.items():
+        assert run["same_initial_weights"], name
+        assert run["use_ulysses_sp"] == (name != "sp1"), name
+    fused, verl, reference = runs["grpo_fast_sp2"], runs["verl_sp2"], runs["sp1"]
+    assert fused["forward"] == gf_verl.__name__ and verl["forward"].startswith("transformers.")
+    assert fused["head_calls"] == 2 and fused["fused_calls"] == 0          # 2 micro-batches, verl's loss on each
+    assert len(fused["warnings"]) == 1 and "because Ulysses sequence parallelism" in fused["warnings"][0]
+    close_to_verl(fused, verl, result["initial"], "grpo_fast under Ulysses against verl's own")
+    close_to_verl(verl, reference, result["initial"], "verl under Ulysses against one rank's sequences")
+    # live: the update moved the policy, clipped ratios; sdpa under verl's Ulysses attends within each shard
+    moved = torch.tensor(reference["after"]["log_probs"]) - torch.tensor(reference["before"]["log_probs"])
+    assert moved.abs().max() > 0.1 and reference["metrics"]["actor/pg_clipfrac"][0] > 0
+    wrong = torch.tensor(runs["sdpa_sp2"]["before"]["log_probs"]) - torch.tensor(reference["before"]["log_probs"])
+    assert wrong.abs().max() > 1e-2
+    assert result["grpo_fast_sdpa_sp2"].startswith("attn_implementation must run transformers' flash-attention "
+                                                   "forward under Ulysses"), result["grpo_fast_sdpa_sp2"]
+    assert result["grpo_fast_sdpa_sp2"].endswith("got 'sdpa'")
+
+
 def test_bench_row_of_verls_fused_head():
     """`grpo-fast bench`'s verl row (FusedLinearForPPO, then the same loss math as every row) computes the loss
     and gradients the others do, in 4 GEMM passes (its backward recomputes the logits)."""
