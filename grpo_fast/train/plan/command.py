@@ -12,6 +12,7 @@ from grpo_fast.train.config import KEYS, load_config, load_config_values
 from grpo_fast.train.plan.fit import check_plan_context, fitting_change, training_job, training_shape
 from grpo_fast.train.plan.memory import (
     ATTENTIONS,
+    DISTRIBUTED,
     DTYPES,
     ENGINES,
     GIB,
@@ -20,6 +21,7 @@ from grpo_fast.train.plan.memory import (
     PRESETS,
     Job,
     JobValueError,
+    check_heads,
     load_shape,
     plan,
 )
@@ -60,7 +62,10 @@ TRAINER_DEFAULTS = {"group_size": "group_size", "prompts_per_step": "prompts_per
                     "dtype": "dtype", "optimizer": "optimizer", "grad_accum_dtype": "grad_accum_dtype",
                     "lora_rank": "lora_rank", "loss": "loss_implementation", "beta": "beta", "engine": "engine",
                     "gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_staleness": "max_staleness",
-                    "attention": "attention", "top_k": "top_k", "top_p": "top_p"}
+                    "attention": "attention", "top_k": "top_k", "top_p": "top_p",
+                    "steps_per_generation": "steps_per_generation"}
+# the distribution section's options: a training config gives its own (an option given with one is refused)
+DISTRIBUTION_OPTIONS = {"sequence_parallel": ("--sequence-parallel", 1), "distributed": ("--distributed", "ddp")}
 # fit advice's trainer keys by this command's options (fit.fitting_change)
 OPTIONS = {"loss_implementation": "--loss", "vllm_gpu_memory_utilization": "--gpu-memory-utilization",
            "max_completion_length": "--completion-length"}
@@ -147,6 +152,20 @@ def add_arguments(parser) -> None:
                         "each sampled token's kept set is stored for the loss")
     parser.add_argument("--top-p", type=float, default=trainer["top_p"],
                         help="< 1 without --top-k: kept sets of up to the whole vocabulary")
+    parser.add_argument("--steps-per-generation", type=int, default=trainer["steps_per_generation"],
+                        help="optimizer steps per step, each on a mini-batch of its groups (must divide each "
+                        "data-parallel group's prompts)")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="torchrun's processes, one a GPU: the plan is one GPU's, its prompts_per_step / (gpus / "
+                        "sequence_parallel) prompts a step")
+    parser.add_argument("--sequence-parallel", type=int, default=None,
+                        help="ranks that share each packed micro-batch's tokens (Ulysses; the trainer's "
+                        "distribution.sequence_parallel): must divide --gpus and the model's heads [default: 1, or "
+                        "a training config's]")
+    parser.add_argument("--distributed", choices=DISTRIBUTED, default=None,
+                        help="the wrapper with --gpus > 1: ddp (full replicas and gradient buckets) or fsdp2 "
+                        "(weights, gradients and optimizer states sharded over all --gpus ranks) [default: ddp, or a "
+                        "training config's distribution.distributed]")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
 
 
@@ -175,16 +194,24 @@ def main(args) -> int:
             if args.rope_scaling is not None:
                 raise ValueError(f"--rope-scaling plans a preset or config.json; {args.model} gives its own "
                                  "(policy.rope_scaling): set it there")
+            given = [option for key, (option, _) in DISTRIBUTION_OPTIONS.items() if getattr(args, key) is not None]
+            if given:
+                raise ValueError(f"{given[0]} plans a preset or config.json; {args.model} gives its own "
+                                 f"(distribution.{given[0][2:].replace('-', '_')}): set it there")
             config, absent = plan_config(args.model)
             if absent:
                 print(f"data: {absent} is not here yet; planned with prompts of --prompt-length "
                       f"{args.prompt_length} tokens")
             config.rollout.check_for_training()
-            shape, job = training_shape(config.policy), training_job(config, args.prompt_length, args.device)
+            shape = training_shape(config.policy)
+            job = training_job(config, args.prompt_length, args.device, args.gpus)
+            check_heads(shape, job)
             context = check_plan_context(shape, job, config.policy.rope_scaling, config.policy.model)
             print_plan(args, shape, job, config.rollout.stages, context,    # the largest stage of the schedule
                        config.policy.rope_scaling)
             return 0
+        for key, (_, default) in DISTRIBUTION_OPTIONS.items():
+            setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
         shape = load_shape(args.model)
         if args.rope_scaling is not None:
             check_rope_scaling(args.rope_scaling)
@@ -198,7 +225,9 @@ def main(args) -> int:
                   loss=args.loss, beta=args.beta, engine=args.engine,
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
                   packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness,
-                  top_k=args.top_k, top_p=args.top_p)
+                  top_k=args.top_k, top_p=args.top_p, steps_per_generation=args.steps_per_generation,
+                  gpus=args.gpus, sequence_parallel=args.sequence_parallel, distributed=args.distributed)
+        check_heads(shape, job)
         context = check_plan_context(shape, job, args.rope_scaling, args.model, length_key="--completion-length",
                                      scaling_key="--rope-scaling")
     except JobValueError as error:       # named by the option the user typed

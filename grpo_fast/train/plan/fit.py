@@ -81,9 +81,10 @@ def check_plan_context(shape: ModelShape, job: Job, rope_scaling: Optional[dict]
     return int(tasks.model_context(model_config)[0])
 
 
-def training_job(config, prompt_length: int, device: str) -> Job:
+def training_job(config, prompt_length: int, device: str, gpus: int = 1) -> Job:
     """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL, engine, staleness, dtype (auto: bf16
-    autocast over fp32 weights on CUDA, fp32 on CPU), optimizer and LoRA rank on `device`. prompt_length: the
+    autocast over fp32 weights on CUDA, fp32 on CPU), optimizer, LoRA rank, steps_per_generation and distribution
+    section (sequence_parallel, distributed) on `device`, under torchrun with `gpus` processes. prompt_length: the
     longest prompt in tokens, which the config alone does not know."""
     policy, rollout, batching, optimization = config.policy, config.rollout, config.batching, config.optimization
     device = "cpu" if policy.device == "cpu" else device
@@ -96,7 +97,9 @@ def training_job(config, prompt_length: int, device: str) -> Job:
                loss="naive" if optimization.loss_implementation == "naive" else "grpo_fast", beta=config.loss.beta,
                engine=rollout.engine, gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, device=device,
                packing=batching.packing, max_staleness=rollout.max_staleness, top_k=rollout.top_k,
-               top_p=rollout.top_p)
+               top_p=rollout.top_p, gpus=gpus, sequence_parallel=config.distribution.sequence_parallel,
+               distributed=config.distribution.distributed,
+               steps_per_generation=optimization.steps_per_generation)
 
 
 
@@ -119,10 +122,10 @@ def config_words(key: str, value) -> str:
     return f"{key}: {value}"
 
 
-def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int):
-    """None when the TrainConfig's job fits a CUDA card of `capacity` bytes; otherwise one sentence saying how
-    much it needs and what would make it fit (fitting_change)."""
-    job = training_job(config, prompt_length, "cuda")
+def fit_advice(config, shape: ModelShape, prompt_length: int, capacity: int, gpus: int = 1):
+    """None when the TrainConfig's job on `gpus` processes fits a CUDA card of `capacity` bytes (each); otherwise
+    one sentence saying how much it needs and what would make it fit (fitting_change)."""
+    job = training_job(config, prompt_length, "cuda", gpus)
     ok, needed = fits_in(shape, job, plan(shape, job, capacity), capacity)
     if ok:
         return None
@@ -188,7 +191,8 @@ def log_run_plan(config, samples: list, device, log) -> None:
     except ValueError:                            # a hub id that matches no preset: nothing to plan from
         return
     prompt_bytes = max(len((tasks.problem_key(s) + (config.data.system_prompt or "")).encode()) for s in samples) + 64
-    job = training_job(config, prompt_bytes, device.type)        # sized by the largest stage
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))                # torchrun's processes: the plan is one GPU's
+    job = training_job(config, prompt_bytes, device.type, gpus)   # sized by the largest stage
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     log(f"memory plan (grpo-fast plan for the table): {summary(plan(shape, job, capacity))}")
     stages = config.rollout.stages
@@ -197,7 +201,7 @@ def log_run_plan(config, samples: list, device, log) -> None:
         log(f"  stage from step {start + 1}: completions of up to {length} tokens, peak "
             f"{staged['total'] / GIB:.2f} GiB")
     if device.type == "cuda":
-        advice = fit_advice(config, shape, prompt_bytes, capacity)
+        advice = fit_advice(config, shape, prompt_bytes, capacity, gpus)
         if advice:
             log(f"warning: this job may not fit: {advice}")
 

@@ -22,6 +22,15 @@ the trainer updates: the HF engine's weights, KV cache, decode step's logits, th
 takes as it draws (a buffer of fp32 values, one a sampled token, not the logits of every step) and a second
 runtime are added (rollout_*); vLLM's weights and cache are in its pool either way (fits_in adds the pool).
 
+Per GPU under torchrun (Job.gpus processes, sequence_parallel ranks a group): the step's prompts are split over
+gpus / sequence_parallel data-parallel groups, so the step's batch, kept sets, KV caches and micro-batches are
+those of prompts_per_step / (gpus / sequence_parallel) prompts (Job.prompts_per_rank); DDP keeps full replicas
+and its gradient buckets, FSDP2 shards weights, gradients and optimizer states over all gpus ranks and adds what it
+keeps unsharded (_replicas_or_shards); the KL reference is a full copy on every rank (the trainer deep-copies the
+model before wrapping it: grpo_fast.train.loop.training_policies); a micro-batch's activations, loss buffers and
+no-grad pass are those of its tokens / sequence_parallel, plus sequence parallelism's own buffers
+(_micro_batch_peak). The fp32 gradient sum is one process's alone.
+
 Activation bytes per token per decoder layer are counted from what a Hugging Face Llama / Qwen2 layer saves for
 backward (norms in fp32, q/k/v, the rotary products, the attention output, the MLP's gate, up and their
 products), with the attention the trainer selects (grpo_fast.packed_attention): flash-attention or one sdpa per
@@ -74,6 +83,11 @@ class ModelShape:
     attention_bias: bool = False
     max_position_embeddings: Optional[int] = None
     rope_parameters: Optional[dict] = field(default=None, hash=False)
+    qk_norm: bool = False                 # Qwen3: an RMSNorm weight of head_dim on each head's query and key
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def kv_dim(self) -> int:
@@ -88,12 +102,19 @@ class ModelShape:
         h, i = self.hidden_size, self.intermediate_size
         return [(h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h), (h, i), (h, i), (i, h)]
 
-    def num_parameters(self) -> int:
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer: its linear layers, two RMSNorms, the q/k/v biases (Qwen2) and the
+        per-head query and key norms (Qwen3)."""
         per_layer = sum(a * b for a, b in self.linear_shapes()) + 2 * self.hidden_size
         if self.attention_bias:
             per_layer += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            per_layer += 2 * self.head_size
+        return per_layer
+
+    def num_parameters(self) -> int:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size
+        return self.num_layers * self.layer_parameters() + embeddings + self.hidden_size
 
     @classmethod
     def from_config(cls, path: str) -> "ModelShape":
@@ -148,7 +169,8 @@ class ModelShape:
                    head_dim=None if config.get("head_dim") is None else count("head_dim"),
                    attention_bias=flag("attention_bias", config.get("model_type") == "qwen2"),
                    max_position_embeddings=None if config.get("max_position_embeddings") is None else
-                   count("max_position_embeddings"), rope_parameters=rope)
+                   count("max_position_embeddings"), rope_parameters=rope,
+                   qk_norm=config.get("model_type") == "qwen3")
 
 
 def _json_type(value) -> str:
@@ -184,9 +206,14 @@ PRESETS = {
     # positions (examples/long_reasoning_16k.yaml)
     "deepseek-r1-distill-qwen-1.5b": ModelShape(1536, 8960, 28, 12, 2, 151936, attention_bias=True,
                                                 max_position_embeddings=131072),
+    # Qwen/Qwen3-8B's config.json (the post-trained checkpoint; Qwen3-8B-Base is another): head_dim 128 (not
+    # hidden / heads), no q/k/v bias, q_norm / k_norm per head, its own LM head, 40960 positions without rope_scaling
+    # (trained at 32768; Qwen documents YaRN factor 4 over original_max_position_embeddings 32768 for 131072)
+    "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 151936, head_dim=128, max_position_embeddings=40960,
+                           qk_norm=True),
 }
 # presets that are one checkpoint, not a family: their context holds for the name itself
-CHECKPOINT_PRESETS = ("deepseek-r1-distill-qwen-1.5b",)
+CHECKPOINT_PRESETS = ("deepseek-r1-distill-qwen-1.5b", "qwen3-8b")
 
 # Bytes each card offers: the total CUDA reports (torch.cuda.mem_get_info, the "total capacity" in PyTorch's
 # out-of-memory message), at the low end of what drivers report. The "GB" in the names are the vendors' labels,
@@ -228,11 +255,16 @@ CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a 
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
 # (grpo_fast.packed_attention.choose_attention)
 ATTENTIONS = ("auto", "flash_attention_2", "grpo_fast_varlen", "sdpa")
+# the data-parallel wrappers of grpo_fast.train.distributed.wrap under torchrun
+DISTRIBUTED = ("ddp", "fsdp2")
 
 
 @dataclass(frozen=True)
 class Job:
-    """What the trainer will run. Lengths in tokens; micro_batch_size in sequences (or micro_batch_tokens)."""
+    """What the trainer will run. Lengths in tokens; micro_batch_size in sequences (or micro_batch_tokens).
+    gpus: torchrun's processes, one a GPU (1: one process, no wrapper); sequence_parallel: the ranks that share
+    each packed micro-batch's tokens; distributed: the wrapper with more than one process (ddp or fsdp2);
+    steps_per_generation: optimizer steps per step, each on a mini-batch of the step's groups."""
 
     prompt_length: int = 512
     completion_length: int = 4096
@@ -256,10 +288,14 @@ class Job:
     max_staleness: int = 0
     top_k: int = 0
     top_p: float = 1.0
+    gpus: int = 1
+    sequence_parallel: int = 1
+    distributed: str = "ddp"
+    steps_per_generation: int = 1
 
     def __post_init__(self):
         for name, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("loss", LOSSES),
-                              ("grad_accum_dtype", ("fp32", "bf16")),
+                              ("grad_accum_dtype", ("fp32", "bf16")), ("distributed", DISTRIBUTED),
                               ("engine", ENGINES), ("device", ("cuda", "cpu")), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -280,6 +316,53 @@ class Job:
         _require("top_k", self.top_k, self.top_k >= 0, ">= 0 (0: every token)")
         _require("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")
         check_sampling(self.engine, self.top_k, self.top_p)            # the trainer's own check
+        for name in ("gpus", "sequence_parallel", "steps_per_generation"):
+            _require(name, getattr(self, name), getattr(self, name) >= 1, ">= 1")
+        self._check_world()
+
+    def _check_world(self) -> None:
+        """The trainer's checks of a job on `gpus` processes, in its words: distributed.init's (sequence_parallel
+        divides the processes), TrainConfig.check_world's over the data-parallel groups (whole groups a rank,
+        whole mini-batches; max_staleness alone) and check_sequence_parallel's."""
+        size, parallel = self.gpus, self.sequence_parallel
+        if size % parallel:
+            raise ValueError(f"sequence_parallel {parallel} must divide the number of processes, got {size} "
+                             f"(torchrun --nproc_per_node a multiple of {parallel})")
+        groups = self.data_groups
+        if self.prompts_per_step % groups:
+            raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({groups}) so that "
+                             f"each rank scores whole groups, got {self.prompts_per_step}")
+        per_rank, minibatches = self.prompts_per_step // groups, self.steps_per_generation
+        if per_rank % minibatches:
+            raise ValueError(f"steps_per_generation ({minibatches}) cuts each process's {per_rank} groups "
+                             f"(prompts_per_step {self.prompts_per_step} over {groups} process"
+                             f"{'es' if groups > 1 else ''}) into mini-batches of whole groups: make "
+                             f"prompts_per_step a multiple of {minibatches * groups}, or change "
+                             "steps_per_generation")
+        if self.max_staleness and groups > 1:
+            raise ValueError(f"max_staleness={self.max_staleness} runs one rollout process for one trainer "
+                             f"process; under torchrun ({groups} processes) use max_staleness: 0")
+        if parallel > 1:
+            if not self.packing:
+                raise ValueError(f"sequence_parallel={parallel} cuts packed micro-batches across processes: set "
+                                 "packing: true")
+            if self.attention != "auto":
+                raise ValueError(f"sequence_parallel={parallel} exchanges heads inside grpo_fast's packed "
+                                 f"attention: set attention: auto, got {self.attention!r}")
+            if self.max_staleness:
+                raise ValueError(f"sequence_parallel={parallel} runs under torchrun, where max_staleness must be "
+                                 f"0, got {self.max_staleness}")
+
+    @property
+    def data_groups(self) -> int:
+        """The data-parallel groups the step's prompts are split over: gpus / sequence_parallel."""
+        return self.gpus // self.sequence_parallel
+
+    @property
+    def prompts_per_rank(self) -> int:
+        """The prompts each rank generates, holds and trains on in a step: its data-parallel group's share (the
+        ranks of a sequence-parallel group hold the same ones)."""
+        return self.prompts_per_step // self.data_groups
 
     def kept_ids_per_token(self, vocab_size: int) -> int:
         """The most ids a sampled token's kept set can hold: top_k (at most the vocabulary), the whole vocabulary
@@ -295,7 +378,7 @@ class Job:
         dtype (flash_attention_2 needs the flash_attn package here)."""
         if self.attention != "auto":
             return self.attention
-        return choose_attention(self.device, self.dtype)
+        return choose_attention(self.device, self.dtype, flash=self.sequence_parallel == 1)
 
     @property
     def micro_batch_sequences(self) -> int:
@@ -306,8 +389,11 @@ class Job:
 
     @property
     def micro_batches_per_step(self) -> int:
-        """Micro-batches of one process's step, every sequence at full length (the most there can be)."""
-        return -(-self.prompts_per_step * self.group_size // self.micro_batch_sequences)
+        """Micro-batches of one rank's optimizer step (its prompts_per_rank, cut into steps_per_generation
+        mini-batches), every sequence at full length (the most there can be); under sequence parallelism each is
+        shared by the group, every rank running its shard of each."""
+        sequences = self.prompts_per_rank // self.steps_per_generation * self.group_size
+        return -(-sequences // self.micro_batch_sequences)
 
 
 class JobValueError(ValueError):
@@ -339,6 +425,17 @@ class Estimate(dict):
     generation_peak: int = 0
 
 
+def check_heads(shape: ModelShape, job: Job) -> None:
+    """Raises ValueError (one line, grpo_fast.sequence_parallel.spread_heads' words) unless job.sequence_parallel
+    divides the model's attention heads and divides its key/value heads or is a multiple of them."""
+    size, heads, kv_heads = job.sequence_parallel, shape.num_heads, shape.num_kv_heads
+    if heads % size:
+        raise ValueError(f"sequence_parallel {size} must divide the model's {heads} attention heads")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"sequence_parallel {size} must divide the model's {kv_heads} key/value heads or be a "
+                         f"multiple of them")
+
+
 def mask_elements(job: Job, attention: str) -> int:
     """Elements of the attention mask one micro-batch builds: b x L x L for padded rows (unless flash-attention,
     which unpads instead), N x N for plain sdpa over a packed row of N tokens, none for variable-length attention
@@ -356,7 +453,10 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     """Predicted peak memory per component, in bytes, and their sum as "total", on a CUDA card of `capacity`
     bytes: grpo_fast's default chunk budget is a share of the card (grpo_fast.chunked.cuda_chunk_bytes). Without
     a capacity the largest budget any card gets is counted, an upper bound. CPU plans do not depend on it.
-    The result's .attention names the attention implementation counted."""
+    The result's .attention names the attention implementation counted. Every component is one GPU's (one rank's
+    of job.gpus; see _replicas_or_shards and _micro_batch_peak); a model whose heads do not split over
+    job.sequence_parallel ranks raises ValueError (check_heads)."""
+    check_heads(shape, job)
     param_bytes, _ = _bytes(job.dtype)
     params = shape.num_parameters()
     trainable, trainable_bytes, autocast_copies = params, param_bytes, job.dtype == "bf16-autocast"
@@ -368,23 +468,24 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     state_bytes = {"adamw": 8 + (4 if trainable_bytes == 2 else 0), "adamw8bit": 2, "adamw-bf16": 4}[job.optimizer]
     attention = job.attention_implementation
     weights = params * param_bytes + (trainable * 4 if job.lora_rank else 0)
-    # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.step.Fp32GradientSum)
-    fp32_sum = 0                 # grpo_fast.train.update.step.Fp32GradientSum: bf16 gradients summed over micro-batches
-    if job.grad_accum_dtype == "fp32" and trainable_bytes == 2 and job.micro_batches_per_step > 1:
+    # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.step.Fp32GradientSum;
+    # under DDP and FSDP2 the gradients add up in .grad, in the parameters' dtype)
+    fp32_sum = 0
+    if job.grad_accum_dtype == "fp32" and trainable_bytes == 2 and job.micro_batches_per_step > 1 and job.gpus == 1:
         fp32_sum = trainable * 4
     runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE
     # top-k / top-p: each sampled position's kept set (int64 ids and an offset) lives through the whole step
     kept_ids = job.kept_ids_per_token(shape.vocab_size)
-    kept_sets = job.prompts_per_step * job.group_size * job.completion_length * (kept_ids + 1) * 8 if kept_ids else 0
+    kept_sets = job.prompts_per_rank * job.group_size * job.completion_length * (kept_ids + 1) * 8 if kept_ids else 0
     # the step's batch, held through its update: input ids and attention mask (int64) over prompt + completion,
     # the completion's ids (int64), mask (bool) and its old, reference and sampling log-probs and correction (fp32)
-    sequences = job.prompts_per_step * job.group_size
+    sequences = job.prompts_per_rank * job.group_size
     step_batch = sequences * ((job.prompt_length + job.completion_length) * 16 + job.completion_length * 25)
+    gradients, optimizer_states = trainable * trainable_bytes, trainable * state_bytes
+    layer_trainable = trainable // shape.num_layers if job.lora_rank else shape.layer_parameters()
     components = {
-        "weights": weights,
-        "gradients": trainable * trainable_bytes,
+        **_replicas_or_shards(shape, job, weights, gradients, optimizer_states, layer_trainable * trainable_bytes),
         "fp32_gradient_sum": fp32_sum,
-        "optimizer": trainable * state_bytes,
         # the KL reference is a frozen copy of the policy, but with LoRA the policy with its adapters off
         # (grpo_fast.train.policy.frozen_reference): no copy
         "reference_model": params * param_bytes if job.beta > 0 and not job.lora_rank else 0,
@@ -405,14 +506,59 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     return estimate
 
 
+def _replicas_or_shards(shape: ModelShape, job: Job, weights: int, gradients: int, optimizer_states: int,
+                        layer_gradients: int) -> dict:
+    """Each rank's weights, gradients and optimizer states, and what its wrapper adds (distributed.wrap).
+
+    One process (gpus 1, no wrapper): the three as they are.
+    DDP: full replicas on every rank, plus its gradient buckets: the trainer's DistributedDataParallel keeps the
+    default gradient_as_bucket_view=False, so the buckets are a second copy of every trainable gradient, in its dtype,
+    allocated for the whole run.
+    FSDP2 (fully_shard of each decoder layer, then of the root, over a 1-D mesh of all gpus ranks, sequence-parallel
+    ranks included): the three sharded, 1/gpus each (FSDP2 also pads each parameter's first dimension to a multiple
+    of gpus: at most gpus - 1 rows a parameter, not counted). Not sharded:
+      - fsdp2_unsharded_gradients: the trainer turns the gradient reduction off for every micro-batch but an
+        optimizer step's last (distributed.gradient_sync), and FSDP2 then keeps each layer's full gradient until that
+        last backward reduce-scatters it: with more than one micro-batch a step, a full gradient on every rank.
+      - fsdp2_gathered: the root's parameters (embeddings, LM head, final norm), which stay gathered from its forward
+        to the end of its backward; two decoder layers gathered at once (the one computing and the next, which
+        fully_shard's default implicit forward prefetch and explicit backward prefetch of one layer gather ahead); one
+        layer's unsharded gradient and its reduce-scatter input. All in the parameters' dtype (no mixed-precision
+        policy: under bf16-autocast the gathered weights are fp32)."""
+    if job.gpus == 1:
+        return {"weights": weights, "gradients": gradients, "optimizer": optimizer_states}
+    if job.distributed == "ddp":
+        return {"weights": weights, "gradients": gradients, "optimizer": optimizer_states,
+                "ddp_gradient_buckets": gradients}
+    size = job.gpus
+    param_bytes = _bytes(job.dtype)[0]
+    root = shape.num_parameters() - shape.num_layers * shape.layer_parameters()
+    return {"weights": weights // size, "gradients": gradients // size, "optimizer": optimizer_states // size,
+            "fsdp2_unsharded_gradients": gradients if job.micro_batches_per_step > 1 else 0,
+            "fsdp2_gathered": (root + 2 * shape.layer_parameters()) * param_bytes + 2 * layer_gradients}
+
+
 def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], attention: str) -> dict:
     """The components of one micro-batch at the training peak: its activations, loss buffers and attention mask
-    during backward, or (when that is larger) one no-grad log-prob pass, the other three then 0."""
+    during backward, or (when that is larger) one no-grad log-prob pass, the other three then 0.
+
+    Under sequence parallelism (N ranks) each rank runs the decoder on its shard of the packed row, the row's tokens
+    / N (the row padded to a multiple of N), and the loss on the completion tokens whose predicting state it holds
+    (at most those of its shard); it also holds sp_all_to_all, the send and receive copies of the all-to-alls of one
+    layer (grpo_fast.sequence_parallel._exchange: q, k and v, key/value heads repeated to N when fewer, and the
+    attention output), and sp_completion_states, the (b, C, H) tensor of the completion tokens' hidden states that
+    states_here builds on every rank, zero where another rank holds them. A no-grad pass holds both as well."""
     _, act_bytes = _bytes(job.dtype)
     h = shape.hidden_size
     sequences = job.micro_batch_sequences
-    tokens = sequences * (job.prompt_length + job.completion_length)
-    completion_tokens = sequences * job.completion_length
+    parallel = job.sequence_parallel
+    tokens = -(-sequences * (job.prompt_length + job.completion_length) // parallel)
+    completion_tokens = min(sequences * job.completion_length, tokens)
+    sp = {}
+    if parallel > 1:
+        exchanged = 2 * shape.q_dim + 2 * max(shape.num_kv_heads, parallel) * shape.head_size
+        sp = {"sp_all_to_all": 2 * tokens * exchanged * act_bytes,
+              "sp_completion_states": sequences * job.completion_length * h * act_bytes}
 
     per_layer = (SAVED_PER_HIDDEN * h + SAVED_PER_KV * shape.kv_dim + SAVED_PER_INTERMEDIATE
                  * shape.intermediate_size) * act_bytes
@@ -433,11 +579,14 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
     if job.beta > 0 or job.engine == "vllm" or job.max_staleness:      # a rollout process's log-probs: corrected
         no_grad = tokens * (int(RECOMPUTE_PEAK * per_layer) + around) + _loss_buffers(
             job, shape, completion_tokens, act_bytes, capacity, forward_only=True) + elements * (1 + act_bytes)
-    training = activations + loss_bytes + mask_bytes >= no_grad
+    if no_grad:
+        no_grad += sum(sp.values())
+    training = activations + loss_bytes + mask_bytes + sum(sp.values()) >= no_grad
     return {"activations": activations if training else 0,
             "loss_buffers": loss_bytes if training else 0,
             "attention_mask": mask_bytes if training else 0,
-            "no_grad_pass": 0 if training else no_grad}
+            "no_grad_pass": 0 if training else no_grad,
+            **{name: value if training else 0 for name, value in sp.items()}}
 
 
 def _with_generation(shape: ModelShape, job: Job, components: dict, training_peak: int, runtime: int) -> tuple:
@@ -447,9 +596,9 @@ def _with_generation(shape: ModelShape, job: Job, components: dict, training_pea
     param_bytes, _ = _bytes(job.dtype)
     params = shape.num_parameters()
     # The HF engine generates all of the step's prompts in one model.generate call, with the policy's weights in
-    # their own dtype (no autocast): the KV cache of prompts_per_step x group_size sequences at full length and one
+    # their own dtype (no autocast): the KV cache of prompts_per_rank x group_size sequences at full length and one
     # decode step's logits of those rows.
-    rows = job.prompts_per_step * job.group_size
+    rows = job.prompts_per_rank * job.group_size
     kv_cache = hf_kv_cache(shape, job)
     step_logits = rows * shape.vocab_size * (param_bytes + GENERATE_LOGIT_BYTES)
     # In-process HF generation runs before the update, gradients freed (zero_grad(set_to_none=True)): a separate
@@ -457,7 +606,9 @@ def _with_generation(shape: ModelShape, job: Job, components: dict, training_pea
     # one, the components are those it holds.
     generation_peak = 0
     if job.engine == "hf" and not job.max_staleness:
-        held = ("weights", "optimizer", "reference_model", "kept_sets", "runtime")
+        # DDP's buckets live for the whole run; FSDP2 gathers the layers one by one as generate calls them
+        held = [name for name in ("weights", "optimizer", "ddp_gradient_buckets", "fsdp2_gathered", "reference_model",
+                                  "kept_sets", "runtime") if name in components]
         generation_peak = sum(components[name] for name in held) + kv_cache + step_logits
         if generation_peak > training_peak:
             components = {name: value if name in held else 0 for name, value in components.items()}
@@ -508,13 +659,13 @@ def hf_kv_cache(shape: ModelShape, job: Job) -> int:
     """Bytes of the HF engine's KV cache: one model.generate call for all of a step's prompts, prompts_per_step x
     group_size sequences up to prompt + completion tokens, keys and values of every layer in the weights' dtype
     (grpo_fast.train.rollout.engines.HFEngine batches every prompt of a call)."""
-    tokens = job.prompts_per_step * job.group_size * (job.prompt_length + job.completion_length)
+    tokens = job.prompts_per_rank * job.group_size * (job.prompt_length + job.completion_length)
     return 2 * shape.num_layers * shape.kv_dim * tokens * _bytes(job.dtype)[0]
 
 
 def kv_cache_needed(shape: ModelShape, job: Job) -> int:
     """Bytes of bf16 KV cache that hold every sequence of one step at full length at once."""
-    sequences = job.group_size * job.prompts_per_step
+    sequences = job.group_size * job.prompts_per_rank
     per_token = 2 * shape.num_layers * shape.kv_dim * 2
     return sequences * (job.prompt_length + job.completion_length) * per_token
 
@@ -532,7 +683,7 @@ def fits(shape: ModelShape, job: Job) -> dict:
 
 def _vllm_minimum(shape: ModelShape, job: Job) -> int:
     """The least vLLM's pool must hold: its bf16 weights and one sequence's KV cache at full length."""
-    return shape.num_parameters() * 2 + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_step)
+    return shape.num_parameters() * 2 + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_rank)
 
 
 def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple:

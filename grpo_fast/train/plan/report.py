@@ -53,13 +53,13 @@ def format_report(report: PlanReport) -> str:
              f"{'on' if job['gradient_checkpointing'] else 'off'}, "
              f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}, "
              f"{'packed' if job.get('packing', True) else 'padded'} micro-batches, attention "
-             f"{report.attention or job.get('attention', 'auto')}", context_line(report), "",
-             f"{'component':<24}{'GiB':>10}"]
+             f"{report.attention or job.get('attention', 'auto')}", context_line(report), gpu_line(job), "",
+             f"{'component':<26}{'GiB per GPU':>12}"]
     for name, value in report.components.items():
         if name == "total":
             continue
-        lines.append(f"{name:<24}{value / GIB:>10.2f}")
-    lines.append(f"{'peak':<24}{report.components['total'] / GIB:>10.2f}")
+        lines.append(f"{name:<26}{value / GIB:>12.2f}")
+    lines.append(f"{'peak':<26}{report.components['total'] / GIB:>12.2f}")
     staleness = job.get("max_staleness", 0)
     if job["engine"] == "vllm":
         where = "in its own process" if staleness else "in this process"
@@ -89,6 +89,22 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"to fit {card}: {report.cards[card]['advice']}")
     return "\n".join(lines)
 
+
+
+def gpu_line(job: dict) -> str:
+    """Which GPU the plan is of: the processes, the wrapper and sequence parallelism of `job` (a Job as a dict)."""
+    gpus, parallel = job.get("gpus", 1), job.get("sequence_parallel", 1)
+    groups, prompts = gpus // parallel, job["prompts_per_step"] // (gpus // parallel)
+    if gpus == 1:
+        where = "per GPU: gpus 1, one process (no ddp or fsdp2 wrapper)"
+    elif job.get("distributed") == "fsdp2":
+        where = (f"per GPU: each of gpus {gpus}, fsdp2 (weights, gradients and optimizer states sharded over the "
+                 f"{gpus} ranks)")
+    else:
+        where = f"per GPU: each of gpus {gpus}, ddp (full replicas and gradient buckets)"
+    return (f"{where}, sequence_parallel {parallel}: {groups} data-parallel group{'s' if groups > 1 else ''} of "
+            f"{prompts} prompts a step" + (f", each micro-batch's tokens split over {parallel} ranks"
+                                           if parallel > 1 else ""))
 
 
 def context_line(report: PlanReport) -> str:
