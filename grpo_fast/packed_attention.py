@@ -113,11 +113,12 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         # Ulysses: this rank's heads over the whole row, then back to its tokens (grpo_fast.sequence_parallel)
         from grpo_fast import sequence_parallel
 
+        heads = query.shape[1]
         module, query, key, value = sequence_parallel.spread_heads(module, query, key, value, shards)
         output, _ = varlen_attention_forward(module, query, key, value, attention_mask, dropout, scaling,
                                              sliding_window, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
                                              max_length_k, None, shared_prompts, **kwargs)
-        return sequence_parallel.gather_heads(output, shards), None
+        return sequence_parallel.gather_heads(output, shards, heads), None
     batch, _, length, _ = query.shape
     extra = eager_only(kwargs)
     packed_row = attention_mask is None and batch == 1 and key.shape[2] == length

@@ -13,8 +13,8 @@ its shard. Everything in a decoder layer but attention is per token. In attentio
 (N / N_sp tokens, all heads) into (all N tokens, heads / N_sp), the packed attention computes whole sequences for
 those heads, and a second all-to-all turns it back (DeepSpeed-Ulysses; verl's `ulysses_sequence_parallel_size`).
 Positions are the row's own (position_ids restart at each sequence), so RoPE takes global positions. A model with
-fewer key / value heads than N_sp has each repeated N_sp / kv_heads times, as verl does; other head counts are
-refused in one line.
+fewer key / value heads than N_sp has each repeated N_sp / kv_heads times, as verl does; heads that N_sp does not
+divide are split as evenly as can be, with key / value heads repeated to one per query head.
 
 The loss is per token, so it runs where the tokens are: each rank's (b, C) mask keeps the tokens whose predicting
 hidden state it holds. Every quantity the loss sums over a sequence or over the batch (a sequence's token count,
@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
@@ -114,35 +116,54 @@ def states_here(hidden: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all(x, group, scatter_dim, gather_dim); its backward is the exchange the other way."""
+    """all_to_all(x, shards, scatter_dim, scatter_sizes, gather_dim, gather_sizes); its backward is the exchange
+    the other way."""
 
     @staticmethod
-    def forward(ctx, x, group, size, scatter_dim, gather_dim):
-        ctx.group, ctx.size, ctx.dims = group, size, (scatter_dim, gather_dim)
-        return _exchange(x, group, size, scatter_dim, gather_dim)
+    def forward(ctx, x, shards, scatter_dim, scatter_sizes, gather_dim, gather_sizes):
+        ctx.shards, ctx.other_way = shards, (gather_dim, gather_sizes, scatter_dim, scatter_sizes)
+        return _exchange(x, shards, scatter_dim, scatter_sizes, gather_dim, gather_sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _exchange(grad.contiguous(), ctx.group, ctx.size, gather_dim, scatter_dim), None, None, None, None
+        return _exchange(grad.contiguous(), ctx.shards, *ctx.other_way), None, None, None, None, None
 
 
-def _exchange(x: torch.Tensor, group, size: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+def _exchange(x: torch.Tensor, shards: "SequenceShards", scatter_dim: int, scatter_sizes: list, gather_dim: int,
+              gather_sizes: list) -> torch.Tensor:
     import torch.distributed as dist
 
-    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()       # chunk i goes to rank i
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)                 # rank i's chunk i-th along gather_dim
+    sent = x.split(scatter_sizes, dim=scatter_dim)                       # piece i goes to rank i
+    shape = list(x.shape)
+    shape[scatter_dim] = scatter_sizes[shards.rank]
+    shapes = []                                                          # what rank j sends this rank
+    for size in gather_sizes:
+        shape[gather_dim] = size
+        shapes.append(tuple(shape))
+    send = torch.cat([piece.reshape(-1) for piece in sent])
+    received = send.new_empty(sum(math.prod(piece) for piece in shapes))
+    dist.all_to_all_single(received, send, output_split_sizes=[math.prod(piece) for piece in shapes],
+                           input_split_sizes=[piece.numel() for piece in sent], group=shards.group)
+    pieces = received.split([math.prod(piece) for piece in shapes])
+    return torch.cat([piece.view(piece_shape) for piece, piece_shape in zip(pieces, shapes)], dim=gather_dim)
 
 
-def all_to_all(x: torch.Tensor, shards: SequenceShards, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """x cut into shards.size equal chunks along scatter_dim, chunk i sent to rank i, the chunks received put
-    together along gather_dim in rank order; differentiable (the backward exchanges the gradient back)."""
-    if x.shape[scatter_dim] % shards.size:
-        raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} does not split into "
-                         f"{shards.size} shards")
-    return _AllToAll.apply(x, shards.group, shards.size, scatter_dim, gather_dim)
+def split_sizes(total: int, parts: int) -> list:
+    """`total` cut into `parts` sizes as even as can be, the larger first: split_sizes(9, 2) == [5, 4]."""
+    return [total // parts + (1 if part < total % parts else 0) for part in range(parts)]
+
+
+def all_to_all(x: torch.Tensor, shards: SequenceShards, scatter_dim: int, gather_dim: int,
+               scatter_sizes: Optional[list] = None) -> torch.Tensor:
+    """x cut along scatter_dim into shards.size pieces (scatter_sizes, default even), piece i sent to rank i, the
+    pieces received put together along gather_dim in rank order (every rank's x of the same size along it but at
+    scatter_dim); differentiable: the backward exchanges the gradient back."""
+    scatter_sizes = scatter_sizes or split_sizes(x.shape[scatter_dim], shards.size)
+    if sum(scatter_sizes) != x.shape[scatter_dim]:
+        raise ValueError(f"scatter_sizes {scatter_sizes} must add up to dimension {scatter_dim}'s "
+                         f"{x.shape[scatter_dim]}")
+    gather_sizes = [x.shape[gather_dim]] * shards.size
+    return _AllToAll.apply(x, shards, scatter_dim, scatter_sizes, gather_dim, gather_sizes)
 
 
 class _Heads:
@@ -158,25 +179,28 @@ class _Heads:
 
 def spread_heads(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shards: SequenceShards) -> tuple:
     """(module, query, key, value) of the whole row for this rank's heads: query (1, heads, n, D) of the shard's n
-    tokens becomes (1, heads / N_sp, N, D), key / value likewise (their heads repeated to N_sp first when there are
-    fewer, as verl does). Raises ValueError (one line) for head counts that do not split."""
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if heads % shards.size:
-        raise ValueError(f"sequence_parallel {shards.size} must divide the model's {heads} attention heads")
-    if kv_heads % shards.size:
-        if shards.size % kv_heads:
-            raise ValueError(f"sequence_parallel {shards.size} must divide the model's {kv_heads} key/value heads "
-                             f"or be a multiple of them")
-        repeats = shards.size // kv_heads
-        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
-    query, key, value = (all_to_all(t, shards, scatter_dim=1, gather_dim=2) for t in (query, key, value))
+    tokens becomes (1, its share of the heads, N, D), key / value likewise. Heads split evenly where the ranks
+    divide them; key / value heads fewer than the ranks are repeated to their number (as verl does); where the
+    heads do not split evenly (SmolLM2's 9 over 2 ranks) key / value heads are repeated to one per query head and
+    the heads split as evenly as can be (5 and 4). Raises ValueError (one line) for more ranks than heads."""
+    heads, kv_heads, size = query.shape[1], key.shape[1], shards.size
+    if heads < size:
+        raise ValueError(f"sequence_parallel {size} must be at most the model's {heads} attention heads")
+    if heads % size == 0 and kv_heads % size and size % kv_heads == 0:
+        key, value = key.repeat_interleave(size // kv_heads, 1), value.repeat_interleave(size // kv_heads, 1)
+    elif heads % size or kv_heads % size:
+        key, value = key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1)
+    head_sizes = split_sizes(heads, size)
+    kv_sizes = split_sizes(key.shape[1], size)
+    query = all_to_all(query, shards, scatter_dim=1, gather_dim=2, scatter_sizes=head_sizes)
+    key, value = (all_to_all(t, shards, scatter_dim=1, gather_dim=2, scatter_sizes=kv_sizes) for t in (key, value))
     return _Heads(module, query.shape[1] // key.shape[1]), query, key, value
 
 
-def gather_heads(output: torch.Tensor, shards: SequenceShards) -> torch.Tensor:
-    """(1, n, heads, D): an attention output (1, N, heads / N_sp, D) of the whole row for this rank's heads, back
-    to this rank's n tokens with every head."""
-    return all_to_all(output, shards, scatter_dim=1, gather_dim=2)
+def gather_heads(output: torch.Tensor, shards: SequenceShards, heads: int) -> torch.Tensor:
+    """(1, n, heads, D): an attention output (1, N, this rank's share of the model's `heads`, D) of the whole row,
+    back to this rank's n tokens with every head."""
+    return _AllToAll.apply(output, shards, 1, [shards.shard_length] * shards.size, 2, split_sizes(heads, shards.size))
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ gradient (summed over ranks) must equal one process's. Every rank computes the o
 Rank 0 prints one JSON line: per case, the loss both ways and the largest relative error of the loss, the
 metrics and the parameters' gradients (each parameter's norm of the difference over its gradient's norm).
 
-    torchrun --nproc_per_node 2 -m tests.sequence_parallel_check [--kv-heads 1] [--local-sums]
+    torchrun --nproc_per_node 2 -m tests.sequence_parallel_check [--heads 9 --kv-heads 3] [--local-sums]
 """
 
 import argparse
@@ -47,11 +47,11 @@ def rollout(vocab: int):
     return generation, advantages, old_offset, ref_offset
 
 
-def model_of(vocab: int, kv_heads: int):
+def model_of(vocab: int, heads: int, kv_heads: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16 * heads, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -76,13 +76,14 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--local-sums", action="store_true",
                         help="the loss's sums over this rank's tokens alone (what summing_over corrects)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     vocab = 50
-    model = model_of(vocab, args.kv_heads)
+    model = model_of(vocab, args.heads, args.kv_heads)
     trunk = HiddenStates(model)
     generation, advantages, old_offset, ref_offset = rollout(vocab)
     with torch.no_grad():
@@ -119,7 +120,7 @@ def main():
                             "loss": float(loss), "want": float(want[0]), "metrics": sorted(metrics),
                             "worst": max(errors), "local_tokens": int((mask & local).sum())})
     if dist.get_rank() == 0:
-        print(json.dumps({"size": shards.size, "kv_heads": args.kv_heads, "cases": results}))
+        print(json.dumps({"size": shards.size, "heads": args.heads, "kv_heads": args.kv_heads, "cases": results}))
     dist.destroy_process_group()
 
 
