@@ -134,6 +134,16 @@ def test_sequence_parallel_divides_the_micro_batch_by_its_ranks(parallel):
         assert split[name] == one[name], name
 
 
+def test_heads_that_split_unevenly_exchange_the_larger_share():
+    # Qwen2.5-7B's 28 heads over 8 ranks: 4 or 3 a rank; its 4 key/value heads repeated to one per query head
+    shape = PRESETS["qwen2.5-7b"]
+    job = _job(micro_batch_size=1, gpus=8, sequence_parallel=8, distributed="fsdp2")
+    shard = -(-(512 + 8192) // 8)
+    row, head = 8 * shard, 128
+    q = shard * 28 + row * 4                     # q sent (every head of the shard), received (4 heads of the row)
+    assert plan(shape, job, H100)["sp_all_to_all"] == 2 * (q + q) * head * 2
+
+
 def test_a_sequence_parallel_row_that_does_not_split_evenly_is_padded():
     # 1 sequence of 512 + 8191 tokens over 4 ranks: each runs ceil(8703 / 4) = 2176 tokens
     job = _job(completion_length=8191, micro_batch_size=1, gpus=4, sequence_parallel=4, distributed="fsdp2")
@@ -208,7 +218,7 @@ def test_heads_that_do_not_split_are_refused_as_the_attention_refuses_them():
         return None
 
     for heads, kv_heads, size in ((28, 4, 8), (28, 4, 4), (12, 2, 4), (12, 2, 3), (32, 8, 16), (32, 8, 8),
-                                  (12, 3, 2)):
+                                  (12, 3, 2), (9, 3, 2), (4, 2, 8), (12, 2, 16)):
         shape = ModelShape(64, 128, 2, heads, kv_heads, 1000, head_dim=8)
         job = Job(prompts_per_step=16, gpus=size, sequence_parallel=size, distributed="fsdp2")
         expected = attention_says(heads, kv_heads, size)
@@ -248,7 +258,8 @@ def test_cli_prints_one_gpus_plan_naming_the_gpus_the_ranks_and_the_wrapper():
     (("--gpus", "8", "--sequence-parallel", "3"), "sequence_parallel 3 must divide the number of processes, got 8"),
     (("--gpus", "8", "--prompts-per-step", "12"), "prompts_per_step must be a multiple of the number of processes "
                                                   "(8)"),
-    (("--gpus", "8", "--sequence-parallel", "8"), "sequence_parallel 8 must divide the model's 28 attention heads"),
+    (("--gpus", "32", "--sequence-parallel", "32"), "sequence_parallel 32 must be at most the model's 28 attention "
+                                                    "heads"),
     (("--completion-length", "65536", "--gpus", "8", "--sequence-parallel", "4"),
      "set --rope-scaling to {\"rope_type\": \"yarn\", \"factor\": 3}"),
     (("--gpus", "0"), "--gpus must be >= 1, got 0"),

@@ -426,14 +426,23 @@ class Estimate(dict):
 
 
 def check_heads(shape: ModelShape, job: Job) -> None:
-    """Raises ValueError (one line, grpo_fast.sequence_parallel.spread_heads' words) unless job.sequence_parallel
-    divides the model's attention heads and divides its key/value heads or is a multiple of them."""
-    size, heads, kv_heads = job.sequence_parallel, shape.num_heads, shape.num_kv_heads
-    if heads % size:
-        raise ValueError(f"sequence_parallel {size} must divide the model's {heads} attention heads")
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(f"sequence_parallel {size} must divide the model's {kv_heads} key/value heads or be a "
-                         f"multiple of them")
+    """Raises ValueError (one line, grpo_fast.sequence_parallel.spread_heads' words) when job.sequence_parallel is
+    more than the model's attention heads (fewer, they split as evenly as can be)."""
+    size, heads = job.sequence_parallel, shape.num_heads
+    if heads < size:
+        raise ValueError(f"sequence_parallel {size} must be at most the model's {heads} attention heads")
+
+
+def exchanged_kv_heads(shape: ModelShape, size: int) -> int:
+    """The key / value heads the all-to-all exchanges over `size` ranks (grpo_fast.sequence_parallel.spread_heads):
+    as they are where the ranks divide both counts, repeated to `size` where the ranks divide the heads and are a
+    multiple of the key / value heads, else repeated to one per query head."""
+    heads, kv_heads = shape.num_heads, shape.num_kv_heads
+    if heads % size == 0 and kv_heads % size and size % kv_heads == 0:
+        return size
+    if heads % size or kv_heads % size:
+        return heads
+    return kv_heads
 
 
 def mask_elements(job: Job, attention: str) -> int:
@@ -545,9 +554,9 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
     Under sequence parallelism (N ranks) each rank runs the decoder on its shard of the packed row, the row's tokens
     / N (the row padded to a multiple of N), and the loss on the completion tokens whose predicting state it holds
     (at most those of its shard); it also holds sp_all_to_all, the send and receive copies of the all-to-alls of one
-    layer (grpo_fast.sequence_parallel._exchange: q, k and v, key/value heads repeated to N when fewer, and the
-    attention output), and sp_completion_states, the (b, C, H) tensor of the completion tokens' hidden states that
-    states_here builds on every rank, zero where another rank holds them. A no-grad pass holds both as well."""
+    layer (grpo_fast.sequence_parallel._exchange: q, k and v, key/value heads repeated as exchanged_kv_heads says,
+    and the attention output), and sp_completion_states, the (b, C, H) tensor of the completion tokens' hidden
+    states that states_here builds on every rank, zero where another rank holds them."""
     _, act_bytes = _bytes(job.dtype)
     h = shape.hidden_size
     sequences = job.micro_batch_sequences
@@ -556,8 +565,12 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
     completion_tokens = min(sequences * job.completion_length, tokens)
     sp = {}
     if parallel > 1:
-        exchanged = 2 * shape.q_dim + 2 * max(shape.num_kv_heads, parallel) * shape.head_size
-        sp = {"sp_all_to_all": 2 * tokens * exchanged * act_bytes,
+        # send and receive copies of q and the attention output (this shard's tokens with every head; the whole
+        # row with this rank's share of the heads, the larger share where they split unevenly), and of k and v
+        kv_heads, row = exchanged_kv_heads(shape, parallel), tokens * parallel
+        per_head = [tokens * count + row * -(-count // parallel) for count in (shape.num_heads, kv_heads)]
+        exchanged = 2 * sum(per_head) * shape.head_size
+        sp = {"sp_all_to_all": exchanged * act_bytes,
               "sp_completion_states": sequences * job.completion_length * h * act_bytes}
 
     per_layer = (SAVED_PER_HIDDEN * h + SAVED_PER_KV * shape.kv_dim + SAVED_PER_INTERMEDIATE
