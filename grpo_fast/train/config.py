@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 from grpo_fast.fields import Rule, hints, one_of, type_name
 from grpo_fast.train import keys
-from grpo_fast.train.distributed import DistributionConfig
+from grpo_fast.train.distributed import DistributionConfig, check_sequence_parallel
 from grpo_fast.train.policy import PolicyConfig
 from grpo_fast.train.rollout.config import RolloutConfig, length_stages
 from grpo_fast.train.run.config import RunConfig
@@ -169,22 +169,6 @@ class TrainConfig:
             raise ValueError("scale_rewards='batch' needs the rewards of all ranks; use 'group' or 'none'")
 
 
-def check_sequence_parallel(config: TrainConfig) -> None:
-    """distribution.sequence_parallel > 1 cuts packed rows (packing: true) in grpo_fast's own attention (attention:
-    auto), with the rollouts in the trainer's processes (max_staleness: 0)."""
-    size = config.distribution.sequence_parallel
-    if size == 1:
-        return
-    if not config.batching.packing:
-        raise ValueError(f"sequence_parallel={size} cuts packed micro-batches across processes: set packing: true")
-    if config.policy.attention != "auto":
-        raise ValueError(f"sequence_parallel={size} exchanges heads inside grpo_fast's packed attention: set "
-                         f"attention: auto, got {config.policy.attention!r}")
-    if config.rollout.max_staleness:
-        raise ValueError(f"sequence_parallel={size} runs under torchrun, where max_staleness must be 0, got "
-                         f"{config.rollout.max_staleness}")
-
-
 def _check_across_sections(config: TrainConfig) -> None:
     """The checks of keys from two or more sections."""
     eval_source = config.data.task if config.evaluation.eval_task is None else config.evaluation.eval_task
@@ -212,7 +196,8 @@ def _check_across_sections(config: TrainConfig) -> None:
                          f"a packed row's sequences apart in every model), got attention={config.policy.attention!r}; "
                          "set packing: false to keep it")
     check_optimizer(config.policy.dtype, config.optimization.optimizer, config.policy.lora_rank)
-    check_sequence_parallel(config)
+    check_sequence_parallel(config.distribution.sequence_parallel, config.batching.packing, config.policy.attention,
+                            config.rollout.max_staleness)
     if config.evaluation.eval_reward == "overlong":
         raise ValueError("eval_reward 'overlong' scores lengths, not answers: name a reward that scores the answer "
                          "(accuracy, exact_match, ...) or leave it unset")

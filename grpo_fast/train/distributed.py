@@ -76,9 +76,7 @@ def init(device_name: str, sequence_parallel: int = 1) -> World:
     sequence_parallel > 1 also the group of this rank's consecutive sequence_parallel ranks. Raises ValueError
     (one line) when sequence_parallel does not divide the number of processes."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size % sequence_parallel:
-        raise ValueError(f"sequence_parallel {sequence_parallel} must divide the number of processes, got {size} "
-                         f"(torchrun --nproc_per_node a multiple of {sequence_parallel})")
+    check_processes(size, sequence_parallel)
     if size == 1:
         return World()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -88,6 +86,29 @@ def init(device_name: str, sequence_parallel: int = 1) -> World:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo")
     return World(rank, size, local_rank, sequence_parallel, sequence_group(rank, size, sequence_parallel))
+
+
+def check_processes(size: int, sequence_parallel: int) -> None:
+    """sequence_parallel must divide the `size` processes (ValueError, one line)."""
+    if size % sequence_parallel:
+        raise ValueError(f"sequence_parallel {sequence_parallel} must divide the number of processes, got {size} "
+                         f"(torchrun --nproc_per_node a multiple of {sequence_parallel})")
+
+
+def check_sequence_parallel(size: int, packing: bool, attention: str, max_staleness: int) -> None:
+    """distribution.sequence_parallel (`size`) > 1 cuts packed rows (batching.packing) in grpo_fast's own attention
+    (policy.attention auto), with the rollouts in the trainer's processes (rollout.max_staleness 0). ValueError
+    (one line) otherwise."""
+    if size == 1:
+        return
+    if not packing:
+        raise ValueError(f"sequence_parallel={size} cuts packed micro-batches across processes: set packing: true")
+    if attention != "auto":
+        raise ValueError(f"sequence_parallel={size} exchanges heads inside grpo_fast's packed attention: set "
+                         f"attention: auto, got {attention!r}")
+    if max_staleness:
+        raise ValueError(f"sequence_parallel={size} runs under torchrun, where max_staleness must be 0, got "
+                         f"{max_staleness}")
 
 
 def sequence_group(rank: int, size: int, sequence_parallel: int):

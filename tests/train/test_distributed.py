@@ -220,3 +220,22 @@ def test_torchrun_with_sequence_parallelism_matches_one_process(tmp_path):
             # rounding noise in both runs, which AdamW's normalization turns into steps of either sign
             continue
         assert float((weights_two[name] - weight).norm() / weight.norm()) < 1e-5, name
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"packing": False}, "sequence_parallel=2 cuts packed micro-batches across processes: set packing: true"),
+    ({"attention": "eager", "packing": False}, "packing"),
+    ({"attention": "eager"}, "packing=True needs attention 'auto'"),
+    ({"max_staleness": 1, "importance_sampling": "token_truncate"},
+     "sequence_parallel=2 runs under torchrun, where max_staleness must be 0, got 1")])
+def test_sequence_parallel_refuses_what_it_cannot_cut(keys, message):
+    from grpo_fast.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_keys(model="tiny", sequence_parallel=2, **keys)
+    with pytest.raises(ValueError, match=r"sequence_parallel 2 must divide the number of processes, got 3 \(torchrun "
+                                         r"--nproc_per_node a multiple of 2\)"):
+        distributed.check_processes(3, 2)
+    with pytest.raises(ValueError, match="sequence_parallel=4 exchanges heads inside grpo_fast's packed attention: "
+                                         "set attention: auto, got 'sdpa'"):
+        distributed.check_sequence_parallel(4, True, "sdpa", 0)

@@ -60,6 +60,7 @@ from typing import Optional
 from grpo_fast import chunked
 from grpo_fast.backends import torch_ops
 from grpo_fast.packed_attention import choose_attention
+from grpo_fast.train.distributed import check_processes, check_sequence_parallel
 from grpo_fast.train.rollout.config import check_sampling
 from grpo_fast.train.update import optimizer, precision
 
@@ -324,10 +325,7 @@ class Job:
         """The trainer's checks of a job on `gpus` processes, in its words: distributed.init's (sequence_parallel
         divides the processes), TrainConfig.check_world's over the data-parallel groups (whole groups a rank,
         whole mini-batches; max_staleness alone) and check_sequence_parallel's."""
-        size, parallel = self.gpus, self.sequence_parallel
-        if size % parallel:
-            raise ValueError(f"sequence_parallel {parallel} must divide the number of processes, got {size} "
-                             f"(torchrun --nproc_per_node a multiple of {parallel})")
+        check_processes(self.gpus, self.sequence_parallel)
         groups = self.data_groups
         if self.prompts_per_step % groups:
             raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({groups}) so that "
@@ -342,16 +340,7 @@ class Job:
         if self.max_staleness and groups > 1:
             raise ValueError(f"max_staleness={self.max_staleness} runs one rollout process for one trainer "
                              f"process; under torchrun ({groups} processes) use max_staleness: 0")
-        if parallel > 1:
-            if not self.packing:
-                raise ValueError(f"sequence_parallel={parallel} cuts packed micro-batches across processes: set "
-                                 "packing: true")
-            if self.attention != "auto":
-                raise ValueError(f"sequence_parallel={parallel} exchanges heads inside grpo_fast's packed "
-                                 f"attention: set attention: auto, got {self.attention!r}")
-            if self.max_staleness:
-                raise ValueError(f"sequence_parallel={parallel} runs under torchrun, where max_staleness must be "
-                                 f"0, got {self.max_staleness}")
+        check_sequence_parallel(self.sequence_parallel, self.packing, self.attention, self.max_staleness)
 
     @property
     def data_groups(self) -> int:
