@@ -127,6 +127,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="keep every layer's activations for backward (the trainer's gradient_checkpointing: "
                         "false)")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="keep the activations saved for backward in pinned host memory (the trainer's "
+                        "policy.offload_activations; CUDA jobs: a host line beside the card's)")
     parser.add_argument("--lora-rank", type=int, default=trainer["lora_rank"],
                         help="rank of LoRA adapters trained on a frozen base (0: full training)")
     parser.add_argument("--loss", choices=LOSSES, default=trainer["loss"],
@@ -226,7 +229,8 @@ def main(args) -> int:
                   gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
                   packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness,
                   top_k=args.top_k, top_p=args.top_p, steps_per_generation=args.steps_per_generation,
-                  gpus=args.gpus, sequence_parallel=args.sequence_parallel, distributed=args.distributed)
+                  gpus=args.gpus, sequence_parallel=args.sequence_parallel, distributed=args.distributed,
+                  offload_activations=args.offload_activations)
         check_heads(shape, job)
         context = check_plan_context(shape, job, args.rope_scaling, args.model, length_key="--completion-length",
                                      scaling_key="--rope-scaling")

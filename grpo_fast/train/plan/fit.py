@@ -82,10 +82,10 @@ def check_plan_context(shape: ModelShape, job: Job, rope_scaling: Optional[dict]
 
 
 def training_job(config, prompt_length: int, device: str, gpus: int = 1) -> Job:
-    """The Job a TrainConfig runs: its lengths, batching, checkpointing, loss, KL, engine, staleness, dtype (auto: bf16
-    autocast over fp32 weights on CUDA, fp32 on CPU), optimizer, LoRA rank, steps_per_generation and distribution
-    section (sequence_parallel, distributed) on `device`, under torchrun with `gpus` processes. prompt_length: the
-    longest prompt in tokens, which the config alone does not know."""
+    """The Job a TrainConfig runs: its lengths, batching, checkpointing and activation offload, loss, KL, engine,
+    staleness, dtype (auto: bf16 autocast over fp32 weights on CUDA, fp32 on CPU), optimizer, LoRA rank,
+    steps_per_generation and distribution section (sequence_parallel, distributed) on `device`, under torchrun with
+    `gpus` processes. prompt_length: the longest prompt in tokens, which the config alone does not know."""
     policy, rollout, batching, optimization = config.policy, config.rollout, config.batching, config.optimization
     device = "cpu" if policy.device == "cpu" else device
     return Job(prompt_length=prompt_length, completion_length=rollout.max_completion_length,
@@ -99,7 +99,8 @@ def training_job(config, prompt_length: int, device: str, gpus: int = 1) -> Job:
                packing=batching.packing, max_staleness=rollout.max_staleness, top_k=rollout.top_k,
                top_p=rollout.top_p, gpus=gpus, sequence_parallel=config.distribution.sequence_parallel,
                distributed=config.distribution.distributed,
-               steps_per_generation=optimization.steps_per_generation)
+               steps_per_generation=optimization.steps_per_generation,
+               offload_activations=policy.offload_activations)
 
 
 

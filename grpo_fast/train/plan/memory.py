@@ -289,6 +289,7 @@ class Job:
     max_staleness: int = 0
     top_k: int = 0
     top_p: float = 1.0
+    offload_activations: bool = False
     gpus: int = 1
     sequence_parallel: int = 1
     distributed: str = "ddp"
@@ -407,11 +408,13 @@ class Estimate(dict):
     """plan()'s {component: bytes} with the attention implementation it was counted for (`.attention`), the
     training peak (`.training_peak`: the update's, without a rollout process) and the in-process HF engine's
     generation peak (`.generation_peak`, 0 for other engines); "total" is the higher one (plus a rollout
-    process's memory)."""
+    process's memory). `.host_activations`: the pinned host memory offload_activations moves there (not in the
+    card's total)."""
 
     attention: str = ""
     training_peak: int = 0
     generation_peak: int = 0
+    host_activations: int = 0
 
 
 def check_heads(shape: ModelShape, job: Job) -> None:
@@ -501,6 +504,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     estimate = Estimate(components)
     estimate.attention = attention
     estimate.training_peak, estimate.generation_peak = training_peak, generation_peak
+    estimate.host_activations = offloaded_activations(shape, job)
     return estimate
 
 
@@ -536,6 +540,31 @@ def _replicas_or_shards(shape: ModelShape, job: Job, weights: int, gradients: in
             "fsdp2_gathered": (root + 2 * shape.layer_parameters()) * param_bytes + 2 * layer_gradients}
 
 
+def offloaded_activations(shape: ModelShape, job: Job) -> int:
+    """Bytes of a micro-batch's saved activations that policy.offload_activations keeps in (pinned) host memory on
+    a CUDA job, 0 otherwise (on a CPU the host is the device). The trainer wraps the decoder's training forward in
+    torch.autograd.graph.save_on_cpu: with checkpointing what that forward saves is each layer's input, so all
+    layers' inputs go to the host and the card keeps one of them (brought back for its layer's recompute) beside the
+    recompute's own working set, which runs in the backward, outside the offload; without checkpointing every
+    layer's saved tensors go, and the card holds one layer's at a time as the backward brings them back. The loss's
+    buffers and the states it takes stay on the card (the loss runs after that forward); so, in this count, do the
+    final norm's few saved tensors, which also go to the host."""
+    return _offloaded_layers(shape, job) * shape.num_layers
+
+
+def _offloaded_layers(shape: ModelShape, job: Job) -> int:
+    """offloaded_activations of one decoder layer (0 without the offload, or on a CPU job)."""
+    if not job.offload_activations or job.device != "cuda":
+        return 0
+    _, act_bytes = _bytes(job.dtype)
+    h = shape.hidden_size
+    tokens = -(-job.micro_batch_sequences * (job.prompt_length + job.completion_length) // job.sequence_parallel)
+    if job.gradient_checkpointing:
+        return tokens * h * act_bytes
+    return tokens * (SAVED_PER_HIDDEN * h + SAVED_PER_KV * shape.kv_dim
+                     + SAVED_PER_INTERMEDIATE * shape.intermediate_size) * act_bytes
+
+
 def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], attention: str) -> dict:
     """The components of one micro-batch at the training peak: its activations, loss buffers and attention mask
     during backward, or (when that is larger) one no-grad log-prob pass, the other three then 0.
@@ -569,6 +598,8 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
         activations = tokens * (shape.num_layers * h * act_bytes + int(RECOMPUTE_PEAK * per_layer) + around)
     else:
         activations = tokens * (shape.num_layers * per_layer + around)
+    if job.offload_activations:             # all layers' saved tensors on the host, one layer's back on the card
+        activations -= offloaded_activations(shape, job) - _offloaded_layers(shape, job)
     loss_bytes = _loss_buffers(job, shape, completion_tokens, act_bytes, capacity)
     # the bool mask lives through the micro-batch's forward and backward (an input of every checkpointed layer);
     # sdpa's additive copy of it in the compute dtype is saved for backward by one layer at a time with

@@ -25,6 +25,7 @@ class PlanReport:
     generation_peak: int = 0
     context: Optional[int] = None              # the model's positions, scaled by rope_scaling (None: unknown)
     rope_scaling: Optional[dict] = None
+    host_activations: int = 0                  # pinned host memory of offload_activations, beside the card's
 
 
 def report(model: str, shape: ModelShape, job: Job, advise=None, context: Optional[int] = None,
@@ -42,7 +43,7 @@ def report(model: str, shape: ModelShape, job: Job, advise=None, context: Option
                       components={k: int(v) for k, v in estimate.items()},
                       kv_cache_needed=kv_cache_needed(shape, job), cards=cards, attention=estimate.attention,
                       training_peak=int(estimate.training_peak), generation_peak=int(estimate.generation_peak),
-                      context=context, rope_scaling=rope_scaling)
+                      context=context, rope_scaling=rope_scaling, host_activations=int(estimate.host_activations))
 
 
 def format_report(report: PlanReport) -> str:
@@ -60,6 +61,9 @@ def format_report(report: PlanReport) -> str:
             continue
         lines.append(f"{name:<26}{value / GIB:>12.2f}")
     lines.append(f"{'peak':<26}{report.components['total'] / GIB:>12.2f}")
+    if report.host_activations:
+        lines.append(f"{'host (pinned) memory':<26}{report.host_activations / GIB:>12.2f}  offload_activations: "
+                     "the saved activations of a micro-batch, off the card")
     staleness = job.get("max_staleness", 0)
     if job["engine"] == "vllm":
         where = "in its own process" if staleness else "in this process"
