@@ -57,8 +57,8 @@ __all__ = ["RunError", "train"]
 
 # ------------------------------------------------------------------------------------------------- setup
 def start_processes(config: TrainConfig, log) -> tuple:
-    """(World, log): the processes under torchrun (a World of one without), the config checked against their
-    number, `log` silenced off rank 0, the seeds set."""
+    """(World, device, log): the processes under torchrun (a World of one without), the config checked against
+    their number, this rank's device, `log` silenced off rank 0, the seeds set."""
     from tqdm.auto import tqdm
 
     tqdm.set_lock(threading.RLock())              # tqdm's default lock is a multiprocessing one, a file in /dev/shm
@@ -71,7 +71,7 @@ def start_processes(config: TrainConfig, log) -> tuple:
         log(f"warning: the stage {start}:{length} of completion_length_stages starts at step {start + 1}, after "
             f"max_steps ({config.run.max_steps}): this run never samples it, yet sizes the context and vLLM for "
             f"{length} tokens")
-    return world, log
+    return world, distributed.resolve_device(config.policy.device, world), log
 
 
 @dataclass
@@ -235,11 +235,10 @@ def train(config: TrainConfig, *, resume: bool = False, log=print) -> list:
     rank under torchrun. Errors a user can act on are ValueError or RunError, raised before anything is written
     where they can be found then. Ctrl-C or SIGTERM saves the last complete step and raises KeyboardInterrupt
     (`.checkpoint`: the folder); resume=True then continues bit for bit (but for rollouts in flight: regenerated)."""
-    world, log = start_processes(config, log)
+    world, device, log = start_processes(config, log)
 
     # setup, each piece checked before the run writes anything: folder, data, model, optimizer, rollouts, files
     folder, state = checkpoint.resume_point(config, resume, log)
-    device = distributed.resolve_device(config.policy.device, world)
     data = load_data(config, state, log)
     log_run_plan(config, data.samples + data.eval_problems, device, log)
     dtype = precision.resolve(config.policy.dtype, device.type, config.policy.lora_rank)

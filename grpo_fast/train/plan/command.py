@@ -155,6 +155,12 @@ def add_arguments(parser) -> None:
                         "each sampled token's kept set is stored for the loss")
     parser.add_argument("--top-p", type=float, default=trainer["top_p"],
                         help="< 1 without --top-k: kept sets of up to the whole vocabulary")
+    add_distribution_arguments(parser, trainer)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
+
+
+def add_distribution_arguments(parser, trainer: dict) -> None:
+    """The options of a job under torchrun (`trainer`: the trainer's defaults by option, as add_arguments has them)."""
     parser.add_argument("--steps-per-generation", type=int, default=trainer["steps_per_generation"],
                         help="optimizer steps per step, each on a mini-batch of its groups (must divide each "
                         "data-parallel group's prompts)")
@@ -169,7 +175,6 @@ def add_arguments(parser) -> None:
                         help="the wrapper with --gpus > 1: ddp (full replicas and gradient buckets) or fsdp2 "
                         "(weights, gradients and optimizer states sharded over all --gpus ranks) [default: ddp, or a "
                         "training config's distribution.distributed]")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per component)")
 
 
 def plan_config(path: str) -> tuple:
