@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 
@@ -78,12 +77,6 @@ def worker(args) -> dict:
             "loss": metrics["loss"], "is_main": world.is_main}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_variant(args, ranks: int) -> dict:
     """worker() in fresh processes: alone (ranks 1) or under torchrun with `ranks` processes."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -94,8 +87,8 @@ def run_variant(args, ranks: int) -> dict:
     if ranks == 1:
         command = [sys.executable, *module]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-                   str(free_port()), *module]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   *module]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -104,8 +97,7 @@ def run_variant(args, ranks: int) -> dict:
 
 
 def plan_rows(args) -> dict:
-    """The planner's micro-batch components for one process and per rank, where the planner takes
-    sequence_parallel (None otherwise)."""
+    """The planner's micro-batch components for one process and per rank."""
     from grpo_fast.train import pretrained
     from grpo_fast.train.plan.memory import Job, ModelShape, plan
 
@@ -116,11 +108,7 @@ def plan_rows(args) -> dict:
     parts = ("activations", "loss_buffers", "attention_mask", "no_grad_pass", "sp_all_to_all", "sp_completion_states")
     rows = {}
     for ranks in (1, args.ranks):
-        try:
-            job = Job(**base, **({"gpus": ranks, "sequence_parallel": ranks} if ranks > 1 else {}))
-        except TypeError:
-            return {}
-        estimate = plan(shape, job)
+        estimate = plan(shape, Job(**base, gpus=ranks, sequence_parallel=ranks))
         rows[ranks] = sum(estimate.get(part, 0) for part in parts)
     return rows
 
@@ -131,15 +119,12 @@ def markdown(result: dict) -> str:
              result["setting"], "", f"`{result['command']}`", "",
              "| processes | peak RSS growth of the micro-batch, each rank (GiB) | vs one process | planner (GiB) |",
              "|---|---|---|---|"]
-    plan = result.get("plan", {})
-    planned = plan.get("1")
-    lines.append(f"| 1 | {one['peaks'][0] / GIB:.3f} | 1.000x | {planned / GIB:.3f} |" if planned else
-                 f"| 1 | {one['peaks'][0] / GIB:.3f} | 1.000x | - |")
+    plan = result["plan"]
+    lines.append(f"| 1 | {one['peaks'][0] / GIB:.3f} | 1.000x | {plan['1'] / GIB:.3f} |")
     each = ", ".join(f"{peak / GIB:.3f}" for peak in ranks["peaks"])
     worst = max(ranks["peaks"]) / one["peaks"][0]
-    planned = plan.get(str(ranks["ranks"]))
     lines.append(f"| {ranks['ranks']} (sequence_parallel {ranks['ranks']}) | {each} | {worst:.3f}x (largest rank) | "
-                 + (f"{planned / GIB:.3f} |" if planned else "- |"))
+                 f"{plan[str(ranks['ranks'])] / GIB:.3f} |")
     lines += ["", f"Loss: {one['loss']:.6f} in one process, {ranks['loss']:.6f} summed over the ranks."]
     return "\n".join(lines) + "\n"
 

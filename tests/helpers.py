@@ -300,6 +300,20 @@ def text_length_reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def grouped_generation(prompt_lengths: list, completion_lengths: list, vocab: int, generator):
+    """A packed Generation of groups that share a prompt: group i a random prompt of prompt_lengths[i] tokens and a
+    random completion of each length in completion_lengths[i] (ids in [1, vocab), drawn from `generator`)."""
+    from grpo_fast.train.rollout.generation import pack
+
+    rows, completions = [], []
+    for prompt_length, lengths in zip(prompt_lengths, completion_lengths):
+        prompt = torch.randint(1, vocab, (prompt_length,), generator=generator).tolist()
+        for length in lengths:
+            rows.append(prompt)
+            completions.append(torch.randint(1, vocab, (length,), generator=generator).tolist())
+    return pack(rows, completions, [False] * len(rows), pad_token_id=0)
+
+
 # --------------------------------------------------- a tiny model and a GRPO run for the TRL drop-in tests
 def tiny_tokenizer():
     from grpo_fast.train.policy import train_tokenizer

@@ -20,8 +20,8 @@ import grpo_fast as gf
 from grpo_fast import packed_attention as attention
 from grpo_fast import sequence_parallel as sp
 from grpo_fast.train.distributed import HiddenStates
-from grpo_fast.train.rollout.generation import pack
 from grpo_fast.train.update import batching
+from tests.helpers import grouped_generation
 
 # prompts and completions of three groups and a group of one; lengths chosen so the shards' cuts fall inside
 # prompts and completions and the row needs padding to split evenly
@@ -33,14 +33,8 @@ CASES = [("dapo", {}), ("grpo", {}), ("dr_grpo", {"max_completion_length": 9}),
 
 def rollout(vocab: int):
     generator = torch.Generator().manual_seed(0)
-    rows, completions = [], []
-    for prompt_length, lengths in zip(PROMPTS, COMPLETIONS):
-        prompt = torch.randint(1, vocab, (prompt_length,), generator=generator).tolist()
-        for length in lengths:
-            rows.append(prompt)
-            completions.append(torch.randint(1, vocab, (length,), generator=generator).tolist())
-    generation = pack(rows, completions, [False] * len(rows), pad_token_id=0)
-    advantages = torch.randn(len(rows), 1, generator=generator)
+    generation = grouped_generation(PROMPTS, COMPLETIONS, vocab, generator)
+    advantages = torch.randn(len(generation.input_ids), 1, generator=generator)
     shape = generation.completion_ids.shape
     old_offset = 0.3 * torch.randn(shape, generator=generator)       # moves the ratio so clipping acts
     ref_offset = 0.2 * torch.randn(shape, generator=generator)

@@ -10,7 +10,6 @@ pytest.importorskip("transformers")
 from grpo_fast import packed_attention as attention  # noqa: E402
 from grpo_fast.train.distributed import HiddenStates  # noqa: E402
 from grpo_fast.train.policy import tiny_qwen2  # noqa: E402
-from grpo_fast.train.rollout.generation import pack  # noqa: E402
 from grpo_fast.train.update import batching  # noqa: E402
 from grpo_fast.train.update.step import (  # noqa: E402
     Policy,
@@ -19,7 +18,13 @@ from grpo_fast.train.update.step import (  # noqa: E402
     completion_logprobs,
     shares_prompts,  # noqa: E402
 )
-from tests.helpers import flat_config, float64_norms, logprob_sections, update_sections  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    flat_config,
+    float64_norms,
+    grouped_generation,
+    logprob_sections,
+    update_sections,
+)
 
 PROMPTS = [13, 9, 15, 7]                    # three groups of four and a group of one
 COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6], [10]]
@@ -27,17 +32,11 @@ COMPLETIONS = [[11, 1, 7, 12], [5, 9, 9, 3], [14, 2, 8, 6], [10]]
 
 def grouped_rollout(vocab=64, seed=0) -> UpdateBatch:
     generator = torch.Generator().manual_seed(seed)
-    rows, completions = [], []
-    for prompt_length, lengths in zip(PROMPTS, COMPLETIONS):
-        prompt = torch.randint(1, vocab, (prompt_length,), generator=generator).tolist()
-        for length in lengths:
-            rows.append(prompt)
-            completions.append(torch.randint(1, vocab, (length,), generator=generator).tolist())
-    generation = pack(rows, completions, [False] * len(rows), pad_token_id=0)
+    generation = grouped_generation(PROMPTS, COMPLETIONS, vocab, generator)
     return UpdateBatch(input_ids=generation.input_ids, attention_mask=generation.attention_mask,
                        prompt_length=generation.prompt_length, completion_ids=generation.completion_ids,
                        loss_mask=generation.completion_mask,
-                       advantages=torch.randn(len(rows), generator=generator, dtype=torch.float64))
+                       advantages=torch.randn(len(generation.input_ids), generator=generator, dtype=torch.float64))
 
 
 def tiny_llama(vocab=64, seed=0):
