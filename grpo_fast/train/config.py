@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 from grpo_fast.fields import Rule, hints, one_of, type_name
 from grpo_fast.train import keys
-from grpo_fast.train.distributed import DistributionConfig, check_sequence_parallel
+from grpo_fast.train.distributed import DistributionConfig, check_data_groups, check_sequence_parallel
 from grpo_fast.train.policy import PolicyConfig
 from grpo_fast.train.rollout.config import RolloutConfig, length_stages
 from grpo_fast.train.run.config import RunConfig
@@ -152,19 +152,8 @@ class TrainConfig:
         """The checks of a training job (not of an evaluation), with those that need the number of processes, run
         once before anything is loaded."""
         self.rollout.check_for_training()
-        if self.rollout.prompts_per_step % world_size:
-            raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({world_size}) so "
-                             f"that each rank scores whole groups, got {self.rollout.prompts_per_step}")
-        per_rank, minibatches = self.rollout.prompts_per_step // world_size, self.optimization.steps_per_generation
-        if per_rank % minibatches:
-            raise ValueError(f"steps_per_generation ({minibatches}) cuts each process's {per_rank} groups "
-                             f"(prompts_per_step {self.rollout.prompts_per_step} over {world_size} process"
-                             f"{'es' if world_size > 1 else ''}) into mini-batches of whole groups: make "
-                             f"prompts_per_step a multiple of {minibatches * world_size}, or change "
-                             "steps_per_generation")
-        if self.rollout.max_staleness and world_size > 1:
-            raise ValueError(f"max_staleness={self.rollout.max_staleness} runs one rollout process for one trainer "
-                             f"process; under torchrun ({world_size} processes) use max_staleness: 0")
+        check_data_groups(self.rollout.prompts_per_step, world_size, self.optimization.steps_per_generation,
+                          self.rollout.max_staleness)
         if self.scoring.scale_rewards == "batch" and world_size > 1:
             raise ValueError("scale_rewards='batch' needs the rewards of all ranks; use 'group' or 'none'")
 

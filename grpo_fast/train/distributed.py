@@ -95,6 +95,24 @@ def check_processes(size: int, sequence_parallel: int) -> None:
                          f"(torchrun --nproc_per_node a multiple of {sequence_parallel})")
 
 
+def check_data_groups(prompts_per_step: int, groups: int, steps_per_generation: int, max_staleness: int) -> None:
+    """The step's prompts split over `groups` data-parallel groups (processes, without sequence parallelism): whole
+    groups of completions each, in whole mini-batches; a rollout process only for one trainer process. ValueError
+    (one line) otherwise."""
+    if prompts_per_step % groups:
+        raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({groups}) so that each "
+                         f"rank scores whole groups, got {prompts_per_step}")
+    per_rank = prompts_per_step // groups
+    if per_rank % steps_per_generation:
+        raise ValueError(f"steps_per_generation ({steps_per_generation}) cuts each process's {per_rank} groups "
+                         f"(prompts_per_step {prompts_per_step} over {groups} process{'es' if groups > 1 else ''}) "
+                         f"into mini-batches of whole groups: make prompts_per_step a multiple of "
+                         f"{steps_per_generation * groups}, or change steps_per_generation")
+    if max_staleness and groups > 1:
+        raise ValueError(f"max_staleness={max_staleness} runs one rollout process for one trainer process; under "
+                         f"torchrun ({groups} processes) use max_staleness: 0")
+
+
 def check_sequence_parallel(size: int, packing: bool, attention: str, max_staleness: int) -> None:
     """distribution.sequence_parallel (`size`) > 1 cuts packed rows (batching.packing) in grpo_fast's own attention
     (policy.attention auto), with the rollouts in the trainer's processes (rollout.max_staleness 0). ValueError

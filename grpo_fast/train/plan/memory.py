@@ -60,7 +60,7 @@ from typing import Optional
 from grpo_fast import chunked
 from grpo_fast.backends import torch_ops
 from grpo_fast.packed_attention import choose_attention
-from grpo_fast.train.distributed import check_processes, check_sequence_parallel
+from grpo_fast.train.distributed import check_data_groups, check_processes, check_sequence_parallel
 from grpo_fast.train.rollout.config import check_sampling
 from grpo_fast.train.update import optimizer, precision
 
@@ -327,20 +327,7 @@ class Job:
         divides the processes), TrainConfig.check_world's over the data-parallel groups (whole groups a rank,
         whole mini-batches; max_staleness alone) and check_sequence_parallel's."""
         check_processes(self.gpus, self.sequence_parallel)
-        groups = self.data_groups
-        if self.prompts_per_step % groups:
-            raise ValueError(f"prompts_per_step must be a multiple of the number of processes ({groups}) so that "
-                             f"each rank scores whole groups, got {self.prompts_per_step}")
-        per_rank, minibatches = self.prompts_per_step // groups, self.steps_per_generation
-        if per_rank % minibatches:
-            raise ValueError(f"steps_per_generation ({minibatches}) cuts each process's {per_rank} groups "
-                             f"(prompts_per_step {self.prompts_per_step} over {groups} process"
-                             f"{'es' if groups > 1 else ''}) into mini-batches of whole groups: make "
-                             f"prompts_per_step a multiple of {minibatches * groups}, or change "
-                             "steps_per_generation")
-        if self.max_staleness and groups > 1:
-            raise ValueError(f"max_staleness={self.max_staleness} runs one rollout process for one trainer "
-                             f"process; under torchrun ({groups} processes) use max_staleness: 0")
+        check_data_groups(self.prompts_per_step, self.data_groups, self.steps_per_generation, self.max_staleness)
         check_sequence_parallel(self.sequence_parallel, self.packing, self.attention, self.max_staleness)
 
     @property
