@@ -7,7 +7,10 @@
 --gpu-arithmetic-seed N           the seed of the hash that picks each result's rounding
 """
 
+import os
+
 import pytest
+import torch
 
 from tests import gpu_arithmetic
 from tests.helpers import BACKENDS, interpreter_numpy_problem
@@ -19,7 +22,19 @@ def pytest_addoption(parser):
     parser.addoption("--gpu-arithmetic-seed", type=int, default=0, help="seed of --gpu-arithmetic's coin flips")
 
 
+def share_the_cores():
+    """Under pytest-xdist each test process takes its share of the cores for torch's threads (and its subprocesses',
+    through OMP_NUM_THREADS): two processes of two threads each on two cores run several times slower than two of
+    one."""
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if processes > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // processes)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def pytest_configure(config):
+    share_the_cores()
     problem = interpreter_numpy_problem()
     if problem:
         pytest.exit(problem, returncode=4)
