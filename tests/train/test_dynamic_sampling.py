@@ -63,7 +63,10 @@ class ScriptedRollouts:
 
     def __init__(self, tokenizer, group_size, right=(), mixed=()):
         self.tokenizer, self.group_size, self.right, self.mixed = tokenizer, group_size, set(right), set(mixed)
-        self.calls = []
+        self.calls, self.slept_after = [], []       # slept_after: the calls made when the engine was put to sleep
+
+    def sleep(self):
+        self.slept_after.append(len(self.calls))
 
     def _generation(self, prompt_ids, seed):
         texts = [self.tokenizer.decode(ids) for ids in prompt_ids]
@@ -112,6 +115,7 @@ def test_uninformative_groups_are_replaced_by_further_prompts_in_order():
     assert [s["prompt"] for s in kept] == [first[0]] + extra[:3]
     assert prompts == [tasks.prompt_text(s, share.tokenizer, share.data) for s in kept]
     assert len(rollouts.calls) == 2 and rollouts.calls[1][0] == extra            # one further round, then enough
+    assert rollouts.slept_after == [2]            # asleep once, after the step's last round (rollout.vllm_sleep)
     # reward: the 24 completions generated, 1 + 3 + 3 + 0 + 4 x 1 right; reward_kept: the 4 groups kept, 1 each
     assert info == {"frac_filtered_groups": 3 / 8, "sampling_rounds": 2, "reward": 11 / 24, "reward_kept": 4 / 12}
     assert logged == [] and trained is None                                      # not short: nothing to say
@@ -143,6 +147,7 @@ def test_the_round_cap_trains_on_the_informative_groups_alone():
     assert trained.tolist() == [True] * 3 + [False] * 9
     off = scripted(samples, mixed=[first[2]], dynamic=False)
     assert len(off[1].calls) == 1 and off[2].info == {} and off[2].trained is None   # off: one round
+    assert off[1].slept_after == [1]
 
 
 def test_short_step_error_stops_the_run_in_one_line_naming_the_rounds():

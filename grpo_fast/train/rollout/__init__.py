@@ -2,6 +2,7 @@
 
     rollouts = start_rollouts(config, model, tokenizer, share, max_prompt_tokens)
     generation, info = rollouts.get(step)        # the step's Generation; info: staleness metrics, or {}
+    rollouts.sleep()                             # the step's rollouts are taken: vllm_sleep frees vLLM's pool
     rollouts.after_update(model, step)           # the policy after step `step`'s update, into the engine
     evaluation = rollouts.generate(prompt_ids, seed, n=4)    # blocking, for the held-out evaluation
     rollouts.close()
@@ -59,6 +60,11 @@ class Rollouts:
                               f"{error}") from error
         return generation, {}
 
+    def sleep(self) -> None:
+        """The step's rollouts are taken: the engine frees what it can for the update (with rollout.vllm_sleep,
+        vLLM's pool; after_update and generate wake it)."""
+        self.engine.sleep()
+
     def after_update(self, model, step: int) -> None:
         """The policy after step `step`'s update, into the engine (nothing to do for HF on the policy itself)."""
         self.engine.sync_weights(model)
@@ -100,6 +106,9 @@ class AheadRollouts(Rollouts):
         info["engine_tokens_per_s"] = (float(generation.completion_mask.sum())
                                        / max(info["engine_generation_seconds"], 1e-9))
         return generation, info
+
+    def sleep(self) -> None:
+        """Nothing: the rollout process generates during the update (vllm_sleep is refused with max_staleness)."""
 
     def after_update(self, model, step: int) -> None:
         """Pushes the weights as version step + 1, then submits step step + 1 + k from them."""

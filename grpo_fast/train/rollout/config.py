@@ -49,6 +49,18 @@ def check_sampling(engine: str, top_k: int, top_p: float, training: bool = True)
                          "correction compares like with like) only with a top_k bound; set top_k (e.g. 512)")
 
 
+def check_vllm_sleep(vllm_sleep: bool, engine: str, max_staleness: int) -> None:
+    """Raises ValueError, naming the keys, when vllm_sleep is asked of a job in which nothing sleeps during the
+    update: another engine, or vLLM in a rollout process that generates through it (max_staleness > 0). Whether
+    the platform can sleep is the engine's check (engines.check_sleep_mode), where vLLM is imported."""
+    if vllm_sleep and engine != "vllm":
+        raise ValueError(f"vllm_sleep puts vLLM to sleep during the update, but engine is {engine!r}: set engine: "
+                         "vllm, or vllm_sleep: false")
+    if vllm_sleep and max_staleness:
+        raise ValueError(f"vllm_sleep needs max_staleness 0 (generate, then update), got max_staleness="
+                         f"{max_staleness}: the rollout process generates during the update; set one of them back")
+
+
 def _whole(value) -> int:
     """A step or a length of a schedule: a whole number (text of one, or a number equal to one), never a bool
     (YAML's true) or 4.7, which int() would read as 1 and 4."""
@@ -174,6 +186,10 @@ class RolloutConfig:
                                    "over their tokens, as a step of those groups alone), or stop the run with an "
                                    "'error' (verl's)", choices=SHORT_STEPS)
     vllm_gpu_memory_utilization: float = key(0.3, "vLLM's share of the GPU memory, in (0, 1]", FRACTION)
+    vllm_sleep: bool = key(False, "engine 'vllm' in turn with the update (max_staleness 0) on a GPU: vLLM sleeps "
+                                  "through each update (its sleep mode, level 1: weights to host memory, KV cache "
+                                  "dropped) and wakes for the next push and generation, so its pool is free for "
+                                  "the update; refused where vLLM cannot sleep (its CPU build)")
     vllm_dtype: str = key("auto", '"auto" (bfloat16 on a GPU, and on a CPU that computes bf16 natively: AMX or '
                                   'AVX512-BF16; else float32), "float32" or "bfloat16": the vLLM engine\'s weights '
                                   "and compute; the rollout correction covers its gap to the trainer's log-probs",
@@ -208,6 +224,7 @@ class RolloutConfig:
         an evaluation may sample greedily (top_k 1), and the export or evaluation of a run saved by an earlier
         version, which took max_sampling_rounds without dynamic_sampling, is not refused for it."""
         check_sampling(self.engine, self.top_k, self.top_p)
+        check_vllm_sleep(self.vllm_sleep, self.engine, self.max_staleness)
         if self.max_sampling_rounds != SAMPLING_ROUNDS and not self.dynamic_sampling:
             raise ValueError(f"max_sampling_rounds ({self.max_sampling_rounds}) bounds the rounds of dynamic "
                              "sampling, which is off: set dynamic_sampling: true, or leave max_sampling_rounds "

