@@ -132,6 +132,11 @@ def add_arguments(parser) -> None:
                         "policy.offload_activations; CUDA jobs: a host line beside the card's)")
     parser.add_argument("--lora-rank", type=int, default=trainer["lora_rank"],
                         help="rank of LoRA adapters trained on a frozen base (0: full training)")
+    parser.add_argument("--load-in-4bit", action="store_true",
+                        help="QLoRA: the frozen base's linear layers in NF4 (the trainer's policy.load_in_4bit; "
+                        "needs --lora-rank)")
+    parser.add_argument("--bnb-4bit-double-quant", action="store_true",
+                        help="with --load-in-4bit, the 4-bit base's scales in 8 bits too")
     parser.add_argument("--loss", choices=LOSSES, default=trainer["loss"],
                         help="whose loss buffers are counted: grpo_fast (its chunk), naive (the full logits), trl "
                         "(TRL 1.16's fused LM head tile); the trainer's loss_implementation")
@@ -142,6 +147,9 @@ def add_arguments(parser) -> None:
                         "share of the card, --gpu-memory-utilization)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=trainer["gpu_memory_utilization"],
                         help="vLLM's share of the card (the trainer's vllm_gpu_memory_utilization)")
+    parser.add_argument("--vllm-sleep", action="store_true",
+                        help="vLLM sleeps through each update, its pool free for it (the trainer's "
+                        "rollout.vllm_sleep; --engine vllm, --max-staleness 0)")
     parser.add_argument("--max-staleness", type=int, default=trainer["max_staleness"],
                         help="0: generate, then update; k >= 1: the engine in its own process on the same device")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -235,7 +243,8 @@ def main(args) -> int:
                   packing=not args.no_packing, attention=args.attention, max_staleness=args.max_staleness,
                   top_k=args.top_k, top_p=args.top_p, steps_per_generation=args.steps_per_generation,
                   gpus=args.gpus, sequence_parallel=args.sequence_parallel, distributed=args.distributed,
-                  offload_activations=args.offload_activations)
+                  offload_activations=args.offload_activations, vllm_sleep=args.vllm_sleep,
+                  load_in_4bit=args.load_in_4bit, bnb_4bit_double_quant=args.bnb_4bit_double_quant)
         check_heads(shape, job)
         context = check_plan_context(shape, job, args.rope_scaling, args.model, length_key="--completion-length",
                                      scaling_key="--rope-scaling")

@@ -20,6 +20,7 @@ from grpo_fast.train.plan.memory import (
     Job,
     ModelShape,
     fits_in,
+    least_pool_share,
     load_shape,
     plan,
     pool_shortfall,
@@ -82,10 +83,11 @@ def check_plan_context(shape: ModelShape, job: Job, rope_scaling: Optional[dict]
 
 
 def training_job(config, prompt_length: int, device: str, gpus: int = 1) -> Job:
-    """The Job a TrainConfig runs: its lengths, batching, checkpointing and activation offload, loss, KL, engine,
-    staleness, dtype (auto: bf16 autocast over fp32 weights on CUDA, fp32 on CPU), optimizer, LoRA rank,
-    steps_per_generation and distribution section (sequence_parallel, distributed) on `device`, under torchrun with
-    `gpus` processes. prompt_length: the longest prompt in tokens, which the config alone does not know."""
+    """The Job a TrainConfig runs: its lengths, batching, checkpointing and activation offload, loss, KL, engine
+    (and vllm_sleep), 4-bit base, staleness, dtype (auto: bf16 autocast over fp32 weights on CUDA, fp32 on CPU),
+    optimizer, LoRA rank, steps_per_generation and distribution section (sequence_parallel, distributed) on
+    `device`, under torchrun with `gpus` processes. prompt_length: the longest prompt in tokens, which the config
+    alone does not know."""
     policy, rollout, batching, optimization = config.policy, config.rollout, config.batching, config.optimization
     device = "cpu" if policy.device == "cpu" else device
     return Job(prompt_length=prompt_length, completion_length=rollout.max_completion_length,
@@ -100,7 +102,8 @@ def training_job(config, prompt_length: int, device: str, gpus: int = 1) -> Job:
                top_p=rollout.top_p, gpus=gpus, sequence_parallel=config.distribution.sequence_parallel,
                distributed=config.distribution.distributed,
                steps_per_generation=optimization.steps_per_generation,
-               offload_activations=policy.offload_activations)
+               offload_activations=policy.offload_activations, vllm_sleep=rollout.vllm_sleep,
+               load_in_4bit=policy.load_in_4bit, bnb_4bit_double_quant=policy.bnb_4bit_double_quant)
 
 
 
@@ -150,9 +153,13 @@ def fitting_change(shape: ModelShape, job: Job, capacity: int, words=config_word
     """What makes a job that does not fit a CUDA card of `capacity` bytes fit, by the planner's numbers, as "X would
     make it fit (needed GiB)": the first single change of FIT_CHANGES, else of MEMORY_CHANGES, that does; else
     the exact ones together, alone or with a memory option (only those of them it needs); else the longest
-    completion that does; else that none does. words(key, value): how a trainer key's value is named (a config's
-    `key: value`, or `grpo-fast plan`'s option)."""
+    completion that does; else that none does. A vLLM pool too small for its weights and one sequence is offered
+    the least share that holds them (least_pool_share) in place of FIT_CHANGES' smaller one. words(key, value):
+    how a trainer key's value is named (a config's `key: value`, or `grpo-fast plan`'s option)."""
     exact = {key: value for key, value in FIT_CHANGES if getattr(job, JOB_FIELDS[key]) != value}
+    share = least_pool_share(shape, job, capacity)
+    if share is not None:           # a pool too small for vLLM's weights and a sequence: a larger share, not 0.2
+        exact["vllm_gpu_memory_utilization"] = share
     caveat = "; it changes the numerics or what is trained"
     tries = [({key: value}, "") for key, value in exact.items()] + [(change, caveat) for change in MEMORY_CHANGES]
     tries += [(exact, "")] * (len(exact) > 1) + [({**exact, **change}, caveat) for change in MEMORY_CHANGES

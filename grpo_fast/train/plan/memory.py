@@ -21,6 +21,9 @@ activations are not counted). With max_staleness >= 1 the engine runs in its own
 the trainer updates: the HF engine's weights, KV cache, decode step's logits, the sampling log-probs its sampler
 takes as it draws (a buffer of fp32 values, one a sampled token, not the logits of every step) and a second
 runtime are added (rollout_*); vLLM's weights and cache are in its pool either way (fits_in adds the pool).
+With vllm_sleep (max_staleness 0) vLLM sleeps through the update: the card then needs the higher of the training
+peak plus what a sleeping vLLM keeps (VLLM_ASLEEP) and, at generation, its pool beside what the trainer holds
+between updates (HELD_BETWEEN_UPDATES).
 
 Per GPU under torchrun (Job.gpus processes, sequence_parallel ranks a group): the step's prompts are split over
 gpus / sequence_parallel data-parallel groups, so the step's batch, kept sets, KV caches and micro-batches are
@@ -61,7 +64,8 @@ from grpo_fast import chunked
 from grpo_fast.backends import torch_ops
 from grpo_fast.packed_attention import choose_attention
 from grpo_fast.train.distributed import check_data_groups, check_processes, check_sequence_parallel
-from grpo_fast.train.rollout.config import check_sampling
+from grpo_fast.train.qlora import check_4bit, quantized_bytes
+from grpo_fast.train.rollout.config import check_sampling, check_vllm_sleep
 from grpo_fast.train.update import optimizer, precision
 
 GIB = 2**30
@@ -252,6 +256,14 @@ GENERATE_LOGIT_BYTES = 4 + 4 + 4 + 8
 # the decode step's own buffers: per sampled token an fp32 value in a buffer that doubles when full (up to twice
 # the tokens)
 LOGP_TOKEN_BYTES = 2 * 4
+# What vLLM keeps on the card asleep (sleep level 1 frees the weights and KV cache it allocated in its pool): its
+# CUDA graphs and the buffers allocated outside the pool. An estimate, not measured: the GPU window's vllm_sleep
+# phase (benchmarks/gpu_window.sh) measures the card's free memory before and after a sleep.
+VLLM_ASLEEP = 1 * GIB
+# the components the trainer holds on the card between two updates, while an engine generates (gradients are
+# freed by zero_grad(set_to_none=True); DDP's buckets live for the whole run; FSDP2 gathers layers as they run)
+HELD_BETWEEN_UPDATES = ("weights", "optimizer", "ddp_gradient_buckets", "fsdp2_gathered", "reference_model",
+                        "kept_sets", "runtime")
 CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
 # (grpo_fast.packed_attention.choose_attention)
@@ -265,7 +277,9 @@ class Job:
     """What the trainer will run. Lengths in tokens; micro_batch_size in sequences (or micro_batch_tokens).
     gpus: torchrun's processes, one a GPU (1: one process, no wrapper); sequence_parallel: the ranks that share
     each packed micro-batch's tokens; distributed: the wrapper with more than one process (ddp or fsdp2);
-    steps_per_generation: optimizer steps per step, each on a mini-batch of the step's groups."""
+    steps_per_generation: optimizer steps per step, each on a mini-batch of the step's groups; vllm_sleep: vLLM
+    (max_staleness 0) sleeps through each update, its pool free for it; load_in_4bit: QLoRA's NF4 base
+    (bnb_4bit_double_quant: its scales in 8 bits)."""
 
     prompt_length: int = 512
     completion_length: int = 4096
@@ -294,6 +308,9 @@ class Job:
     sequence_parallel: int = 1
     distributed: str = "ddp"
     steps_per_generation: int = 1
+    vllm_sleep: bool = False
+    load_in_4bit: bool = False
+    bnb_4bit_double_quant: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("loss", LOSSES),
@@ -317,7 +334,10 @@ class Job:
                  "in (0, 1)")
         _require("top_k", self.top_k, self.top_k >= 0, ">= 0 (0: every token)")
         _require("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")
-        check_sampling(self.engine, self.top_k, self.top_p)            # the trainer's own check
+        check_sampling(self.engine, self.top_k, self.top_p)            # the trainer's own checks
+        check_vllm_sleep(self.vllm_sleep, self.engine, self.max_staleness)
+        check_4bit(self.load_in_4bit, self.bnb_4bit_double_quant, self.lora_rank,
+                   self.distributed if self.gpus > 1 else "ddp", installed=False)
         for name in ("gpus", "sequence_parallel", "steps_per_generation"):
             _require(name, getattr(self, name), getattr(self, name) >= 1, ">= 1")
         self._check_world()
@@ -456,6 +476,9 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     state_bytes = {"adamw": 8 + (4 if trainable_bytes == 2 else 0), "adamw8bit": 2, "adamw-bf16": 4}[job.optimizer]
     attention = job.attention_implementation
     weights = params * param_bytes + (trainable * 4 if job.lora_rank else 0)
+    if job.load_in_4bit:      # the decoder's linear layers in NF4 with their scales (grpo_fast.train.qlora)
+        linear = shape.num_layers * sum(a * b for a, b in shape.linear_shapes())
+        weights -= linear * param_bytes - int(quantized_bytes(linear, job.bnb_4bit_double_quant))
     # bf16 weights: one process sums the micro-batches' gradients in fp32 (grpo_fast.train.update.step.Fp32GradientSum;
     # under DDP and FSDP2 the gradients add up in .grad, in the parameters' dtype)
     fp32_sum = 0
@@ -627,8 +650,7 @@ def _with_generation(shape: ModelShape, job: Job, components: dict, training_pea
     generation_peak = 0
     if job.engine == "hf" and not job.max_staleness:
         # DDP's buckets live for the whole run; FSDP2 gathers the layers one by one as generate calls them
-        held = [name for name in ("weights", "optimizer", "ddp_gradient_buckets", "fsdp2_gathered", "reference_model",
-                                  "kept_sets", "runtime") if name in components]
+        held = [name for name in HELD_BETWEEN_UPDATES if name in components]
         generation_peak = sum(components[name] for name in held) + kv_cache + step_logits
         if generation_peak > training_peak:
             components = {name: value if name in held else 0 for name, value in components.items()}
@@ -701,26 +723,44 @@ def fits(shape: ModelShape, job: Job) -> dict:
     return result
 
 
-def _vllm_minimum(shape: ModelShape, job: Job) -> int:
+def vllm_minimum(shape: ModelShape, job: Job) -> int:
     """The least vLLM's pool must hold: its bf16 weights and one sequence's KV cache at full length."""
     return shape.num_parameters() * 2 + kv_cache_needed(shape, job) // (job.group_size * job.prompts_per_rank)
 
 
 def fits_in(shape: ModelShape, job: Job, estimate: dict, capacity: int) -> tuple:
     """(fits, needed bytes) on a card of `capacity` bytes, for the estimate plan(shape, job, capacity); see
-    `fits` (and `misfit_reason` for why not)."""
+    `fits` (and `misfit_reason` for why not). vLLM's pool is beside the peak, or with job.vllm_sleep beside what
+    the trainer holds between updates, the peak then beside what vLLM keeps asleep (`asleep_peaks`)."""
     needed, pool_ok = estimate["total"], True
     if job.engine == "vllm":
         pool = job.gpu_memory_utilization * capacity
-        needed += pool
-        pool_ok = pool >= _vllm_minimum(shape, job)
+        needed = max(asleep_peaks(estimate, pool)) if job.vllm_sleep else needed + pool
+        pool_ok = pool >= vllm_minimum(shape, job)
     return pool_ok and needed <= capacity, needed
+
+
+def asleep_peaks(estimate: dict, pool: float) -> tuple:
+    """(the update's peak, generation's peak) on the card of a job whose vLLM sleeps through the update: the
+    estimate's total beside what vLLM keeps asleep (VLLM_ASLEEP), and vLLM's `pool` beside what the trainer holds
+    between updates (HELD_BETWEEN_UPDATES)."""
+    held = sum(estimate.get(name, 0) for name in HELD_BETWEEN_UPDATES)
+    return estimate["total"] + VLLM_ASLEEP, held + pool
+
+
+def least_pool_share(shape: ModelShape, job: Job, capacity: int) -> Optional[float]:
+    """The smallest vllm_gpu_memory_utilization, in hundredths, whose pool holds vllm_minimum on a card of
+    `capacity` bytes, where the job's share is below it (None otherwise, or when no share below 1 does)."""
+    if job.engine != "vllm" or job.gpu_memory_utilization * capacity >= vllm_minimum(shape, job):
+        return None
+    share = math.ceil(vllm_minimum(shape, job) / capacity * 100) / 100
+    return share if share < 1 else None
 
 
 def pool_shortfall(shape: ModelShape, job: Job, capacity: int) -> str:
     """Why vLLM's pool on a card of `capacity` bytes is too small, in words, or "" (it is not, or no vLLM): the
     budget a job can miss while its total is below the card (`fits_in`)."""
-    minimum = _vllm_minimum(shape, job) if job.engine == "vllm" else 0
+    minimum = vllm_minimum(shape, job) if job.engine == "vllm" else 0
     if job.gpu_memory_utilization * capacity >= minimum:
         return ""
     return (f"vLLM's pool, gpu_memory_utilization {job.gpu_memory_utilization} of the card "

@@ -9,7 +9,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from grpo_fast import chunked
-from grpo_fast.train.plan.memory import CARDS, GIB, Job, ModelShape, fits, kv_cache_needed, plan, pool_shortfall
+from grpo_fast.train.plan.memory import (
+    CARDS,
+    GIB,
+    VLLM_ASLEEP,
+    Job,
+    ModelShape,
+    fits,
+    kv_cache_needed,
+    plan,
+    pool_shortfall,
+)
 
 
 @dataclass
@@ -52,7 +62,8 @@ def format_report(report: PlanReport) -> str:
              f"{job['completion_length']} tokens, group {job['group_size']}, micro-batch "
              f"{job['micro_batch_size']} seq, {job['dtype']}, {job['optimizer']}, checkpointing "
              f"{'on' if job['gradient_checkpointing'] else 'off'}, "
-             f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}, loss {job['loss']}, "
+             f"{'LoRA r=' + str(job['lora_rank']) if job['lora_rank'] else 'full'}"
+             f"{' on a 4-bit base' if job.get('load_in_4bit') else ''}, loss {job['loss']}, "
              f"{'packed' if job.get('packing', True) else 'padded'} micro-batches, attention "
              f"{report.attention or job.get('attention', 'auto')}", context_line(report), gpu_line(job), "",
              f"{'component':<26}{'GiB per GPU':>12}"]
@@ -70,6 +81,11 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"vLLM at gpu_memory_utilization={job['gpu_memory_utilization']} {where}: pool = that share of "
                      f"the card; one step's KV cache at full length needs {report.kv_cache_needed / GIB:.2f} GiB "
                      "(less is fine: vLLM queues)")
+        if job.get("vllm_sleep"):
+            lines.append(f"vllm_sleep: vLLM sleeps through each update, so a card needs the higher of the peak "
+                         f"plus {VLLM_ASLEEP / GIB:g} GiB vLLM keeps asleep (an estimate, not yet measured on a "
+                         "GPU) and its pool plus the weights, optimizer states and the rest the trainer holds "
+                         "between updates")
     elif staleness:
         lines.append(f"max_staleness={staleness}: the HF engine's process holds its own weights, KV cache and "
                      "logits (rollout_*) while the trainer updates")
