@@ -39,6 +39,7 @@ from grpo_fast.fields import Rule, hints, one_of, type_name
 from grpo_fast.train import keys
 from grpo_fast.train.distributed import DistributionConfig, check_data_groups, check_sequence_parallel
 from grpo_fast.train.policy import PolicyConfig
+from grpo_fast.train.qlora import check_4bit
 from grpo_fast.train.rollout.config import RolloutConfig, length_stages
 from grpo_fast.train.run.config import RunConfig
 from grpo_fast.train.tasks.config import TASKS, DataConfig, EvaluationConfig, check_split
@@ -185,6 +186,8 @@ def _check_across_sections(config: TrainConfig) -> None:
                          f"a packed row's sequences apart in every model), got attention={config.policy.attention!r}; "
                          "set packing: false to keep it")
     check_optimizer(config.policy.dtype, config.optimization.optimizer, config.policy.lora_rank)
+    check_4bit(config.policy.load_in_4bit, config.policy.bnb_4bit_double_quant, config.policy.lora_rank,
+               config.distribution.distributed, config.warm_start.sft_steps)
     check_sequence_parallel(config.distribution.sequence_parallel, config.batching.packing, config.policy.attention,
                             config.rollout.max_staleness)
     if config.evaluation.eval_reward == "overlong":

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from grpo_fast.models import unwrap
+from grpo_fast.train import qlora
 from grpo_fast.train.distributed import full_state_dict
 
 ADAPTER = "default"        # PEFT's name for the one adapter the trainer adds
@@ -125,9 +126,10 @@ def merge(state_dict: dict, scalings: dict) -> dict:
 @torch.no_grad()
 def engine_weights(model: nn.Module) -> dict:
     """{name: tensor} of the policy as the inference engine loads it (Hugging Face names): the model's full state
-    dict, with a PEFT model's adapters merged into its base weights."""
+    dict, with a PEFT model's adapters merged into its base weights (a 4-bit base's dequantized: 16-bit weights
+    that compute what the trainer computes)."""
     base = unwrap(model)
-    state = full_state_dict(base)
+    state = qlora.dequantized_weights(base, full_state_dict(base))     # a 4-bit base as the trainer computes with it
     if not is_peft(model):
         return state
     scalings = {name: module.scaling[ADAPTER] for name, module in base.named_modules()

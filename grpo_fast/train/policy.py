@@ -53,6 +53,12 @@ class PolicyConfig:
     lora_alpha: Optional[float] = key(None, "LoRA scale numerator: updates are scaled by lora_alpha / lora_rank "
                                             "(None: 2 x lora_rank)", POSITIVE)
     lora_dropout: float = key(0.0, "dropout on the LoRA adapters' input, in [0, 1)", UNIT_INTERVAL)
+    load_in_4bit: bool = key(False, "QLoRA: the base's linear layers (not the LM head) frozen in 4 bits (NF4, "
+                                    "bitsandbytes, computing in the weights' dtype) under the LoRA adapters "
+                                    "(lora_rank > 0, sft_steps 0); engines and exports get the dequantized base "
+                                    "with the adapters merged")
+    bnb_4bit_double_quant: bool = key(False, "with load_in_4bit, quantize the 4-bit base's block scales too (8 "
+                                             "bits: about 0.37 bit a weight saved)")
     lora_target_modules: list[str] = key(LORA_TARGETS, "names of the linear layers that get adapters "
                                                        "(comma-separated; never the LM head)")
     rope_scaling: Optional[dict] = key(None, "RoPE scaling to run the model past its context, the transformers "

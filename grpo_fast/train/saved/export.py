@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from grpo_fast.train import lora
+from grpo_fast.train import lora, qlora
 from grpo_fast.train.config import saved_config
 from grpo_fast.train.policy import load_model
 from grpo_fast.train.run.atomic import free_gib
@@ -73,6 +73,8 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False, log=None) -> s
                                                                                   config.policy.lora_rank))
     model, tokenizer = load_model(config.policy, [], tokenizer, dtype, prompt_format=config.data.prompt_format,
                                   seed=config.run.seed, max_completion_length=config.rollout.max_completion_length)
+    if config.policy.load_in_4bit:          # the adapters' base as trained: its 4-bit weights, dequantized
+        qlora.quantize_base(model, config.policy, dtype)
     if config.policy.lora_rank:
         model = lora.add_adapters(model, config.policy)
     checkpoint.restore_model(model, state, folder)
@@ -83,4 +85,9 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False, log=None) -> s
             f"policy.rope_scaling {json.dumps(config.policy.rope_scaling)}; load the base with it "
             f"(AutoModelForCausalLM.from_pretrained(base, **the keys in adapter/{BASE_RECORD})), or the adapters' "
             "log-probs are not the policy's")
+    if adapter and config.policy.load_in_4bit:
+        log(f"warning: the adapters in {os.path.join(out_dir, 'adapter')} were trained on the base quantized to 4 "
+            f"bits (policy.load_in_4bit, NF4{', double quantization' if config.policy.bnb_4bit_double_quant else ''}); "
+            "load the base so (transformers' BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), or "
+            "use the merged model in the folder itself, whose base is that 4-bit one dequantized")
     return out_dir
