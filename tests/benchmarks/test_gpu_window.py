@@ -57,7 +57,8 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
                                                 "SUMMARY.md", "kernel_tests.txt", "memcheck.txt", "phases.tsv"}
     # each phase's line, in order of value
     phases = [line.split("\t") for line in (out / "phases.tsv").read_text().splitlines()[1:]]
-    assert [p[0] for p in phases] == ["environment", "install", "kernel tests", "gpu_check", "memcheck", "verl"]
+    assert [p[0] for p in phases] == ["environment", "install", "kernel tests", "gpu_check", "memcheck",
+                                      "vllm_sleep", "verl"]
     assert [p[1] for p in phases[:4]] == ["ok", "ok", "exit 0", "exit 0"], phases
     log = (out / "window.log").read_text()
     assert "installing wheels: no_such_package_here-1.0-py3-none-any.whl \n" in log, log
@@ -68,7 +69,8 @@ def test_a_cpu_window_writes_every_result_and_installs_only_what_is_missing(tmp_
     assert (out / "kernel_tests.txt").read_text().splitlines()[-1] == "12345"
     assert "gpu_check: 0, kernel tests: 0" in done.stdout and "benchmarks/results/cpu/" in log
     # verl is not in this environment, or the default window has no time left for it: said (in phases.tsv), not run
-    assert phases[5][1] == "skipped" and phases[5][3]
+    assert phases[6][1] == "skipped" and phases[6][3]
+    assert phases[5][1:] == ["skipped", "0", "no CUDA device or no vllm here"], phases   # no GPU: not run, said
 
 
 def test_the_default_window_leaves_a_15_minute_lease_room_for_a_rerun():
@@ -104,6 +106,27 @@ esac""")
     assert not Path(ran.group(1)).exists() and not Path(ran.group(1)).is_relative_to(out)
     assert result.removesuffix(" (0 pass)") in (out / "window.log").read_text()
     assert len(list(out.iterdir())) <= 8 and not list(out.glob("verl*")), sorted(p.name for p in out.iterdir())
+
+
+def test_the_vllm_sleep_phase_measures_then_trains_where_cuda_and_vllm_are(tmp_path):
+    """With CUDA and vLLM (an interpreter that says so), the vllm_sleep phase runs grpo_fast.benchmarks.vllm_sleep,
+    then 2 training steps with vllm_sleep: the measurement's JSON line and both exits in phases.tsv, the outputs in
+    window.log, nothing left in OUT_DIR; a failed measurement trains nothing."""
+    measured = '{"freed_gib": 23.1, "same_samples": true}'
+    python = stand_in_python(tmp_path, f"""case "$*" in
+  *find_spec*) exit 0 ;;
+  "-m grpo_fast.benchmarks.vllm_sleep"*) echo '{measured}'; exit ${{MEASURE_EXIT:-0}} ;;
+  "-m grpo_fast.cli train --engine vllm --vllm-sleep true --max-steps 2 --output-dir "*) echo "step 2 of 2"; exit 0 ;;
+esac""")
+    for exit_code, status, trained in (("0", "exit 0", "train exit 0"),
+                                       ("1", "exit 1", "train not run: the measurement failed")):
+        out = tmp_path / f"out{exit_code}"
+        run_window(out, {"PYTHON": str(python), "SKIP_INSTALL": "1", "WINDOW_S": "1200", "MEASURE_EXIT": exit_code,
+                         "VERL_GRPO_TIMEOUT": "5000"})            # verl: skipped
+        assert phases_of(out)["vllm_sleep"] == (status, f"{measured}; measure exit {exit_code}; {trained} "
+                                                        "(0 pass, 124/137 timed out)"), phases_of(out)
+        assert ("step 2 of 2" in (out / "window.log").read_text()) == (exit_code == "0")
+        assert len(list(out.iterdir())) <= 8
 
 
 def test_a_gpu_check_that_outlives_its_timeout_leaves_its_rows_and_the_window_goes_on(tmp_path):
