@@ -51,7 +51,7 @@ def job_for(args, length: int, loss: str):
     return Job(prompt_length=PROMPT, completion_length=length, group_size=args.group_size, prompts_per_step=1,
                micro_batch_size=1, dtype="bf16-autocast" if device == "cuda" else "fp32",
                gradient_checkpointing=not args.no_checkpointing, loss=loss, beta=args.beta, engine="hf",
-               device=device)
+               device=device, lora_rank=args.lora_rank, load_in_4bit=args.load_in_4bit)
 
 
 def model_folder(args):
@@ -67,10 +67,11 @@ def results_name(args) -> str:
     """long_context for the tiny model, else long_context_<model> (smollm2 for SmolLM2-135M-Instruct)."""
     from grpo_fast.train import pretrained
 
+    adapters = f"_{'q' if args.load_in_4bit else ''}lora{args.lora_rank}" if args.lora_rank else ""
     if args.model == "tiny":
-        return "long_context"
+        return "long_context" + adapters
     return "long_context_" + ("smollm2" if args.model == pretrained.SMOLLM2 else
-                              os.path.basename(os.path.normpath(args.model)))
+                              os.path.basename(os.path.normpath(args.model))) + adapters
 
 
 def check_fits(args, prompt_tokens: int, length: int) -> None:
@@ -120,6 +121,14 @@ def worker(args) -> dict:
     else:
         model = from_pretrained(model_folder(args), torch.float32, args.rope_scaling).to(device)
     attention = use_varlen_attention(model, device, "bf16-autocast" if cuda else "fp32")
+    if args.lora_rank:                 # as the trainer's load_policy: the base quantized, then the adapters
+        from grpo_fast.train import lora, qlora
+
+        section = TrainConfig.from_keys(model="tiny", lora_rank=args.lora_rank, load_in_4bit=args.load_in_4bit,
+                                        sft_steps=0).policy
+        if args.load_in_4bit:
+            qlora.quantize_base(model, section, torch.float32)
+        model = lora.add_adapters(model, section)
     ref_model = None
     if args.beta > 0:
         import copy
@@ -131,7 +140,7 @@ def worker(args) -> dict:
     if config.policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     generator = torch.Generator().manual_seed(0)
 
     def random_batch(tokens: int) -> UpdateBatch:
@@ -209,7 +218,9 @@ def worker_command(args, *extra) -> list:
             "--warmup-tokens", str(args.warmup_tokens),
             "--device", args.device] + (["--no-checkpointing"] if args.no_checkpointing else []) + (
         ["--rope-scaling", json.dumps(args.rope_scaling)] if args.rope_scaling else []) + (
-        ["--rollout-tokens", str(args.rollout_tokens)] if args.rollout_tokens else [])
+        ["--rollout-tokens", str(args.rollout_tokens)] if args.rollout_tokens else []) + (
+        ["--lora-rank", str(args.lora_rank)] if args.lora_rank else []) + (
+        ["--load-in-4bit"] if args.load_in_4bit else [])
 
 
 def in_fresh_process(args, command: list, row: dict, env=None) -> dict:
@@ -302,6 +313,9 @@ def setting_line(args, rows: list) -> str:
         warmup += f", glibc's mmap threshold fixed at {args.malloc_mmap_threshold} bytes (MALLOC_MMAP_THRESHOLD_)"
     return (f"{model}; {args.group_size} completion(s) per step after a {PROMPT}-token prompt, one per micro-batch, "
             f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, beta {args.beta}, AdamW, "
+            + (f"LoRA r={args.lora_rank} on every linear layer of the decoder"
+               f"{', the base in NF4 (QLoRA)' if args.load_in_4bit else ', the base in fp32'}, " if args.lora_rank
+               else "") +
             f"median of {args.steps} step(s){warmup}" + (f", attention {' / '.join(attention)}" if attention else ""))
 
 
@@ -400,6 +414,10 @@ def main(argv=None) -> int:
                         help="one untimed step on completions this long first (its gradients and optimizer state "
                              "are then in place, so one measured step shows the peak)")
     parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer "
+                        "of the decoder (the trainer's policy.lora_rank), the base frozen")
+    parser.add_argument("--load-in-4bit", action="store_true", help="with --lora-rank: QLoRA, the base in NF4 "
+                        "(policy.load_in_4bit)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-gib", type=float, default=18.0, help="skip runs planned above this")
     parser.add_argument("--timeout", type=int, default=3600)
@@ -461,6 +479,8 @@ def check_arguments(parser, args) -> None:
     from grpo_fast.benchmarks.harness import refuse_to_overwrite
     from grpo_fast.train.policy import check_rope_scaling
 
+    if args.load_in_4bit and not args.lora_rank:
+        parser.error("--load-in-4bit trains LoRA adapters on the 4-bit base: give --lora-rank")
     if args.model == "tiny" and (args.rope_scaling or args.rollout_tokens):
         parser.error("--rope-scaling and --rollout-tokens need a pretrained --model (smollm2-135m-instruct or a "
                      "folder), got --model tiny")
