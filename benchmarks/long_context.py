@@ -102,6 +102,12 @@ def worker(args) -> dict:
     """One (loss, length) measurement in this process."""
     from transformers import Qwen2ForCausalLM  # noqa: F401  (imported before the baseline: not the job's memory)
 
+    if args.lora_rank:                 # their libraries too (bitsandbytes, PEFT: about 0.05 GiB)
+        import peft  # noqa: F401
+
+        if args.load_in_4bit:
+            import bitsandbytes  # noqa: F401
+
     from grpo_fast.benchmarks.profiling import peak_rss_bytes, start_peak_rss
     from grpo_fast.packed_attention import use_varlen_attention
     from grpo_fast.train.config import TrainConfig

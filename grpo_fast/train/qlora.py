@@ -85,7 +85,22 @@ def quantize_base(model: nn.Module, policy, compute_dtype: torch.dtype) -> nn.Mo
             # eval mode (generation); the repacked layer then fails in training and computes other numbers
             layer.support_avx512bf16_for_cpu = False
             setattr(parent, name, layer)
+    _own_cpu_storage(model)
     return model
+
+
+def _own_cpu_storage(model: nn.Module) -> None:
+    """The model's remaining CPU parameters and buffers copied into memory of their own. transformers maps a
+    checkpoint's file into memory and its CPU tensors are views of it: while one of them lives, the pages of the
+    16-bit weights just quantized stay resident through that mapping (SmolLM2: 0.4 GiB of 0.5). The copies let it
+    go. Tied parameters stay tied (one Parameter, its data replaced)."""
+    for module in model.modules():
+        for parameter in module._parameters.values():
+            if parameter is not None and parameter.device.type == "cpu" and not hasattr(parameter, "quant_state"):
+                parameter.data = parameter.data.clone()
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type == "cpu":
+                module._buffers[name] = buffer.clone()
 
 
 def is_4bit(module: nn.Module) -> bool:

@@ -143,3 +143,42 @@ def test_a_qlora_run_trains_resumes_exports_and_evaluates(tmp_path):
     assert torch.allclose(merged(input_ids=ids).logits, again(input_ids=ids).logits, atol=1e-5)
     record = eval_command.main(str(tmp_path / "whole"), {"eval_prompts": 5}, log=lambda *_: None)
     assert record["problems"] == 5 and 0 <= record["accuracy"] <= 1
+
+
+RESIDENT_AFTER_QUANTIZING = """
+import gc, json, sys, torch
+from grpo_fast.benchmarks.profiling import rss_bytes
+import bitsandbytes, peft  # noqa: F401  (their libraries before the baseline)
+from grpo_fast.train import qlora
+from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.policy import from_pretrained
+before = rss_bytes()
+model = from_pretrained(sys.argv[1], torch.float32)
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+qlora.quantize_base(model, TrainConfig.from_keys(lora_rank=8, load_in_4bit=True, sft_steps=0).policy, torch.float32)
+gc.collect()
+print(json.dumps({"fp32_weights": weights, "resident": rss_bytes() - before,
+                  "held": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+def test_quantizing_a_loaded_checkpoint_leaves_its_16bit_weights_nowhere_resident():
+    """SmolLM2-135M-Instruct loaded as the trainer loads it (transformers maps the checkpoint's file into memory),
+    then quantized: what stays resident is about what the model holds (the NF4 layers, the fp32 embeddings and
+    norms), not the 0.5 GiB of fp32 weights whose pages the quantization read through the mapping."""
+    import subprocess
+    import sys
+
+    from grpo_fast.train import pretrained
+
+    try:
+        folder = pretrained.model_folder(pretrained.SMOLLM2)
+    except ModuleNotFoundError as missing:
+        pytest.skip(f"the real model is not installed: {missing}")
+    done = subprocess.run([sys.executable, "-c", RESIDENT_AFTER_QUANTIZING, folder], capture_output=True, text=True,
+                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sizes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sizes["held"] < sizes["fp32_weights"] / 2
+    assert sizes["resident"] < sizes["held"] + 0.1 * sizes["fp32_weights"], sizes
