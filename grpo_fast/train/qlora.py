@@ -104,6 +104,7 @@ def _own_cpu_storage(model: nn.Module) -> None:
 
 
 def is_4bit(module: nn.Module) -> bool:
+    """Whether `module` is a bitsandbytes Linear4bit whose weight is quantized (it carries its quant_state)."""
     return type(module).__name__ == "Linear4bit" and hasattr(module.weight, "quant_state")
 
 
