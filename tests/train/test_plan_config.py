@@ -102,6 +102,11 @@ def test_plan_of_a_training_config_takes_its_rope_scaling_and_the_trainers_conte
     assert cli(["plan", str(path), "--rope-scaling", '{"rope_type": "yarn", "factor": 4}']) == 2
     assert capsys.readouterr().err == (f"grpo-fast plan: --rope-scaling plans a preset or config.json; {path} gives "
                                        "its own (policy.rope_scaling): set it there\n")
+    for switch, key in (("--vllm-sleep", "rollout.vllm_sleep"), ("--load-in-4bit", "policy.load_in_4bit"),
+                        ("--offload-activations", "policy.offload_activations")):   # not lost to the config's key
+        assert cli(["plan", str(path), switch]) == 2
+        assert capsys.readouterr().err == (f"grpo-fast plan: {switch} plans a preset or config.json; {path} gives "
+                                           f"its own ({key}): set it there\n")
     path.write_text("policy:\n  model: Qwen/Qwen2.5-7B-Instruct\nrollout:\n  max_completion_length: 32768\n")
     assert cli(["plan", str(path)]) == 2
     assert "beyond the model's context of 32768 (max_position_embeddings; policy.rope_scaling extends it)" in \

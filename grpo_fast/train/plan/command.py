@@ -66,6 +66,9 @@ TRAINER_DEFAULTS = {"group_size": "group_size", "prompts_per_step": "prompts_per
                     "steps_per_generation": "steps_per_generation"}
 # the distribution section's options: a training config gives its own (an option given with one is refused)
 DISTRIBUTION_OPTIONS = {"sequence_parallel": ("--sequence-parallel", 1), "distributed": ("--distributed", "ddp")}
+# switches a training config sets itself (the config's key, which a switch given beside it would be silently lost to)
+CONFIG_FLAGS = {"offload_activations": "policy.offload_activations", "load_in_4bit": "policy.load_in_4bit",
+                "bnb_4bit_double_quant": "policy.bnb_4bit_double_quant", "vllm_sleep": "rollout.vllm_sleep"}
 # fit advice's trainer keys by this command's options (fit.fitting_change)
 OPTIONS = {"loss_implementation": "--loss", "vllm_gpu_memory_utilization": "--gpu-memory-utilization",
            "max_completion_length": "--completion-length"}
@@ -210,10 +213,12 @@ def main(args) -> int:
             if args.rope_scaling is not None:
                 raise ValueError(f"--rope-scaling plans a preset or config.json; {args.model} gives its own "
                                  "(policy.rope_scaling): set it there")
-            given = [option for key, (option, _) in DISTRIBUTION_OPTIONS.items() if getattr(args, key) is not None]
+            given = [(option, f"distribution.{key}") for key, (option, _) in DISTRIBUTION_OPTIONS.items()
+                     if getattr(args, key) is not None]
+            given += [("--" + key.replace("_", "-"), name) for key, name in CONFIG_FLAGS.items() if getattr(args, key)]
             if given:
-                raise ValueError(f"{given[0]} plans a preset or config.json; {args.model} gives its own "
-                                 f"(distribution.{given[0][2:].replace('-', '_')}): set it there")
+                raise ValueError(f"{given[0][0]} plans a preset or config.json; {args.model} gives its own "
+                                 f"({given[0][1]}): set it there")
             config, absent = plan_config(args.model)
             if absent:
                 print(f"data: {absent} is not here yet; planned with prompts of --prompt-length "
