@@ -128,13 +128,11 @@ def worker(args) -> dict:
         model = from_pretrained(model_folder(args), torch.float32, args.rope_scaling).to(device)
     attention = use_varlen_attention(model, device, "bf16-autocast" if cuda else "fp32")
     if args.lora_rank:                 # as the trainer's load_policy: the base quantized, then the adapters
-        from grpo_fast.train import lora, qlora
+        from grpo_fast.train import lora
 
         section = TrainConfig.from_keys(model="tiny", lora_rank=args.lora_rank, load_in_4bit=args.load_in_4bit,
                                         sft_steps=0).policy
-        if args.load_in_4bit:
-            qlora.quantize_base(model, section, torch.float32)
-        model = lora.add_adapters(model, section)
+        model = lora.adapted(model, section, torch.float32)
     ref_model = None
     if args.beta > 0:
         import copy

@@ -35,7 +35,6 @@ def measure(utilization: float) -> dict:
     """The JSON line's values (see the module docstring)."""
     from grpo_fast.train import tasks
     from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.lora import engine_weights
     from grpo_fast.train.policy import tiny_qwen2, train_tokenizer
     from grpo_fast.train.rollout.engines import VLLMEngine
     from grpo_fast.train.run.model_folder import save_model_folder
@@ -55,7 +54,7 @@ def measure(utilization: float) -> dict:
         awake = free_gib()
         engine.sleep()
         asleep = free_gib()
-        engine.load_weights(engine_weights(model))      # the push after an update wakes it
+        engine.sync_weights(model)                      # the push after an update wakes it
         woken = free_gib()
         again = engine.generate(prompts, seed=11)
     total = torch.cuda.mem_get_info()[1] / GIB

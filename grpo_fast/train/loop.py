@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast import packed_attention as attention
-from grpo_fast.train import distributed, lora, qlora, tasks
+from grpo_fast.train import distributed, lora, tasks
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.distributed import DistributionConfig
 from grpo_fast.train.plan.fit import log_run_plan
@@ -137,10 +137,7 @@ def load_policy(config: TrainConfig, data: RunData, folder, state, device, dtype
         if state is not None:
             lora.check_base(state.get("data"), data.identity[tasks.BASE_WEIGHTS], config.policy.model,
                             config.run.accept_changed_data, log)
-    if config.policy.load_in_4bit:                # QLoRA: the base in 4 bits under the adapters
-        qlora.quantize_base(model, config.policy, precision.weights_dtype(dtype))
-    if config.policy.lora_rank:
-        model = lora.add_adapters(model, config.policy)
+    model = lora.adapted(model, config.policy, precision.weights_dtype(dtype))     # QLoRA: a 4-bit base first
     if state is None:
         return model, tokenizer, max_prompt_tokens, 0
     start_step = checkpoint.restore_model(model, state, folder)

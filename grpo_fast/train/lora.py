@@ -62,6 +62,15 @@ def add_adapters(model: nn.Module, policy) -> nn.Module:
     return get_peft_model(model, lora_config, autocast_adapter_dtype=True)   # adapters in fp32
 
 
+def adapted(model: nn.Module, policy, compute_dtype: torch.dtype) -> nn.Module:
+    """`model` as the policy section trains it: with policy.load_in_4bit its base quantized to NF4 first
+    (qlora.quantize_base, computing in `compute_dtype`), then with lora_rank > 0 the adapters (add_adapters);
+    `model` itself for full training. The trainer, the export and the benchmarks build the policy so."""
+    if policy.load_in_4bit:
+        qlora.quantize_base(model, policy, compute_dtype)
+    return add_adapters(model, policy) if policy.lora_rank else model
+
+
 def base_fingerprint(model: nn.Module, samples: int = 4096) -> str:
     """A short SHA-256 of `model`'s weights (its state dict: each tensor's name, shape, dtype and up to `samples`
     of its values at a fixed stride): a base that was fine-tuned, rescaled or replaced by another checkpoint gets

@@ -336,8 +336,7 @@ class Job:
         _require("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")
         check_sampling(self.engine, self.top_k, self.top_p)            # the trainer's own checks
         check_vllm_sleep(self.vllm_sleep, self.engine, self.max_staleness)
-        check_4bit(self.load_in_4bit, self.bnb_4bit_double_quant, self.lora_rank,
-                   self.distributed if self.gpus > 1 else "ddp", installed=False)
+        check_4bit(self.load_in_4bit, self.bnb_4bit_double_quant, self.lora_rank, self.distributed, installed=False)
         for name in ("gpus", "sequence_parallel", "steps_per_generation"):
             _require(name, getattr(self, name), getattr(self, name) >= 1, ">= 1")
         self._check_world()

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from grpo_fast.train import lora, qlora
+from grpo_fast.train import lora
 from grpo_fast.train.config import saved_config
 from grpo_fast.train.policy import load_model
 from grpo_fast.train.run.atomic import free_gib
@@ -73,10 +73,7 @@ def export_run(run_dir: str, out_dir: str, adapter: bool = False, log=None) -> s
                                                                                   config.policy.lora_rank))
     model, tokenizer = load_model(config.policy, [], tokenizer, dtype, prompt_format=config.data.prompt_format,
                                   seed=config.run.seed, max_completion_length=config.rollout.max_completion_length)
-    if config.policy.load_in_4bit:          # the adapters' base as trained: its 4-bit weights, dequantized
-        qlora.quantize_base(model, config.policy, dtype)
-    if config.policy.lora_rank:
-        model = lora.add_adapters(model, config.policy)
+    model = lora.adapted(model, config.policy, dtype)      # a 4-bit base as trained: exported dequantized
     checkpoint.restore_model(model, state, folder)
     save_model_folder(model, tokenizer, out_dir, adapter=adapter, step=state["step"],
                       rope_scaling=config.policy.rope_scaling)

@@ -95,11 +95,7 @@ def check_weight_pushes(engine, model, first, prompts, config, result: dict) -> 
 def check_qlora_push(engine, model, prompts, config, result: dict) -> None:
     """LoRA on a 4-bit base (policy.load_in_4bit) pushed to the engine: vLLM gets the dequantized base with the
     adapters merged, and samples with the trainer's log-probs of the 4-bit model."""
-    from grpo_fast.train import qlora
-
-    keys = dict(lora_rank=4, load_in_4bit=True, sft_steps=0)
-    quantized = qlora.quantize_base(model, flat_config(**keys).policy, torch.float32)
-    adapted = lora.add_adapters(quantized, flat_config(**keys).policy)
+    adapted = lora.adapted(model, flat_config(lora_rank=4, load_in_4bit=True, sft_steps=0).policy, torch.float32)
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_B" in name:
