@@ -1,6 +1,7 @@
 """`grpo-fast plan`: parameter counts, the components' behaviour, the CLI, and the plan against measured peaks."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -169,21 +170,25 @@ def test_a_plan_that_does_not_fit_says_what_would_by_its_own_numbers(capsys):
 
 
 @pytest.mark.parametrize("loss", ["grpo_fast", "naive"])
-def test_plan_within_20_percent_of_measured_cpu_peak(loss):
-    """Two policy-update steps of a tiny model (vocabulary 32768, 2048-token completions) in a fresh process: the
-    plan is the peak once gradients and optimizer states exist, i.e. from the second step on."""
+def test_cpu_plan_within_10_percent_of_live_memory(loss):
+    """Two policy-update steps of a tiny model (vocabulary 32768, 2048-token completions) in a fresh process, with
+    glibc's mmap threshold fixed so that freed tensors leave the RSS: the CPU plan (its tensors; no runtime term) is
+    the peak once gradients and optimizer states exist, i.e. from the second step on, within 10%. (Under glibc's
+    default threshold the RSS also holds the blocks the allocator keeps, which no plan counts.)"""
     pytest.importorskip("transformers")
     command = [sys.executable, "-m", "grpo_fast.benchmarks.long_context", "--worker-length", "2048",
                "--worker-loss", loss, "--device", "cpu", "--steps", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"]
     from grpo_fast.benchmarks.long_context import PROMPT
 
     shape = ModelShape(256, 512, 2, 4, 2, 32768, tie_word_embeddings=True, attention_bias=True)
     planned = plan(shape, Job(prompt_length=PROMPT, completion_length=2048, group_size=2, micro_batch_size=1,
-                              dtype="fp32", loss=loss, engine="hf", device="cpu"))["total"]
-    assert 0.8 < planned / measured < 1.2, (planned / GIB, measured / GIB)
+                              dtype="fp32", loss=loss, engine="hf", device="cpu"))
+    assert planned["runtime"] == 0
+    assert 0.9 < planned["total"] / measured < 1.1, (planned["total"] / GIB, measured / GIB)
 
 
 def test_grpo_fast_chunk_is_the_loss_default_budget_of_each_card():

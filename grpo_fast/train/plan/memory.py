@@ -264,7 +264,12 @@ VLLM_ASLEEP = 1 * GIB
 # freed by zero_grad(set_to_none=True); DDP's buckets live for the whole run; FSDP2 gathers layers as they run)
 HELD_BETWEEN_UPDATES = ("weights", "optimizer", "ddp_gradient_buckets", "fsdp2_gathered", "reference_model",
                         "kept_sets", "runtime")
-CPU_WORKSPACE = 112 * 2**20     # allocator and thread-pool working memory of a training step on CPU (measured)
+# What a CPU step holds beyond the tensors counted: nothing to add. With glibc's mmap threshold fixed (freed blocks go
+# back to the system, as in every CPU measurement here: benchmarks/results/cpu/long_context*.md) the tensors alone
+# are 1-16% above the peak RSS of the tiny model and SmolLM2-135M, 1-32k tokens, full training, LoRA and QLoRA.
+# Under glibc's default allocator the process also keeps freed blocks (the threshold rises to 32 MiB): RSS then
+# exceeds the live memory by what the allocator keeps, not counted (docs/long-context-and-planner.md).
+CPU_RUNTIME = 0
 # attention implementations a plan can be for; "auto": what the trainer selects on the job's device
 # (grpo_fast.packed_attention.choose_attention)
 ATTENTIONS = ("auto", "flash_attention_2", "grpo_fast_varlen", "sdpa")
@@ -483,7 +488,7 @@ def plan(shape: ModelShape, job: Job, capacity: Optional[int] = None) -> Estimat
     fp32_sum = 0
     if job.grad_accum_dtype == "fp32" and trainable_bytes == 2 and job.micro_batches_per_step > 1 and job.gpus == 1:
         fp32_sum = trainable * 4
-    runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_WORKSPACE
+    runtime = CUDA_CONTEXT if job.device == "cuda" else CPU_RUNTIME
     # top-k / top-p: each sampled position's kept set (int64 ids and an offset) lives through the whole step
     kept_ids = job.kept_ids_per_token(shape.vocab_size)
     kept_sets = job.prompts_per_rank * job.group_size * job.completion_length * (kept_ids + 1) * 8 if kept_ids else 0
