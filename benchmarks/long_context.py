@@ -19,8 +19,9 @@ reference model with beta > 0), with the trainer's attention (grpo_fast.packed_a
 Memory is the peak RSS above the process's RSS before the model was built (on CUDA the allocator's peak); time is
 the median step. A run the planner predicts past --max-gib is not started. Writes long_context.md / .json and
 memory / time plots to --out (--replan: only recompute the plan's columns of an existing --out/long_context.json
-with the current planner, the measurements as they were; --carry-over LENGTH...: take those lengths' rows from it
-as they were measured, marked so, instead of running them again). Results are named long_context (tiny) or
+with the current planner, for the job its recorded command ran, the measurements as they were; --carry-over
+LENGTH...: take those lengths' rows from it as they were measured, marked so, instead of running them again).
+Results are named long_context (tiny) or
 long_context_<model> (long_context_smollm2 for smollm2-135m-instruct); existing ones are kept unless --overwrite.
 
 --rollout-tokens N (a pretrained model): also one rollout per engine (--engines hf vllm), each in a fresh process
@@ -353,14 +354,15 @@ def rollout_table(rows: list) -> list:
     return lines
 
 
-def write(rows: list, rollout_rows: list, args, out: str, command: str) -> None:
+def write(rows: list, rollout_rows: list, args, out: str, command: str, replanned: bool = False) -> None:
+    """The results (.md, .json, .png) of `command`, run with `args`, in `out`."""
     from grpo_fast.benchmarks.profiling import machine_name
 
     os.makedirs(out, exist_ok=True)
     name, setting = results_name(args), setting_line(args, rows)
     lines = [f"# Long completions on {machine_name(args.device)}", "", setting, ""] + (
         [args.note, ""] if args.note else []) + [
-             f"`{command}`" + (" (planned columns recomputed with `--replan`)" if args.replan else ""), ""]
+             f"`{command}`" + (" (planned columns recomputed with `--replan`)" if replanned else ""), ""]
     lines += update_table(rows)
     for command_before in sorted({row["carried_over"] for row in rows if "carried_over" in row}):
         lines += ["", f"\\* carried over as measured by `{command_before}` (one sequence per micro-batch runs the "
@@ -430,7 +432,8 @@ def main(argv=None) -> int:
                         help="take these lengths' rows from the --out folder's results as measured before")
     parser.add_argument("--note", default=None, help="a line for the table's header (how the machine was)")
     parser.add_argument("--replan", action="store_true",
-                        help="recompute the planned columns of the --out folder's results with the current planner")
+                        help="recompute the planned columns of the --out folder's results (--model, --lora-rank and "
+                             "--load-in-4bit name them) with the current planner, for their recorded command's job")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
     parser.add_argument("--model", default="tiny",
                         help="tiny (random weights, --vocab/--hidden/--layers), smollm2-135m-instruct or a local "
@@ -462,13 +465,13 @@ def main(argv=None) -> int:
         if args.out:
             write(rows, rollout_rows, args, args.out, command)
 
-    if args.replan:
+    if args.replan:       # the plan of the job that was measured: its own command's settings, not this one's
         with open(os.path.join(args.out, f"{results_name(args)}.json")) as f:
             saved = json.load(f)
-        command = saved["command"]
-        rows = saved["rows"]
-        replan(rows, args)
-        save(rows, saved.get("rollouts", []))
+        command, rows = saved["command"], saved["rows"]
+        measured = parser.parse_args(shlex.split(command)[3:])
+        replan(rows, measured)
+        write(rows, saved.get("rollouts", []), measured, args.out, command, replanned=True)
     else:
         rows = run(args, save)
         if args.rollout_tokens:
@@ -493,7 +496,7 @@ def check_arguments(parser, args) -> None:
             if not isinstance(args.rope_scaling, dict):
                 raise ValueError(f"--rope-scaling must be a JSON object, got {args.rope_scaling!r}")
             check_rope_scaling(args.rope_scaling)
-        if args.model != "tiny" and not (args.worker_length or args.worker_engine):
+        if args.model != "tiny" and not (args.worker_length or args.worker_engine or args.replan):
             check_fits(args, PROMPT, max(args.lengths + (args.carry_over or [])))
     except ValueError as error:
         parser.error(str(error))

@@ -42,6 +42,17 @@ def test_smollm2_rows_plan_and_rollout(tmp_path):
     again = run("--model", "smollm2-135m-instruct", "--lengths", "64", "--out", str(tmp_path))
     assert again.returncode == 2 and "exists: pass --overwrite" in again.stderr     # results kept
 
+    # --replan plans the job the recorded command ran (its YaRN scaling, group size, allocator setting), whatever
+    # this command's defaults: the same plan and setting line, the measurements untouched
+    stale = dict(saved, rows=[dict(row, planned_bytes=0) for row in saved["rows"]])
+    (tmp_path / "long_context_smollm2.json").write_text(json.dumps(stale))
+    replanned = run("--replan", "--model", "smollm2-135m-instruct", "--out", str(tmp_path))
+    assert replanned.returncode == 0, replanned.stderr[-3000:]
+    again = json.load(open(tmp_path / "long_context_smollm2.json"))
+    assert again["rows"] == saved["rows"] and again["setting"] == saved["setting"]
+    assert again["command"] == saved["command"] and "recomputed with `--replan`" in (
+        tmp_path / "long_context_smollm2.md").read_text()
+
 
 @pytest.mark.parametrize("args, message", [
     (["--lengths", "16384"], "beyond the model's context of 16384"),          # YaRN 2x of 8192, with the prompt
