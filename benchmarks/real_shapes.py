@@ -22,7 +22,7 @@ Every run gets the same rollout: one 64-token random prompt, --group-size random
 optimizer steps of `grpo_fast.train.update.step.policy_update` (one sequence per micro-batch, gradient checkpointing,
 loss_type dapo, no KL) on CPU.
 
-Measured (glibc's mmap threshold at 1 MiB, see MMAP_THRESHOLD): peak RSS above the process's RSS after every import
+Measured (glibc's mmap threshold at 64 KiB, see MMAP_THRESHOLD): peak RSS above the process's RSS after every import
 (transformers, peft, torchao) and before the model is built; the median step (with torchao the first step includes
 torch.compile of its optimizer step); the loss of each step; and the surrogate loss -sum(A * log p) / tokens of the
 rollout before the steps and after them (one no-grad pass of `completion_logprobs`, no update). On-policy the
@@ -49,10 +49,11 @@ SEED = 0
 CONFIG_FILE = "real_shapes.config.json"
 # glibc's heap keeps freed blocks below its mmap threshold (which grows up to 32 MiB), and RSS counts them: a
 # decoder layer's tensors at 1k tokens are 1-40 MiB, so with the default the peak RSS depended on the order of
-# allocations (LoRA r=16: 3.8 GiB, against 1.4 GiB of live tensors). Workers map every block above 1 MiB, which
+# allocations (LoRA r=16: 3.8 GiB, against 1.4 GiB of live tensors). Workers map every block above 64 KiB, which
 # is returned when freed: the peak RSS then follows the live tensors, what the planner counts (and what a GPU's
-# caching allocator holds).
-MMAP_THRESHOLD = 2**20
+# caching allocator holds). 64 KiB as in every other CPU measurement here (at 1 MiB a bf16 run's sub-MiB tensors,
+# the key / value rows of a 1k-token layer, stayed in the heap: LoRA r=16 read 1.34 GiB against 1.30).
+MMAP_THRESHOLD = 2**16
 
 # Qwen2.5-0.5B's config.json as published (Qwen/Qwen2.5-0.5B). Hugging Face's Qwen2 has biases on q, k and v
 # whatever the config says, and the planner infers them from model_type qwen2, as from the real file.
@@ -262,8 +263,9 @@ def write(rows: list, args, model_name: str, command: str) -> None:
                "weight decay")
     lines = [f"# Real shapes on {machine}", "", setting, "",
              ", ".join(f"{name} {version}" for name, version in versions().items()), "", f"`{command}`", "",
-             "Peak: RSS above the process's after its imports, with glibc's mmap threshold at 1 MiB (freed tensors "
-             "go back to the system, so RSS follows the live tensors). Planned: `grpo-fast plan` for the same job "
+             "Peak: RSS above the process's after its imports, with glibc's mmap threshold at "
+             f"{MMAP_THRESHOLD // 1024} KiB (freed tensors go back to the system, so RSS follows the live "
+             "tensors). Planned: `grpo-fast plan` for the same job "
              "(device cpu). Surrogate: -sum(A log p) / tokens of the rollout before and after the steps (the "
              "trainer's own loss is -sum(A) / tokens on-policy, whatever the weights). A bf16 weight under AdamW "
              "with fp32 master weights changes once its master has moved half a bf16 step (~6e-5 at magnitude "

@@ -575,8 +575,30 @@ def _offloaded_layers(shape: ModelShape, job: Job) -> int:
     tokens = -(-job.micro_batch_sequences * (job.prompt_length + job.completion_length) // job.sequence_parallel)
     if job.gradient_checkpointing:
         return tokens * h * act_bytes
-    return tokens * (SAVED_PER_HIDDEN * h + SAVED_PER_KV * shape.kv_dim
-                     + SAVED_PER_INTERMEDIATE * shape.intermediate_size) * act_bytes
+    return tokens * _layer_saved(shape, job)
+
+
+def _layer_saved(shape: ModelShape, job: Job) -> int:
+    """Bytes one decoder layer saves for backward per token: SAVED_PER_* elements in the activations' dtype, plus
+    adapter_copies."""
+    _, act_bytes = _bytes(job.dtype)
+    return (SAVED_PER_HIDDEN * shape.hidden_size + SAVED_PER_KV * shape.kv_dim
+            + SAVED_PER_INTERMEDIATE * shape.intermediate_size) * act_bytes + adapter_copies(shape, job)
+
+
+def adapter_copies(shape: ModelShape, job: Job) -> int:
+    """Bytes per token that LoRA adds to what one decoder layer saves for backward. With a bf16 base (dtype bf16,
+    QLoRA's compute dtype included) PEFT casts each adapted layer's input to its fp32 adapters' dtype, and lora_A
+    saves that copy (and its rank-r output), seven fp32 copies a layer where q, k and v share one input and gate and
+    up another; the frozen base layers (and bitsandbytes' 4-bit matmul) save no input of their own. fp32 needs no
+    cast; under bf16-autocast lora_A saves autocast's bf16 copy where the trained base layer saved its own: 0."""
+    if not job.lora_rank or job.dtype != "bf16":
+        return 0
+    h = shape.hidden_size
+    adapted_inputs = sum(inputs for inputs, _ in shape.linear_shapes())
+    base_inputs = 2 * h + shape.q_dim + shape.intermediate_size     # q/k/v, o, gate/up and down's inputs
+    outputs = len(shape.linear_shapes()) * job.lora_rank
+    return 4 * (adapted_inputs + outputs) - 2 * base_inputs
 
 
 def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], attention: str) -> dict:
@@ -605,8 +627,7 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
         sp = {"sp_all_to_all": exchanged * act_bytes,
               "sp_completion_states": sequences * job.completion_length * h * act_bytes}
 
-    per_layer = (SAVED_PER_HIDDEN * h + SAVED_PER_KV * shape.kv_dim + SAVED_PER_INTERMEDIATE
-                 * shape.intermediate_size) * act_bytes
+    per_layer = _layer_saved(shape, job)
     around = 4 * h * 4 + h * act_bytes                # embeddings output, final norm (fp32), hidden for the loss
     if job.gradient_checkpointing:
         activations = tokens * (shape.num_layers * h * act_bytes + int(RECOMPUTE_PEAK * per_layer) + around)
@@ -624,7 +645,7 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
     # transient working set and the loss's forward buffers.
     no_grad = 0
     if job.beta > 0 or job.engine == "vllm" or job.max_staleness:      # a rollout process's log-probs: corrected
-        no_grad = tokens * (int(RECOMPUTE_PEAK * per_layer) + around) + _loss_buffers(
+        no_grad = tokens * (int(RECOMPUTE_PEAK * (per_layer - adapter_copies(shape, job))) + around) + _loss_buffers(
             job, shape, completion_tokens, act_bytes, capacity, forward_only=True) + elements * (1 + act_bytes)
     if no_grad:
         no_grad += sum(sp.values())
@@ -755,7 +776,7 @@ def asleep_peaks(estimate: dict, pool: float) -> tuple:
 def least_pool_share(shape: ModelShape, job: Job, capacity: int) -> Optional[float]:
     """The smallest vllm_gpu_memory_utilization, in hundredths, whose pool holds vllm_minimum on a card of
     `capacity` bytes, where the job's share is below it (None otherwise, or when no share below 1 does)."""
-    if job.engine != "vllm" or job.gpu_memory_utilization * capacity >= vllm_minimum(shape, job):
+    if not pool_shortfall(shape, job, capacity):
         return None
     share = math.ceil(vllm_minimum(shape, job) / capacity * 100) / 100
     return share if share < 1 else None
