@@ -16,7 +16,7 @@ import io
 import json
 import shlex
 
-from grpo_fast.cli import main as cli_main
+from grpo_fast.train.plan import command as plan_command
 
 GIB = 2**30
 CARD = "H100 80GB"
@@ -42,9 +42,11 @@ def command(model: str, length: str, options: list) -> list:
 
 def planned(words: list) -> dict:
     """`grpo-fast plan WORDS --json`, read back."""
+    parser = argparse.ArgumentParser(prog="grpo-fast plan")
+    plan_command.add_arguments(parser)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        if cli_main(["plan", *words, "--json"]) != 0:
+        if plan_command.main(parser.parse_args([*words, "--json"])) != 0:
             raise RuntimeError(f"grpo-fast plan {shlex.join(words)} failed")
     return json.loads(out.getvalue())
 
