@@ -69,12 +69,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def torchrun_command(nproc: int) -> list:
+    """`python -m torch.distributed.run` for `nproc` processes on this machine with a standalone rendezvous: its
+    store binds a port the system picks, where a port chosen beforehand (free_port) can be taken by a concurrent
+    test between the choice and the bind."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
 def torchrun_json(module: str, *args: str, nproc: int = 2, timeout: float = 600) -> dict:
     """The JSON of the last line that `python -m module args` prints under torchrun with `nproc` CPU processes
     (one thread each, from the repository root); fails the calling test with the tail of its stderr when it exits
     non-zero."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", module, *args]
+    command = torchrun_command(nproc) + ["-m", module, *args]
     done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from grpo_fast import packed_attention as attention  # noqa: E402
 from grpo_fast.train import distributed  # noqa: E402
 from grpo_fast.train.update.step import Policy, UpdateBatch, accumulate_gradients  # noqa: E402
-from tests.helpers import flat_config, free_port, update_sections  # noqa: E402
+from tests.helpers import flat_config, free_port, torchrun_command, update_sections  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -108,8 +108,7 @@ def test_sequence_parallel_step_equals_one_process(strategy, world_size, sequenc
 
 
 def torchrun(nproc: int, args: list, env=None):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", "grpo_fast.cli", "train"] + args
+    command = torchrun_command(nproc) + ["-m", "grpo_fast.cli", "train"] + args
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
     return done

@@ -23,7 +23,7 @@ from grpo_fast.train.rollout import dynamic_sampling  # noqa: E402
 from grpo_fast.train.rollout.generation import pack, select_rows, unpack  # noqa: E402
 from grpo_fast.train.run.record import StageClock  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import flat_config, free_port  # noqa: E402
+from tests.helpers import flat_config, torchrun_command  # noqa: E402
 
 GENERATION_FIELDS = ("input_ids", "attention_mask", "completion_ids", "completion_mask", "truncated", "sampling_logps",
                      "kept_ids", "kept_offsets")
@@ -307,11 +307,10 @@ def test_two_processes_run_their_rounds_in_lockstep(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     out = tmp_path / "two"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "grpo_fast.cli", "train", "--sft-steps", "20", "--max-steps", "2",
-               "--group-size", "4", "--prompts-per-step", "4", "--log-completions", "0", "--eval-every", "0",
-               "--dynamic-sampling", "true", "--steps-per-generation", "2", "--distributed", "fsdp2", "--output-dir",
-               str(out)]
+    command = torchrun_command(2) + [
+        "-m", "grpo_fast.cli", "train", "--sft-steps", "20", "--max-steps", "2", "--group-size", "4",
+        "--prompts-per-step", "4", "--log-completions", "0", "--eval-every", "0", "--dynamic-sampling", "true",
+        "--steps-per-generation", "2", "--distributed", "fsdp2", "--output-dir", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
