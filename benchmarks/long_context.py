@@ -43,6 +43,7 @@ import torch
 
 GIB = 2**30
 PROMPT = 32
+COMMAND = "python -m grpo_fast.benchmarks.long_context"     # how results record the command that made them
 
 
 def job_for(args, length: int, loss: str):
@@ -459,7 +460,7 @@ def main(argv=None) -> int:
     if args.worker_engine:
         print(json.dumps(rollout_worker(args)))
         return 0
-    command = "python -m grpo_fast.benchmarks.long_context " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = f"{COMMAND} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     def save(rows: list, rollout_rows: list) -> None:     # after each row: a later failure keeps what was measured
         if args.out:
@@ -469,7 +470,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, f"{results_name(args)}.json")) as f:
             saved = json.load(f)
         command, rows = saved["command"], saved["rows"]
-        measured = parser.parse_args(shlex.split(command)[3:])
+        measured = parser.parse_args(shlex.split(command.removeprefix(COMMAND)))
         replan(rows, measured)
         write(rows, saved.get("rollouts", []), measured, args.out, command, replanned=True)
     else:

@@ -17,6 +17,7 @@ import json
 import shlex
 
 from grpo_fast.train.plan import command as plan_command
+from grpo_fast.train.plan.memory import CARDS, Job, least_pool_share, load_shape
 
 GIB = 2**30
 CARD = "H100 80GB"
@@ -25,6 +26,7 @@ LENGTHS = {"16k": 16384, "32k": 32768, "64k": 65536, "128k": 130560}     # 128k:
 YARN = {"qwen2.5-7b": '{"rope_type": "yarn", "factor": 4}',
         "qwen3-8b": '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}'}
 CONTEXT = {"qwen2.5-7b": 32768, "qwen3-8b": 40960}
+NAMES = {"qwen2.5-7b": "Qwen2.5-7B", "qwen3-8b": "Qwen3-8B"}
 MODES = {"full": [], "full bf16": ["--dtype", "bf16"], "LoRA": ["--lora-rank", "64"]}
 GPUS = {"1 GPU": [], **{f"8 GPUs, N {n}": ["--gpus", "8", "--distributed", "fsdp2", "--sequence-parallel", str(n)]
                         for n in (1, 4, 8)}}
@@ -99,13 +101,7 @@ def one_card(commands: list) -> list:
 
 def least_share(result: dict):
     """The vLLM share the planner's advice names for the card, or None where the pool already holds its minimum."""
-    from grpo_fast.train.plan.memory import CARDS, Job, least_pool_share, load_shape
-
-    job = Job(**result["job"])
-    return least_pool_share(load_shape(result["model"]), job, CARDS[CARD])
-
-
-NAMES = {"qwen2.5-7b": "Qwen2.5-7B", "qwen3-8b": "Qwen3-8B"}
+    return least_pool_share(load_shape(result["model"]), Job(**result["job"]), CARDS[CARD])
 
 
 def main(argv=None) -> int:

@@ -575,15 +575,15 @@ def _offloaded_layers(shape: ModelShape, job: Job) -> int:
     tokens = -(-job.micro_batch_sequences * (job.prompt_length + job.completion_length) // job.sequence_parallel)
     if job.gradient_checkpointing:
         return tokens * h * act_bytes
-    return tokens * _layer_saved(shape, job)
+    return tokens * (_layer_saved(shape, job) + adapter_copies(shape, job))
 
 
 def _layer_saved(shape: ModelShape, job: Job) -> int:
-    """Bytes one decoder layer saves for backward per token: SAVED_PER_* elements in the activations' dtype, plus
-    adapter_copies."""
+    """Bytes one decoder layer of the model saves for backward per token (SAVED_PER_* elements in the activations'
+    dtype), LoRA's adapter_copies aside; also the measure of a no-grad pass's transient working set."""
     _, act_bytes = _bytes(job.dtype)
     return (SAVED_PER_HIDDEN * shape.hidden_size + SAVED_PER_KV * shape.kv_dim
-            + SAVED_PER_INTERMEDIATE * shape.intermediate_size) * act_bytes + adapter_copies(shape, job)
+            + SAVED_PER_INTERMEDIATE * shape.intermediate_size) * act_bytes
 
 
 def adapter_copies(shape: ModelShape, job: Job) -> int:
@@ -627,7 +627,8 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
         sp = {"sp_all_to_all": exchanged * act_bytes,
               "sp_completion_states": sequences * job.completion_length * h * act_bytes}
 
-    per_layer = _layer_saved(shape, job)
+    layer = _layer_saved(shape, job)
+    per_layer = layer + adapter_copies(shape, job)        # what a training forward saves: the adapters' copies too
     around = 4 * h * 4 + h * act_bytes                # embeddings output, final norm (fp32), hidden for the loss
     if job.gradient_checkpointing:
         activations = tokens * (shape.num_layers * h * act_bytes + int(RECOMPUTE_PEAK * per_layer) + around)
@@ -645,7 +646,7 @@ def _micro_batch_peak(shape: ModelShape, job: Job, capacity: Optional[int], atte
     # transient working set and the loss's forward buffers.
     no_grad = 0
     if job.beta > 0 or job.engine == "vllm" or job.max_staleness:      # a rollout process's log-probs: corrected
-        no_grad = tokens * (int(RECOMPUTE_PEAK * (per_layer - adapter_copies(shape, job))) + around) + _loss_buffers(
+        no_grad = tokens * (int(RECOMPUTE_PEAK * layer) + around) + _loss_buffers(
             job, shape, completion_tokens, act_bytes, capacity, forward_only=True) + elements * (1 + act_bytes)
     if no_grad:
         no_grad += sum(sp.values())
