@@ -467,7 +467,11 @@ def main(argv=None) -> int:
             write(rows, rollout_rows, args, args.out, command)
 
     if args.replan:       # the plan of the job that was measured: its own command's settings, not this one's
-        with open(os.path.join(args.out, f"{results_name(args)}.json")) as f:
+        path = os.path.join(args.out, f"{results_name(args)}.json")
+        if not os.path.isfile(path):
+            parser.error(f"--replan needs results to replan: {path} does not exist (--out, --model, --lora-rank and "
+                         "--load-in-4bit name them)")
+        with open(path) as f:
             saved = json.load(f)
         command, rows = saved["command"], saved["rows"]
         measured = parser.parse_args(shlex.split(command.removeprefix(COMMAND)))

@@ -66,6 +66,11 @@ def test_refused_before_measuring(tmp_path, args, message):
     assert not os.listdir(tmp_path)
 
 
+def test_replan_without_results_names_the_file(tmp_path):
+    done = run("--replan", "--out", str(tmp_path))
+    assert done.returncode == 2 and f"{tmp_path / 'long_context.json'} does not exist" in done.stderr
+
+
 def test_rope_scaling_needs_a_pretrained_model(tmp_path):
     done = run("--rope-scaling", YARN, "--lengths", "64", "--out", str(tmp_path))
     assert done.returncode == 2 and "need a pretrained --model" in done.stderr
